@@ -1,0 +1,337 @@
+"""DeepSeek-V4 attention configuration: HF ``config.json`` parsing, validation and presets.
+
+Only the keys the attention layer needs are modelled. Every invalid value raises
+:class:`ConfigError` with a message that names the field and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency blend (applies to compressed layers only, see dsv4-attention.md §4)."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class DSV4Config:
+    """Everything one DSV4 attention layer needs to know about the model.
+
+    Field names follow the HF ``config.json`` keys. ``simulate_quant`` and
+    ``multi_stream_token_threshold`` are runtime options of this package, not model keys.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_nextn_predict_layers: int = 1
+    num_key_value_heads: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: YarnScaling | None = field(default_factory=YarnScaling)
+    max_position_embeddings: int = 1048576
+    vocab_size: int = 129280
+    fp8_weights: bool = True
+    """True when the checkpoint stores wq_a, wkv, wq_b, wo_a, wo_b, indexer.wq_b as fp8 e4m3
+    with ue8m0 128x128 block scales (``quantization_config`` present)."""
+    weight_block_size: tuple[int, int] = (128, 128)
+    simulate_quant: bool = True
+    """Run the official FP8 (kv nope) and Hadamard+FP4 (indexer) quantisation simulations."""
+    multi_stream_token_threshold: int = 1024
+    """Input-GEMM stream overlap is enabled only for calls with at most this many tokens."""
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.o_groups
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def index_weight_scale(self) -> float:
+        return self.index_head_dim**-0.5 * self.index_n_heads**-0.5
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def compress_ratio(self, layer_id: int) -> int:
+        """The compress ratio of a layer: 0 (SWA-only), 4 or 128. MTP layers are SWA-only."""
+        if not 0 <= layer_id < self.num_layers_with_mtp:
+            raise ConfigError(
+                f"layer_id {layer_id} is out of range: the model has {self.num_hidden_layers} "
+                f"layers plus {self.num_nextn_predict_layers} MTP layer(s)"
+            )
+        if layer_id >= self.num_hidden_layers:
+            return 0
+        return self.compress_ratios[layer_id]
+
+    def layer_of_ratio(self, ratio: int) -> int:
+        """The first layer id with the given compress ratio (used by demos and tests)."""
+        for i in range(self.num_hidden_layers):
+            if self.compress_ratios[i] == ratio:
+                return i
+        raise ConfigError(f"compress_ratios has no layer with ratio {ratio}")
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # noqa: C901 - a flat list of rules reads best
+        def need(cond: bool, name: str, rule: str) -> None:
+            if not cond:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {rule}")
+
+        for name in (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
+            "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                 name, "must be a positive integer")
+        need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        need(self.num_key_value_heads == 1, "num_key_value_heads",
+             "DeepSeek-V4 attention is MQA: must be 1")
+        need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even (RoPE pairs)")
+        need(self.qk_rope_head_dim < self.head_dim, "qk_rope_head_dim",
+             f"must be smaller than head_dim={self.head_dim}")
+        need(self.qk_rope_head_dim <= self.index_head_dim, "qk_rope_head_dim",
+             f"must be <= index_head_dim={self.index_head_dim} (the indexer q/k carry RoPE)")
+        need(self.nope_head_dim % 64 == 0, "head_dim",
+             f"head_dim - qk_rope_head_dim = {self.nope_head_dim} must be a multiple of 64 "
+             "(FP8 block-64 simulation of the nope dims)")
+        need(self.index_head_dim % 32 == 0 and (self.index_head_dim & (self.index_head_dim - 1)) == 0,
+             "index_head_dim", "must be a power of two and a multiple of 32 "
+             "(Hadamard rotation, FP4 block-32 simulation)")
+        need(self.num_attention_heads % self.o_groups == 0, "o_groups",
+             f"must divide num_attention_heads={self.num_attention_heads}")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        need(self.rope_theta > 0, "rope_theta", "must be > 0")
+        need(self.compress_rope_theta > 0, "compress_rope_theta", "must be > 0")
+        need(self.multi_stream_token_threshold >= 0, "multi_stream_token_threshold", "must be >= 0")
+        need(len(self.compress_ratios) >= self.num_hidden_layers, "compress_ratios",
+             f"needs at least num_hidden_layers={self.num_hidden_layers} entries "
+             f"(one per layer, plus one per MTP layer), got {len(self.compress_ratios)}")
+        bad = [r for r in self.compress_ratios if r not in (0, 4, 128)]
+        need(not bad, "compress_ratios", f"entries must be 0, 4 or 128, got {sorted(set(bad))}")
+        if self.rope_scaling is not None:
+            y = self.rope_scaling
+            if not (y.factor >= 1 and y.original_max_position_embeddings > 0
+                    and y.beta_fast > y.beta_slow > 0):
+                raise ConfigError(
+                    f"rope_scaling={y!r}: needs factor >= 1, original_max_position_embeddings > 0 "
+                    "and beta_fast > beta_slow > 0"
+                )
+        if self.fp8_weights:
+            bn, bk = self.weight_block_size
+            need(self.weight_block_size == (128, 128), "weight_block_size",
+                 "only 128x128 fp8 block scales are supported")
+            need(self.q_lora_rank % bn == 0, "q_lora_rank",
+                 f"must be a multiple of the fp8 block size {bn} so that the fused wq_a|wkv "
+                 "block scale is the row-concatenation of the two scales")
+            need(self.head_dim % bn == 0, "head_dim",
+                 f"must be a multiple of the fp8 block size {bn} (wkv is a shard of fused_wqa_wkv)")
+            need(self.o_lora_rank % bn == 0, "o_lora_rank",
+                 f"must be a multiple of the fp8 block size {bn} (wo_a groups own whole scale rows)")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], **overrides: Any) -> DSV4Config:
+        """Build from an HF ``config.json`` dict of DeepSeek-V4 (unknown keys are ignored)."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        required = (
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+            "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
+            "compress_ratios", "index_n_heads", "index_head_dim", "index_topk",
+        )
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"config is missing required key(s) {missing} (DeepSeek-V4 HF names)")
+        kw: dict[str, Any] = {k: d[k] for k in required}
+        kw["compress_ratios"] = tuple(int(r) for r in d["compress_ratios"])
+        for k in ("num_nextn_predict_layers", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                  "compress_rope_theta", "max_position_embeddings", "vocab_size"):
+            if k in d and d[k] is not None:
+                kw[k] = d[k]
+        kw["rope_scaling"] = _parse_rope_scaling(d.get("rope_scaling"))
+        kw.update(_parse_quantization(d.get("quantization_config")))
+        for k in ("simulate_quant", "multi_stream_token_threshold"):
+            if k in d:
+                kw[k] = d[k]
+        kw.update(overrides)
+        n_needed = int(kw["num_hidden_layers"]) + int(kw.get("num_nextn_predict_layers", 1))
+        if len(kw["compress_ratios"]) < n_needed:
+            raise ConfigError(
+                f"compress_ratios has {len(kw['compress_ratios'])} entries; needs at least "
+                f"num_hidden_layers + num_nextn_predict_layers = {n_needed}"
+            )
+        return cls(**kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides: Any) -> DSV4Config:
+        """Read a ``config.json`` file, or the ``config.json`` inside a checkpoint folder."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config.json at {p}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        return cls.from_dict(d, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """HF-style dict; ``from_dict(to_dict())`` round-trips."""
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("rope_scaling", "fp8_weights", "weight_block_size"):
+                continue
+            v = getattr(self, f.name)
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+        if self.rope_scaling is not None:
+            y = self.rope_scaling
+            d["rope_scaling"] = {
+                "type": "yarn", "factor": y.factor,
+                "original_max_position_embeddings": y.original_max_position_embeddings,
+                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+            }
+        if self.fp8_weights:
+            d["quantization_config"] = {
+                "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                "weight_block_size": list(self.weight_block_size), "activation_scheme": "dynamic",
+            }
+        return d
+
+    def replace(self, **changes: Any) -> DSV4Config:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> DSV4Config:
+        """``flash``, ``pro`` or ``tiny`` (small dims, all three layer types, window 16)."""
+        if name not in _PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; valid presets: {sorted(_PRESETS)}")
+        return cls.from_dict(_PRESETS[name])
+
+
+def _parse_rope_scaling(rs: Any) -> YarnScaling | None:
+    if rs is None:
+        return None
+    if not isinstance(rs, Mapping):
+        raise ConfigError(f"rope_scaling={rs!r}: must be a mapping or null")
+    kind = rs.get("type", rs.get("rope_type", "yarn"))
+    if kind != "yarn":
+        raise ConfigError(f"rope_scaling.type={kind!r}: DeepSeek-V4 uses 'yarn'")
+    orig = rs.get("original_max_position_embeddings", rs.get("original_seq_len"))
+    if orig is None:
+        # The official loader silently disables YaRN without this key; we refuse instead.
+        raise ConfigError("rope_scaling.original_max_position_embeddings is missing "
+                          "(without it YaRN would be silently disabled)")
+    return YarnScaling(
+        factor=float(rs.get("factor", 16.0)),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(rs.get("beta_fast", 32.0)),
+        beta_slow=float(rs.get("beta_slow", 1.0)),
+    )
+
+
+def _parse_quantization(q: Any) -> dict[str, Any]:
+    if q is None:
+        return {"fp8_weights": False}
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"quantization_config={q!r}: must be a mapping or null")
+    method = q.get("quant_method", "fp8")
+    if method != "fp8":
+        raise ConfigError(f"quantization_config.quant_method={method!r}: only 'fp8' is supported")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config.fmt={fmt!r}: only 'e4m3' is supported")
+    scale_fmt = q.get("scale_fmt", "ue8m0")
+    if scale_fmt != "ue8m0":
+        raise ConfigError(f"quantization_config.scale_fmt={scale_fmt!r}: only 'ue8m0' is supported")
+    block = tuple(int(b) for b in q.get("weight_block_size", (128, 128)))
+    if len(block) != 2:
+        raise ConfigError(f"quantization_config.weight_block_size={block}: needs two entries")
+    return {"fp8_weights": True, "weight_block_size": block}
+
+
+_FLASH: dict[str, Any] = {
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "vocab_size": 129280,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                            "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+}
+_PRO: dict[str, Any] = {
+    **_FLASH, "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "q_lora_rank": 1536, "o_groups": 16, "index_topk": 1024,
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+}
+# Small enough for a 2-core CPU, but keeps every layer type: a window of 16, top-k 8 out of the
+# ratio-4 entries and ratio-128 entries once a sequence passes 128 tokens.
+_TINY: dict[str, Any] = {
+    **_FLASH, "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "head_dim": 128, "q_lora_rank": 128, "o_lora_rank": 128, "o_groups": 2,
+    "sliding_window": 16, "compress_ratios": [0, 4, 128, 0], "index_n_heads": 4,
+    "index_head_dim": 128, "index_topk": 8, "max_position_embeddings": 4096, "vocab_size": 128,
+}
+_PRESETS = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def yarn_ramp_bounds(dim: int, base: float, y: YarnScaling) -> tuple[float, float]:
+    """(low, high) of the YaRN ramp over the rotary pair index (dsv4-attention.md §4)."""
+
+    def corr(rot: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (rot * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low = max(0.0, math.floor(corr(y.beta_fast)))
+    high = min(dim - 1.0, math.ceil(corr(y.beta_slow)))
+    if low == high:
+        high += 0.001
+    return low, high
