@@ -1,0 +1,431 @@
+"""``DeepseekV4Attention``: the platform-neutral DeepSeek-V4 attention layer.
+
+The forward is a short sequence of named steps (dsv4-attention.md §8.3). The steps a platform may
+replace are listed in :attr:`DeepseekV4Attention.OVERRIDE_POINTS`; each one's docstring says what a
+platform may change and what it must keep. Shared code never asks which platform it runs on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dsv4.config import DSV4Config
+from dsv4.layers.cache import AttentionCache
+from dsv4.layers.compressor import Compressor
+from dsv4.layers.indexer import Indexer
+from dsv4.layers.linear import Linear, MergedLinear
+from dsv4.layers.mqa import sparse_mqa_with_sink
+from dsv4.layers.norm import RMSNorm, rms_normalize
+from dsv4.layers.quant_sim import fp8_block_sim
+from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.parallel import execute_in_parallel
+from dsv4.weights import load_layer_weights, official_weight_specs
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+class AttentionInputError(ValueError):
+    """A forward call's inputs are invalid; nothing was computed and no cache was touched."""
+
+
+@dataclass
+class _Segment:
+    """The tokens of one sequence inside a call: x[begin:end] continues ``cache`` at its length."""
+
+    cache: AttentionCache
+    begin: int
+    end: int
+
+    @property
+    def start_pos(self) -> int:
+        return self.cache.length
+
+    @property
+    def end_pos(self) -> int:
+        return self.cache.length + self.end - self.begin
+
+
+class DeepseekV4Attention(nn.Module):
+    """One DSV4 attention layer (SWA-only, C4A with indexer, or C128A), any device and dtype."""
+
+    OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = (
+        "_run_parallel_input_projections",
+        "_fused_wqa_wkv_gemm",
+        "_compressor_kv_score_gemm",
+        "_indexer_kv_score_gemm",
+        "_indexer_weights_gemm",
+        "_fused_compressor_score_gemm",
+        "forward_mqa",
+        "_o_proj",
+    )
+    platform_name: ClassVar[str] = "reference"
+
+    # ------------------------------------------------------------------ construction
+    def __init__(self, cfg: DSV4Config, layer_id: int, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16, offloader: Any = None,
+                 aux_streams: Sequence[Any] | None = None) -> None:
+        super().__init__()
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={dtype}: supported dtypes are {list(SUPPORTED_DTYPES)}")
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.compress_ratio = cfg.compress_ratio(layer_id)
+        self.dtype = dtype
+        self.acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        f32 = self.acc_dtype
+        dev = torch.device(device)
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.window = cfg.sliding_window
+        self.offloader = offloader
+
+        fp8 = cfg.fp8_weights
+        h = cfg.hidden_size
+        self.fused_wqa_wkv = MergedLinear(h, [cfg.q_lora_rank, cfg.head_dim], fp8=fp8,
+                                          dtype=dtype, device=dev)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, device=dev)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=dev)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fp8=fp8, dtype=dtype,
+                           device=dev)
+        group_in = cfg.heads_per_group * self.head_dim
+        self.wo_a = Linear(group_in, cfg.o_groups * cfg.o_lora_rank, fp8=fp8, dtype=dtype,
+                           device=dev)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, h, fp8=fp8, dtype=dtype, device=dev)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=f32, device=dev),
+                                      requires_grad=False)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.compress_ratio:
+            self.compressor = Compressor(cfg, dim=self.head_dim, ratio=self.compress_ratio,
+                                         for_indexer=False, dtype=dtype, f32_dtype=f32,
+                                         device=dev)
+        if self.compress_ratio == 4:
+            self.indexer = Indexer(cfg, dtype=dtype, f32_dtype=f32, device=dev)
+        self.rotary = RotaryEmbedding.for_layer(cfg, self.compress_ratio, dev)
+
+        # Post-load compressor GEMM fusion state (seed-features.md B.2): a non-persistent buffer,
+        # so it never reaches state_dict(), and the split sizes.
+        self.register_buffer("_fused_compressor_weight", None, persistent=False)
+        self._fused_compressor_split_sizes: tuple[int, int] | None = None
+
+        # Streams are shared by all layers of a model; events belong to the layer (created once,
+        # never per call, so CUDA-graph capture sees stable fork/join edges).
+        self.aux_streams = list(aux_streams) if aux_streams is not None else None
+        self._events: list[Any] = []
+        if self.aux_streams is not None:
+            self._events = [torch.cuda.Event() for _ in range(4)]
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.dsv4_name = f"layers.{layer_id}.attn.{name}.weight"
+
+    @classmethod
+    def build(cls, cfg: DSV4Config, layer_id: int, platform: str = "reference",
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+              **kwargs: Any) -> DeepseekV4Attention:
+        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)."""
+        from dsv4.platforms import get_platform
+
+        plat = get_platform(platform, device=device)
+        return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.attn_sink.device
+
+    # ------------------------------------------------------------------ weights
+    def official_weight_names(self) -> list[str]:
+        """Checkpoint names (relative to the layer) this layer loads."""
+        return [s.name for s in official_weight_specs(self)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load official checkpoint tensors (names relative to the layer, e.g. ``wq_a.weight``).
+
+        Everything is validated first (unknown, duplicate, missing, mis-shaped, mis-typed and
+        non-finite tensors are errors naming the tensor); nothing is assigned unless all pass.
+        """
+        load_layer_weights(self, weights)
+
+    def new_cache(self, max_seq_len: int = 4096) -> AttentionCache:
+        if not 0 < max_seq_len <= self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} must be in 1 .. max_position_embeddings"
+                             f"={self.cfg.max_position_embeddings}")
+        return AttentionCache.allocate(
+            layer_id=self.layer_id, compress_ratio=self.compress_ratio, max_seq_len=max_seq_len,
+            head_dim=self.head_dim, index_head_dim=self.cfg.index_head_dim, dtype=self.dtype,
+            acc_dtype=self.acc_dtype, device=self.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: AttentionCache | Sequence[AttentionCache],
+                seq_lens: Sequence[int] | None = None) -> torch.Tensor:
+        """Prefill, a prefill chunk, or decode of one or several sequences.
+
+        x: [T, hidden] in the layer dtype; positions: [T] ascending from each cache's length.
+        ``cache`` is one cache, or one cache per sequence with ``seq_lens`` giving how many
+        consecutive tokens of x belong to each (default: one token each, a decode batch).
+        """
+        segments = self._plan_call(x, positions, cache, seq_lens)
+        pos = positions.to(device=x.device, dtype=torch.long)
+        qr_kv, kv_score, idx_kv_score, idx_weights = self._run_parallel_input_projections(x)
+        qr, kv = self._latent_norms(qr_kv)
+        q = self._query_heads(qr, pos)
+        kv = self._kv_rows(kv, pos)
+        idx_q = None
+        if self.indexer is not None:
+            idx_q = self.indexer.query(qr, pos, self.rotary, self.acc_dtype,
+                                       self.cfg.simulate_quant)
+        o = torch.empty_like(q)
+        for seg in segments:
+            sl = slice(seg.begin, seg.end)
+            self._write_cache(seg, kv[sl], _rows(kv_score, sl), _rows(idx_kv_score, sl))
+            selection = self._select_compressed(seg, pos[sl], _rows(idx_q, sl),
+                                                _rows(idx_weights, sl))
+            o[sl] = self.forward_mqa(q[sl], pos[sl], seg.cache, selection)
+        for seg in segments:  # commit last: a failure above leaves every cache as it was
+            seg.cache.length = seg.end_pos
+        return self._o_proj(o, pos)
+
+    # ---- override points ---------------------------------------------------------------
+    def _run_parallel_input_projections(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The four input GEMMs that read x: returns (qr_kv, kv_score, indexer_kv_score,
+        indexer_weights), absent ones as None.
+
+        May change: where and how the GEMMs run (streams, fusion, kernels). Must keep: qr_kv comes
+        from :meth:`_fused_wqa_wkv_gemm` (never the module directly: a platform's weights may be
+        in a private layout), scores are fp32 (acc dtype), the tuple order, and the upstream
+        stream plan: fused_wqa_wkv on the current stream, aux 0..2 = compressor score, indexer
+        weights, indexer compressor score, overlap only for T <= multi_stream_token_threshold.
+        """
+        fused = self._fused_compressor_weight is not None
+        aux: list[Any] = [None, None, None]
+        if fused:
+            aux[0] = lambda: self._fused_compressor_score_gemm(x)
+        elif self.compressor is not None:
+            aux[0] = lambda: self._compressor_kv_score_gemm(x)
+        if self.indexer is not None:
+            aux[1] = lambda: self._indexer_weights_gemm(x)
+            if not fused:
+                aux[2] = lambda: self._indexer_kv_score_gemm(x)
+        threshold = self.cfg.multi_stream_token_threshold
+        enable = self.aux_streams is not None and 0 < x.shape[0] <= threshold
+        qr_kv, (score, idx_weights, idx_kv_score) = execute_in_parallel(
+            lambda: self._fused_wqa_wkv_gemm(x), aux,
+            self._events[0] if self._events else None, self._events[1:4], self.aux_streams,
+            enable)
+        if fused:
+            if self.indexer is None:
+                raise RuntimeError(f"layer {self.layer_id}: a fused compressor weight requires a "
+                                   "C4 indexer")
+            assert self._fused_compressor_split_sizes is not None
+            n_main, n_idx = self._fused_compressor_split_sizes
+            score, idx_kv_score = score[:, :n_main], score[:, n_main:n_main + n_idx]
+        return qr_kv, score, idx_kv_score, idx_weights
+
+    def _fused_wqa_wkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """qr_kv = x @ [wq_a | wkv]^T, [T, q_lora_rank + head_dim] in the layer dtype.
+
+        The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821). May change: the
+        kernel and the weight layout (e.g. preshuffled fp8 with activation quantisation). Must
+        keep: shape, dtype and the [qr | kv] column order; fall back to this method via super().
+        """
+        return self.fused_wqa_wkv(x)
+
+    def _compressor_kv_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Main compressor projection [T, 2 * coff * head_dim] with fp32 (acc dtype) output.
+
+        May change: the kernel (e.g. bf16 x bf16 with fp32 out). Must keep: fp32 output, the
+        [kv | score] column order (``wkv`` rows then ``wgate`` rows)."""
+        assert self.compressor is not None
+        return self.compressor.fused_wkv_wgate.forward_fp32(x, self.acc_dtype)
+
+    def _indexer_kv_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Indexer compressor projection [T, 4 * index_head_dim], fp32 (acc dtype) output.
+
+        Same contract as :meth:`_compressor_kv_score_gemm`."""
+        assert self.indexer is not None
+        return self.indexer.compressor.fused_wkv_wgate.forward_fp32(x, self.acc_dtype)
+
+    def _indexer_weights_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """Indexer head weights x @ weights_proj^T, [T, index_n_heads] in the layer dtype.
+
+        Unscaled: the index_head_dim^-1/2 * index_n_heads^-1/2 factor is applied when scoring."""
+        assert self.indexer is not None
+        return self.indexer.weights_proj(x)
+
+    def _fused_compressor_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """One GEMM over the fused [main | indexer] compressor weight, fp32 (acc dtype) output,
+        [T, N_main + N_idx] (seed-features.md B.4). May change: the kernel. Must keep: one GEMM,
+        fp32 output, column order main then indexer."""
+        w = self._fused_compressor_weight
+        assert w is not None
+        return torch.nn.functional.linear(x.to(self.acc_dtype), w.to(self.acc_dtype))
+
+    def forward_mqa(self, q: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                    selection: torch.Tensor | None) -> torch.Tensor:
+        """Sparse MQA with the attention sink for one sequence's queries; o [T, heads, d].
+
+        ``cache`` already holds this call's window rows and compressed entries (not yet
+        committed: rows up to positions[-1] are valid). ``selection`` [T, k] indexes
+        ``cache.compressed`` (-1 pads) or is None for SWA-only layers. May change: the kernel and
+        cache format. Must keep: V = K, the window rule, the sink in the denominator only, fp32
+        softmax and accumulation."""
+        return sparse_mqa_with_sink(q, positions, cache.kv, self.window, cache.compressed,
+                                    selection, self.attn_sink, self.cfg.softmax_scale,
+                                    self.acc_dtype)
+
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
+
+        May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``). Must keep: the
+        g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and [T, hidden] output."""
+        o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
+        return self.wo_b(self._wo_a_grouped(o))
+
+    # ---- fixed steps --------------------------------------------------------------------
+    def _wo_a_grouped(self, o: torch.Tensor) -> torch.Tensor:
+        g, r_o = self.cfg.o_groups, self.cfg.o_lora_rank
+        w = self.wo_a.dequantized_weight(o.dtype).view(g, r_o, -1)
+        z = torch.einsum("tgc,grc->tgr", o.reshape(o.shape[0], g, -1), w)
+        return z.flatten(1)
+
+    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_r = self.cfg.q_lora_rank
+        qr = self.q_norm(qr_kv[:, :q_r], acc_dtype=self.acc_dtype)
+        kv = self.kv_norm(qr_kv[:, q_r:], acc_dtype=self.acc_dtype)
+        return qr, kv
+
+    def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rms_normalize(q, self.cfg.rms_norm_eps, self.acc_dtype)  # per head, no weight
+        return self.rotary.rotate(q, pos, self.acc_dtype).to(self.dtype)
+
+    def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv = self.rotary.rotate(kv, pos, self.acc_dtype)
+        if self.cfg.simulate_quant:
+            nope = self.head_dim - self.rope_dim
+            kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
+        return kv
+
+    def _write_cache(self, seg: _Segment, kv: torch.Tensor, kv_score: torch.Tensor | None,
+                     idx_kv_score: torch.Tensor | None) -> None:
+        """Window rows, raw compressor rows and every entry completed by this segment."""
+        c = seg.cache
+        start, end = seg.start_pos, seg.end_pos
+        c.kv[start:end] = kv
+        sim = self.cfg.simulate_quant
+        if self.compressor is not None:
+            assert kv_score is not None and c.raw is not None and c.compressed is not None
+            self.compressor.write_raw_rows(kv_score, start, c.raw)
+            r = self.compress_ratio
+            j0, j1 = start // r, end // r
+            if j1 > j0:
+                c.compressed[j0:j1] = self.compressor.compress(c.raw, j0, j1, self.rotary,
+                                                               self.dtype, sim)
+        if self.indexer is not None:
+            assert idx_kv_score is not None and c.idx_raw is not None and c.idx_keys is not None
+            comp = self.indexer.compressor
+            comp.write_raw_rows(idx_kv_score, start, c.idx_raw)
+            j0, j1 = start // 4, end // 4
+            if j1 > j0:
+                c.idx_keys[j0:j1] = comp.compress(c.idx_raw, j0, j1, self.rotary, self.dtype, sim)
+
+    def _select_compressed(self, seg: _Segment, pos: torch.Tensor, idx_q: torch.Tensor | None,
+                           idx_weights: torch.Tensor | None) -> torch.Tensor | None:
+        """Compressed entries each query attends to: the indexer's top-k (ratio 4) or every
+        visible entry (ratio 128), -1 padded; None for SWA-only layers."""
+        r = self.compress_ratio
+        if r == 0:
+            return None
+        n = seg.end_pos // r
+        if self.indexer is not None:
+            assert idx_q is not None and idx_weights is not None
+            assert seg.cache.idx_keys is not None
+            return self.indexer.select(idx_q, idx_weights, seg.cache.idx_keys[:n], pos,
+                                       self.acc_dtype)
+        j = torch.arange(n, device=pos.device)
+        visible = j[None, :] < ((pos + 1) // r)[:, None]
+        return torch.where(visible, j[None, :], -1)
+
+    # ---- validation ---------------------------------------------------------------------
+    def _plan_call(self, x: Any, positions: Any, cache: Any,
+                   seq_lens: Sequence[int] | None) -> list[_Segment]:
+        """Validate a forward call completely before anything is computed or written."""
+        if not isinstance(x, torch.Tensor):
+            raise AttentionInputError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.shape[0] == 0:
+            raise AttentionInputError(
+                f"x has shape {tuple(x.shape)}; expected [T, hidden_size={self.cfg.hidden_size}] "
+                "with T >= 1")
+        if x.dtype != self.dtype:
+            raise AttentionInputError(f"x has dtype {x.dtype}; this layer runs in {self.dtype}")
+        if x.device != self.device:
+            raise AttentionInputError(f"x is on {x.device}; this layer is on {self.device}")
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+            raise AttentionInputError("positions must be a 1-D integer tensor [T]")
+        if positions.dtype not in (torch.int64, torch.int32):
+            raise AttentionInputError(f"positions has dtype {positions.dtype}; expected int64")
+        t = x.shape[0]
+        if positions.shape[0] != t:
+            raise AttentionInputError(f"positions has {positions.shape[0]} entries for T={t} "
+                                      "tokens")
+        caches = [cache] if isinstance(cache, AttentionCache) else list(cache)
+        if isinstance(cache, AttentionCache):
+            lens = [t] if seq_lens is None else list(seq_lens)
+        else:
+            lens = [1] * len(caches) if seq_lens is None else list(seq_lens)
+        if len(lens) != len(caches) or any(n <= 0 for n in lens) or sum(lens) != t:
+            raise AttentionInputError(f"seq_lens={lens} must give a positive token count for each "
+                                      f"of the {len(caches)} cache(s) and sum to T={t}")
+        if len({id(c) for c in caches}) != len(caches):
+            raise AttentionInputError("the same cache appears twice in one call")
+        pos_host = positions.detach().to("cpu", torch.long)
+        segments = []
+        begin = 0
+        for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
+            self._check_cache(c, i)
+            expect = torch.arange(c.length, c.length + n)
+            got = pos_host[begin:begin + n]
+            if not torch.equal(got, expect):
+                raise AttentionInputError(
+                    f"positions of sequence {i} are {_short(got)} but its cache holds {c.length} "
+                    f"tokens: they must continue it as {_short(expect)}")
+            if c.length + n > c.max_seq_len:
+                raise AttentionInputError(
+                    f"sequence {i}: {c.length} cached + {n} new tokens exceed the cache's "
+                    f"max_seq_len={c.max_seq_len}")
+            segments.append(_Segment(c, begin, begin + n))
+            begin += n
+        return segments
+
+    def _check_cache(self, c: Any, i: int) -> None:
+        if not isinstance(c, AttentionCache):
+            raise AttentionInputError(f"cache {i} is a {type(c).__name__}, not an AttentionCache "
+                                      "(use layer.new_cache())")
+        if c.layer_id != self.layer_id or c.compress_ratio != self.compress_ratio:
+            raise AttentionInputError(f"cache {i} belongs to layer {c.layer_id} (ratio "
+                                      f"{c.compress_ratio}), not to layer {self.layer_id}")
+        if c.dtype != self.dtype or c.device != self.device:
+            raise AttentionInputError(f"cache {i} is {c.dtype} on {c.device}; the layer is "
+                                      f"{self.dtype} on {self.device}")
+
+    def extra_repr(self) -> str:
+        return (f"layer_id={self.layer_id}, compress_ratio={self.compress_ratio}, "
+                f"platform={self.platform_name!r}, dtype={self.dtype}")
+
+
+def _rows(t: torch.Tensor | None, sl: slice) -> Any:
+    return None if t is None else t[sl]
+
+
+def _short(t: torch.Tensor) -> str:
+    v = t.tolist()
+    return str(v) if len(v) <= 6 else f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)} tokens)"
+

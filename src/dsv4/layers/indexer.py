@@ -1,0 +1,69 @@
+"""The lightning indexer of ratio-4 layers: scores compressed entries, picks the top-k per query.
+
+q_I comes from the normalised q latent (``indexer.wq_b``), head weights from x
+(``indexer.weights_proj``, scaled by index_head_dim^-1/2 * index_n_heads^-1/2), keys from the
+indexer's own ratio-4 compressor. score[t, j] = sum_h w[t, h] * relu(<q_I[t, h], K[j]>) over the
+visible entries j < (p + 1) // 4 (dsv4-attention.md §5.7).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.config import DSV4Config
+from dsv4.layers.compressor import Compressor
+from dsv4.layers.linear import Linear
+from dsv4.layers.quant_sim import indexer_quant_sim
+from dsv4.layers.rotary import RotaryEmbedding
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: DSV4Config, *, dtype: torch.dtype, f32_dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.weight_scale = cfg.index_weight_scale
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fp8=cfg.fp8_weights,
+                           dtype=dtype, device=device)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, fp8=False, dtype=dtype,
+                                   device=device)
+        self.compressor = Compressor(cfg, dim=self.head_dim, ratio=4, for_indexer=True,
+                                     dtype=dtype, f32_dtype=f32_dtype, device=device)
+
+    def query(self, qr: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+              acc_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
+        """q_I [T, n_heads, head_dim]: wq_b of the normalised latent, RoPE, (Hadamard + FP4)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rotary.rotate(q, positions, acc_dtype)
+        if simulate_quant:
+            q = indexer_quant_sim(q)
+        return q
+
+    def select(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+        """Top-k entry indices [T, index_topk] per query, padded with -1.
+
+        ``head_weights`` is the raw ``weights_proj`` output [T, n_heads]; ``keys`` holds every
+        entry that exists after this chunk [n, head_dim]; entry j is visible to position p iff
+        j < (p + 1) // 4, and a query takes min(index_topk, visible) entries.
+        """
+        t = q.shape[0]
+        out = torch.full((t, self.topk), -1, dtype=torch.long, device=q.device)
+        n = keys.shape[0]
+        if n == 0:
+            return out
+        w = head_weights.to(acc_dtype) * self.weight_scale
+        logits = torch.einsum("thd,nd->thn", q.to(acc_dtype), keys.to(acc_dtype)).relu_()
+        scores = torch.einsum("thn,th->tn", logits, w)
+        visible = (positions + 1) // 4
+        invisible = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
+        scores = scores.masked_fill(invisible, float("-inf"))
+        k = min(self.topk, n)
+        # A stable descending sort breaks exact ties (common: relu zeroes every head) towards the
+        # lower entry index, so prefill, chunked prefill and decode select the same set.
+        values, idx = scores.sort(dim=-1, descending=True, stable=True)
+        out[:, :k] = idx[:, :k].masked_fill(values[:, :k] == float("-inf"), -1)
+        return out

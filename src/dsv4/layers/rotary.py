@@ -1,0 +1,83 @@
+"""GPT-J (interleaved) rotary embedding on the last ``rope_dim`` dims, with the DSV4 per-layer rule.
+
+* ratio-0 layers: base ``rope_theta``, no YaRN;
+* compressed layers: base ``compress_rope_theta`` with the YaRN frequency blend, unconditionally.
+
+Angles are built as upstream does: frequencies in float64 rounded to float32, angle =
+float32(position) * float32(frequency) in float32. cos/sin are evaluated in the compute dtype
+(fp32, or fp64 of the same fp32 angle when the layer runs in float64), so a float64 evaluation and
+the bf16 path rotate by the same angles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dsv4.config import DSV4Config, YarnScaling, yarn_ramp_bounds
+
+
+def rope_inv_freq(rope_dim: int, base: float, yarn: YarnScaling | None) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32), with the YaRN blend when ``yarn`` is given."""
+    i = torch.arange(rope_dim // 2, dtype=torch.float64)
+    freq = base ** (-2.0 * i / rope_dim)
+    if yarn is not None:
+        low, high = yarn_ramp_bounds(rope_dim, base, yarn)
+        ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
+        freq = freq / yarn.factor * ramp + freq * (1.0 - ramp)
+    return freq.to(torch.float32)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope_dim: int, base: float, yarn: YarnScaling | None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim={rope_dim} must be even")
+        self.rope_dim = rope_dim
+        self.base = base
+        self.yarn = yarn
+        self.register_buffer("inv_freq", rope_inv_freq(rope_dim, base, yarn).to(device),
+                             persistent=False)
+
+    @classmethod
+    def for_layer(cls, cfg: DSV4Config, compress_ratio: int,
+                  device: torch.device | str | None = None) -> RotaryEmbedding:
+        if compress_ratio == 0:
+            return cls(cfg.qk_rope_head_dim, cfg.rope_theta, None, device)
+        return cls(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling, device)
+
+    def cos_sin(self, positions: torch.Tensor,
+                acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [*positions.shape, rope_dim // 2] in ``acc_dtype``."""
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+        angle = angle.to(acc_dtype)
+        return torch.cos(angle), torch.sin(angle)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, acc_dtype: torch.dtype,
+               inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` dims of ``x`` [T, ..., d] at ``positions`` [T].
+
+        Returns a new tensor of x's dtype; the rotation itself runs in ``acc_dtype``.
+        """
+        cos, sin = self.cos_sin(positions, acc_dtype)
+        for _ in range(x.dim() - 2):
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if inverse:
+            sin = -sin
+        d = x.shape[-1]
+        rope = x[..., d - self.rope_dim:].to(acc_dtype).unflatten(-1, (self.rope_dim // 2, 2))
+        a, b = rope[..., 0], rope[..., 1]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        return torch.cat((x[..., : d - self.rope_dim], rotated.to(x.dtype)), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rope_dim={self.rope_dim}, base={self.base}, yarn={self.yarn is not None}"
+
+
+def attention_softmax_scale(head_dim: int) -> float:
+    """d^-1/2 with no YaRN mscale correction (differs from DeepSeek-V3)."""
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,26 @@
+"""Platform registry.
+
+A platform names its attention subclass and its ordered list of post-load weight passes, and
+says whether it can run on this machine. Shared code never branches on the platform: it asks the
+registry for the class and runs the passes in order.
+"""
+
+from dsv4.platforms.registry import (
+    Platform,
+    PlatformUnavailableError,
+    UnknownPlatformError,
+    available,
+    get_platform,
+    platform_names,
+    register_platform,
+)
+
+__all__ = [
+    "Platform",
+    "PlatformUnavailableError",
+    "UnknownPlatformError",
+    "available",
+    "get_platform",
+    "platform_names",
+    "register_platform",
+]

@@ -1,0 +1,96 @@
+"""The typed platform registry with lazy creation (see ``dsv4.platforms``)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dsv4.attention import DeepseekV4Attention
+
+
+class UnknownPlatformError(ValueError):
+    """No platform of that name is registered."""
+
+
+class PlatformUnavailableError(RuntimeError):
+    """The platform exists but cannot run here (the message says why)."""
+
+
+@dataclass
+class Platform:
+    name: str
+    description: str
+    attention_path: str
+    """``module:Class`` of the attention subclass, imported on first use."""
+    pass_names: tuple[str, ...] = ()
+    """Post-load weight passes, in the order they run (see ``dsv4.passes``)."""
+    requirement: Callable[[torch.device | None], str | None] = field(
+        default=lambda device: None)
+    """Returns None when the platform can run (on ``device``, if given), else the reason."""
+
+    def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:
+        return self.requirement(None if device is None else torch.device(device))
+
+    @property
+    def attention_cls(self) -> type[DeepseekV4Attention]:
+        module, cls = self.attention_path.split(":")
+        return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+    def build_attention(self, cfg: Any, layer_id: int, **kwargs: Any) -> DeepseekV4Attention:
+        return self.attention_cls(cfg, layer_id, **kwargs)
+
+
+_REGISTRY: dict[str, Platform] = {}
+
+
+def register_platform(platform: Platform) -> Platform:
+    if platform.name in _REGISTRY:
+        raise ValueError(f"platform {platform.name!r} is already registered")
+    _REGISTRY[platform.name] = platform
+    return platform
+
+
+def platform_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def available(device: torch.device | str | None = None) -> list[str]:
+    """Names of the platforms that can run on this machine (or on ``device``)."""
+    return [n for n, p in _REGISTRY.items() if p.unavailable_reason(device) is None]
+
+
+def get_platform(name: str, device: torch.device | str | None = None) -> Platform:
+    """The platform ``name``; errors list the valid names, or say why it cannot run here."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        lines = []
+        for n, p in _REGISTRY.items():
+            why = p.unavailable_reason(device)
+            lines.append(f"{n}" + ("" if why is None else f" (unavailable: {why})"))
+        raise UnknownPlatformError(f"unknown platform {name!r}; valid platforms: "
+                                   + ", ".join(lines))
+    plat = _REGISTRY[name]
+    why = plat.unavailable_reason(device)
+    if why is not None:
+        raise PlatformUnavailableError(f"platform {name!r} is unavailable: {why}; available here: "
+                                       f"{available(device)}")
+    return plat
+
+
+def _needs_cuda(device: torch.device | None) -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available on this machine"
+    if device is not None and device.type != "cuda":
+        return f"it runs on CUDA devices, not {device}"
+    return None
+
+
+register_platform(Platform(
+    name="reference",
+    description="pure PyTorch on any device; the numerical oracle",
+    attention_path="dsv4.attention:DeepseekV4Attention",
+))
