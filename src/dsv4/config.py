@@ -313,7 +313,7 @@ _PRO: dict[str, Any] = {
 _TINY: dict[str, Any] = {
     **_FLASH, "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
     "head_dim": 128, "q_lora_rank": 128, "o_lora_rank": 128, "o_groups": 2,
-    "sliding_window": 16, "compress_ratios": [0, 4, 128, 0], "index_n_heads": 4,
+    "sliding_window": 16, "compress_ratios": [0, 4, 128, 0], "index_n_heads": 8,
     "index_head_dim": 128, "index_topk": 8, "max_position_embeddings": 4096, "vocab_size": 128,
 }
 _PRESETS = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}

@@ -157,3 +157,17 @@ def assign_layer_weights(pairs: list[tuple[WeightSpec, torch.Tensor]]) -> None:
 def load_layer_weights(layer: DeepseekV4Attention,
                        weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     assign_layer_weights(validate_layer_weights(layer, weights))
+
+
+def export_official_weights(layer: DeepseekV4Attention) -> dict[str, torch.Tensor]:
+    """The layer's weights under official names, canonical layout (never a platform layout),
+    as fresh CPU tensors in the checkpoint dtypes."""
+    from dsv4.layers.weight_layout import canonical
+
+    out: dict[str, torch.Tensor] = {}
+    for spec in official_weight_specs(layer):
+        value = canonical(spec.param.detach())
+        if spec.rows is not None:
+            value = value[spec.rows]
+        out[spec.name] = value.to(device="cpu", dtype=spec.dtypes[0]).contiguous().clone()
+    return out
