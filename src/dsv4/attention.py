@@ -204,7 +204,7 @@ class DeepseekV4Attention(nn.Module):
         stream plan: fused_wqa_wkv on the current stream, aux 0..2 = compressor score, indexer
         weights, indexer compressor score, overlap only for T <= multi_stream_token_threshold.
         """
-        fused = self._fused_compressor_weight is not None
+        fused = isinstance(self._fused_compressor_weight, torch.Tensor)
         aux: list[Any] = [None, None, None]
         if fused:
             aux[0] = lambda: self._fused_compressor_score_gemm(x)
@@ -265,7 +265,7 @@ class DeepseekV4Attention(nn.Module):
         [T, N_main + N_idx] (seed-features.md B.4). May change: the kernel. Must keep: one GEMM,
         fp32 output, column order main then indexer."""
         w = self._fused_compressor_weight
-        assert w is not None
+        assert isinstance(w, torch.Tensor)
         return torch.nn.functional.linear(x.to(self.acc_dtype), w.to(self.acc_dtype))
 
     def forward_mqa(self, q: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,

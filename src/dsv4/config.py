@@ -134,9 +134,10 @@ class DSV4Config:
         need(self.nope_head_dim % 64 == 0, "head_dim",
              f"head_dim - qk_rope_head_dim = {self.nope_head_dim} must be a multiple of 64 "
              "(FP8 block-64 simulation of the nope dims)")
-        need(self.index_head_dim % 32 == 0 and (self.index_head_dim & (self.index_head_dim - 1)) == 0,
-             "index_head_dim", "must be a power of two and a multiple of 32 "
-             "(Hadamard rotation, FP4 block-32 simulation)")
+        pow2 = (self.index_head_dim & (self.index_head_dim - 1)) == 0
+        need(self.index_head_dim % 32 == 0 and pow2, "index_head_dim",
+             "must be a power of two and a multiple of 32 (Hadamard rotation, FP4 block-32 "
+             "simulation)")
         need(self.num_attention_heads % self.o_groups == 0, "o_groups",
              f"must divide num_attention_heads={self.num_attention_heads}")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
@@ -164,9 +165,11 @@ class DSV4Config:
                  f"must be a multiple of the fp8 block size {bn} so that the fused wq_a|wkv "
                  "block scale is the row-concatenation of the two scales")
             need(self.head_dim % bn == 0, "head_dim",
-                 f"must be a multiple of the fp8 block size {bn} (wkv is a shard of fused_wqa_wkv)")
+                 f"must be a multiple of the fp8 block size {bn} (wkv is a shard of "
+                 "fused_wqa_wkv)")
             need(self.o_lora_rank % bn == 0, "o_lora_rank",
-                 f"must be a multiple of the fp8 block size {bn} (wo_a groups own whole scale rows)")
+                 f"must be a multiple of the fp8 block size {bn} (wo_a groups own whole scale "
+                 "rows)")
 
     # ------------------------------------------------------------------ construction
     @classmethod

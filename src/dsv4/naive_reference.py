@@ -223,10 +223,18 @@ def compressed_entries(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, 
 
 
 def naive_attention_forward(cfg: DSV4Config, layer_id: int, weights: Mapping[str, torch.Tensor],
-                            x: torch.Tensor) -> torch.Tensor:
+                            x: torch.Tensor, forced_selection: torch.Tensor | None = None,
+                            index_scores_out: dict[int, torch.Tensor] | None = None,
+                            ) -> torch.Tensor:
     """One DSV4 attention layer on x [T, hidden_size] float64 at positions 0..T-1 -> [T, hidden].
 
     ``weights`` uses the official checkpoint names relative to the layer (§3.1).
+
+    Ratio-4 layers only: ``forced_selection`` [T, k] (-1 pads) replaces the indexer's top-k, so a
+    lower-precision run that picked differently at a near tie can still be evaluated exactly;
+    ``index_scores_out`` receives, per query position, the float64 scores of its visible
+    entries. Top-k
+    ties go to the lower entry index.
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -277,7 +285,15 @@ def naive_attention_forward(cfg: DSV4Config, layer_id: int, weights: Mapping[str
         elif ratio == 4 and visible > 0:
             dots = torch.relu(q_idx[p] @ k_idx[:visible].T)  # [n_i, visible]
             score = (head_w[p][:, None] * dots).sum(dim=0)
-            chosen = torch.topk(score, min(cfg.index_topk, visible)).indices
+            if index_scores_out is not None:
+                index_scores_out[p] = score
+            if forced_selection is not None:
+                chosen = forced_selection[p][forced_selection[p] >= 0].to(torch.long)
+                if bool((chosen >= visible).any()):
+                    raise ValueError(f"forced_selection[{p}] names an entry that is not visible")
+            else:
+                order = torch.sort(score, descending=True, stable=True).indices
+                chosen = order[:min(cfg.index_topk, visible)]
             keys.append(comp[chosen])
         k = torch.cat(keys)  # [S, d], V = K
         logits = cfg.softmax_scale * (q[p] @ k.T)  # [n_h, S]

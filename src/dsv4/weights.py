@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear, MergedLinear
 from dsv4.layers.weight_layout import get_layout
 
@@ -82,10 +83,12 @@ def official_weight_specs(layer: DeepseekV4Attention) -> list[WeightSpec]:
     specs += _linear_specs("", ["wo_a"], layer.wo_a, "wo_a.")
     specs += _linear_specs("", ["wo_b"], layer.wo_b, "wo_b.")
     specs.append(_whole("attn_sink", layer.attn_sink, "attn_sink", f32))
-    for prefix, comp in (("compressor.", layer.compressor),
-                         ("indexer.compressor.", layer.indexer and layer.indexer.compressor)):
-        if comp is None:
-            continue
+    compressors: list[tuple[str, Compressor]] = []
+    if layer.compressor is not None:
+        compressors.append(("compressor.", layer.compressor))
+    if layer.indexer is not None:
+        compressors.append(("indexer.compressor.", layer.indexer.compressor))
+    for prefix, comp in compressors:
         specs += _linear_specs(prefix, ["wkv", "wgate"], comp.fused_wkv_wgate,
                                f"{prefix}fused_wkv_wgate.")
         specs += [_whole(f"{prefix}ape", comp.ape, f"{prefix}ape", f32),

@@ -32,6 +32,8 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.is_fp8 = fp8
+        self.dsv4_name = "weight"
+        """Full name used in errors (set by the owning layer)."""
         wdtype = torch.float8_e4m3fn if fp8 else dtype
         self.weight = frozen(torch.empty(out_features, in_features, dtype=wdtype, device=device))
         if fp8:
@@ -59,7 +61,7 @@ class Linear(nn.Module):
         return F.linear(x.to(acc_dtype), self.dequantized_weight(acc_dtype))
 
     def _qualname(self) -> str:
-        return getattr(self, "dsv4_name", type(self).__name__ + ".weight")
+        return self.dsv4_name
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.is_fp8}"

@@ -1,0 +1,5 @@
+import sys
+
+from dsv4.cli import main
+
+sys.exit(main())

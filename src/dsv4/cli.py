@@ -1,0 +1,50 @@
+"""The ``dsv4`` command (also ``python -m dsv4``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dsv4.demo import format_demo, run_demo
+
+    t0 = time.perf_counter()
+    rows = run_demo(tokens=args.tokens, chunk=args.chunk, seed=args.seed,
+                    checkpoint=args.checkpoint)
+    print(format_demo(rows, args.tokens))
+    worst64 = max(r.err_f64 for r in rows)
+    worst16 = max(r.err_bf16 for r in rows)
+    ok = worst64 <= 1e-10 and worst16 <= 1e-2
+    print(f"\nworst error: float64 {worst64:.2e} (bound 1e-10), bf16 {worst16:.2e} (bound 1e-2) "
+          f"-> {'OK' if ok else 'FAIL'}; {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log info lines")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="every layer type: prefill, chunked prefill and decode "
+                       "against a float64 evaluation")
+    d.add_argument("--tokens", type=int, default=300)
+    d.add_argument("--chunk", type=int, default=37)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--checkpoint", type=Path, default=None,
+                   help="a checkpoint folder (config.json + safetensors) instead of random weights")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

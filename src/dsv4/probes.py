@@ -1,0 +1,56 @@
+"""Observe a layer's forward without changing it: spies on override points.
+
+Used by the demo, ``dsv4 verify`` and the tests (a forward provably passes through every override
+point; the compressed selection each query received can be replayed in a float64 evaluation).
+Spies are instance attributes that call the bound method they shadow, removed on exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.attention import DeepseekV4Attention
+
+
+@contextmanager
+def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
+                ) -> Iterator[dict[str, list[tuple[tuple[Any, ...], Any]]]]:
+    """Record (args, result) of every call to the named methods of ``layer``."""
+    calls: dict[str, list[tuple[tuple[Any, ...], Any]]] = {n: [] for n in names}
+    for name in names:
+        bound = getattr(layer, name)
+
+        def spy(*args: Any, _bound: Any = bound, _name: str = name, **kw: Any) -> Any:
+            result = _bound(*args, **kw)
+            calls[_name].append((args, result))
+            return result
+
+        setattr(layer, name, spy)
+    try:
+        yield calls
+    finally:
+        for name in names:
+            layer.__dict__.pop(name, None)
+
+
+@contextmanager
+def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor | None]]:
+    """Collect the compressed selection ``forward_mqa`` receives, call by call."""
+    seen: list[torch.Tensor | None] = []
+    with spy_methods(layer, ["forward_mqa"]) as calls:
+        yield seen
+        seen.extend(args[3] for args, _ in calls["forward_mqa"])
+
+
+def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One [T, k] tensor (-1 padded to the widest call) from per-call selections."""
+    if not seen or seen[0] is None:
+        return None
+    parts = [s for s in seen if s is not None]
+    width = max(s.shape[1] for s in parts)
+    return torch.cat([F.pad(s, (0, width - s.shape[1]), value=-1) for s in parts])

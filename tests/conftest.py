@@ -1,0 +1,60 @@
+"""Shared fixtures: the tiny preset, loaded layers, fresh random inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from dsv4 import DeepseekV4Attention, DSV4Config
+from dsv4.random_weights import random_layer_weights
+
+RATIOS = (0, 4, 128)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny() -> DSV4Config:
+    return DSV4Config.preset("tiny")
+
+
+@pytest.fixture
+def tiny_exact() -> DSV4Config:
+    """Tiny preset with the quantisation simulations off (what float64 comparisons use)."""
+    return DSV4Config.preset("tiny").replace(simulate_quant=False)
+
+
+LayerFactory = Callable[..., DeepseekV4Attention]
+
+
+@pytest.fixture
+def make_layer() -> LayerFactory:
+    def make(cfg: DSV4Config, ratio: int, dtype: torch.dtype = torch.bfloat16,
+             platform: str = "reference", seed: int = 0, **kw: object) -> DeepseekV4Attention:
+        layer_id = cfg.layer_of_ratio(ratio)
+        layer = DeepseekV4Attention.build(cfg, layer_id, platform=platform, dtype=dtype, **kw)
+        layer.load_weights(random_layer_weights(cfg, layer_id, seed).items())
+        return layer
+
+    return make
+
+
+def random_x(t: int, hidden: int, seed: int | None = None) -> torch.Tensor:
+    """Fresh random activations, exactly representable in bf16 (so every dtype sees the same x)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    x = torch.randn(t, hidden, generator=g, dtype=torch.float64)
+    return x.to(torch.bfloat16).to(torch.float64)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    return float((a64 - b64).norm() / b64.norm())
