@@ -23,6 +23,8 @@ from dsv4.layers.mqa import sparse_mqa_with_sink
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.layers.weight_layout import WeightLayout, canonical, set_layout
+from dsv4.offload import BaseOffloader, resolve_offloader
 from dsv4.parallel import execute_in_parallel
 from dsv4.weights import load_layer_weights, official_weight_specs
 
@@ -83,7 +85,9 @@ class DeepseekV4Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.window = cfg.sliding_window
-        self.offloader = offloader
+        self.offloader: BaseOffloader = resolve_offloader(offloader)
+        self._offload_done = False
+        self._weight_layouts: dict[str, WeightLayout] = {}
 
         fp8 = cfg.fp8_weights
         h = cfg.hidden_size
@@ -123,6 +127,9 @@ class DeepseekV4Attention(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.dsv4_name = f"layers.{layer_id}.attn.{name}.weight"
+        self._register_state_dict_hook(_canonical_state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._stored_layout_pre_hook)
+        self.register_load_state_dict_post_hook(_after_load_state_dict)
 
     @classmethod
     def build(cls, cfg: DSV4Config, layer_id: int, platform: str = "reference",
@@ -133,6 +140,11 @@ class DeepseekV4Attention(nn.Module):
 
         plat = get_platform(platform, device=device)
         return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
+
+    @staticmethod
+    def shared_build_kwargs(device: torch.device | str) -> dict[str, Any]:
+        """Resources one model's layers share (platforms override: e.g. CUDA aux streams)."""
+        return {}
 
     @property
     def device(self) -> torch.device:
@@ -150,6 +162,7 @@ class DeepseekV4Attention(nn.Module):
         non-finite tensors are errors naming the tensor); nothing is assigned unless all pass.
         """
         load_layer_weights(self, weights)
+        self._after_weights_changed()
 
     def new_cache(self, max_seq_len: int = 4096) -> AttentionCache:
         if not 0 < max_seq_len <= self.cfg.max_position_embeddings:
@@ -159,6 +172,71 @@ class DeepseekV4Attention(nn.Module):
             layer_id=self.layer_id, compress_ratio=self.compress_ratio, max_seq_len=max_seq_len,
             head_dim=self.head_dim, index_head_dim=self.cfg.index_head_dim, dtype=self.dtype,
             acc_dtype=self.acc_dtype, device=self.device)
+
+    # ------------------------------------------------------------------ post-load state
+    def default_passes(self) -> tuple[str, ...]:
+        """This platform's post-load passes, in order."""
+        from dsv4.platforms.registry import platform_spec
+
+        return platform_spec(self.platform_name).pass_names
+
+    def prepare_compressor_gemm_fusion(self) -> bool:
+        """Upstream's entry point: run the compressor fusion pass on this layer; True if fused."""
+        from dsv4.passes.compressor_fusion import CompressorFusionPass
+
+        plan = CompressorFusionPass().plan(self)
+        if callable(plan):
+            plan()
+            return True
+        return False
+
+    def fused_compressor_params(self) -> list[nn.Parameter]:
+        """The two parameters that view the fused compressor buffer (C4 layers)."""
+        assert self.compressor is not None and self.indexer is not None
+        return [self.compressor.fused_wkv_wgate.weight,
+                self.indexer.compressor.fused_wkv_wgate.weight]
+
+    def _set_weight_layout(self, param_name: str, layout: WeightLayout) -> None:
+        """Record that a parameter is stored in a platform layout (kept across re-wrapping)."""
+        self._weight_layouts[param_name] = layout
+        set_layout(self.get_parameter(param_name), layout)
+
+    def _finish_post_load(self) -> None:
+        """Hand the final weights to the offloader, once."""
+        if not self._offload_done and not self.offloader.is_noop:
+            self.offloader.post_init(self)
+        self._offload_done = True
+
+    @torch.no_grad()
+    def _after_weights_changed(self) -> None:
+        """Restore every invariant that a rebinding of parameters may have broken: layout tags
+        on the current Parameter objects, the fused compressor buffer aliasing both parameters,
+        and state derived from weights (platforms extend this)."""
+        for name, layout in self._weight_layouts.items():
+            set_layout(self.get_parameter(name), layout)
+        fused = self._fused_compressor_weight
+        if isinstance(fused, torch.Tensor):
+            main, idx = self.fused_compressor_params()
+            aliased = (main.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                       == idx.untyped_storage().data_ptr())
+            if not aliased:
+                from dsv4.passes.compressor_fusion import fuse_compressor_weights
+
+                fuse_compressor_weights(self)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DeepseekV4Attention:
+        # A device move converts parameters and the fused buffer separately: re-alias after.
+        super()._apply(fn, recurse)
+        self._after_weights_changed()
+        return self
+
+    def _stored_layout_pre_hook(self, state_dict: dict[str, Any], prefix: str, *args: Any
+                                ) -> None:
+        """load_state_dict takes canonical values: convert them into the stored layouts."""
+        for name, layout in self._weight_layouts.items():
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = layout.from_canonical(state_dict[key])
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -419,6 +497,20 @@ class DeepseekV4Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_id={self.layer_id}, compress_ratio={self.compress_ratio}, "
                 f"platform={self.platform_name!r}, dtype={self.dtype}")
+
+
+def _canonical_state_dict_hook(module: DeepseekV4Attention, state_dict: dict[str, Any],
+                               prefix: str, local_metadata: Any) -> None:
+    """state_dict() never leaks a platform layout: tagged weights are returned canonical."""
+    for name in module._weight_layouts:
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = canonical(state_dict[key].detach())
+
+
+def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
+    assert isinstance(module, DeepseekV4Attention)
+    module._after_weights_changed()
 
 
 def _rows(t: torch.Tensor | None, sl: slice) -> Any:

@@ -118,10 +118,12 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
 def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
                     platform: str = "reference", device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, process: bool = True,
-                    cfg: DSV4Config | None = None, **build_kwargs: Any) -> AttentionStack:
+                    cfg: DSV4Config | None = None, passes: Sequence[str] | None = None,
+                    **build_kwargs: Any) -> AttentionStack:
     """Build and load the attention layers ``layers`` (default: all) of a checkpoint folder.
 
-    With ``process`` the platform's post-load weight passes run afterwards. Any error (config,
+    Each layer is built, loaded and (with ``process``) run through the platform's post-load
+    passes (or ``passes``) and its offloader before the next is read. Any error (config,
     missing or corrupt shard, bad tensor) is raised before a layer is returned.
     """
     folder = Path(folder)
@@ -135,20 +137,22 @@ def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
     for i in ids:
         cfg.compress_ratio(i)  # range check with a clear message
     tensors = read_layer_tensors(folder, cfg, ids)
+    from dsv4.passes import process_weights_after_loading
+    from dsv4.platforms import get_platform
+
+    shared = get_platform(platform, device).attention_cls.shared_build_kwargs(device)
     built: dict[int, DeepseekV4Attention] = {}
-    for i in ids:
+    for i in ids:  # one layer at a time: load, post-load passes, offload, next
         layer = DeepseekV4Attention.build(cfg, i, platform=platform, device=device, dtype=dtype,
-                                          **build_kwargs)
+                                          **{**shared, **build_kwargs})
         try:
-            layer.load_weights(tensors[i].items())
+            layer.load_weights(tensors.pop(i).items())
         except WeightLoadError as e:
             raise CheckpointError(f"{folder}: {e}") from e
+        if process:
+            process_weights_after_loading(layer, passes=passes)
         built[i] = layer
     stack = AttentionStack(cfg, built)
-    if process:
-        from dsv4.passes import process_weights_after_loading
-
-        process_weights_after_loading(stack)
     log.info("loaded %d attention layer(s) from %s for platform %s", len(built), folder, platform)
     return stack
 

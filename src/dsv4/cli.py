@@ -24,6 +24,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from dsv4.verify import run_verify
+
+    ok, report = run_verify(args.platform or None, args.device, args.tokens, args.seed)
+    print(report)
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log info lines")
@@ -36,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--checkpoint", type=Path, default=None,
                    help="a checkpoint folder (config.json + safetensors) instead of random weights")
     d.set_defaults(func=_cmd_demo)
+    v = sub.add_parser("verify", help="conformance of every platform against reference, and the "
+                       "override contract; exits non-zero on any failure")
+    v.add_argument("--platform", action="append", help="platform(s) to check (default: all "
+                   "available here)")
+    v.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    v.add_argument("--tokens", type=int, default=300)
+    v.add_argument("--seed", type=int, default=0)
+    v.set_defaults(func=_cmd_verify)
     return p
 
 

@@ -54,3 +54,25 @@ def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
     parts = [s for s in seen if s is not None]
     width = max(s.shape[1] for s in parts)
     return torch.cat([F.pad(s, (0, width - s.shape[1]), value=-1) for s in parts])
+
+
+@contextmanager
+def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | None]
+                     ) -> Iterator[None]:
+    """Make ``layer`` attend to previously recorded compressed selections, call by call, instead
+    of its own indexer's (the indexer still runs, so caches fill as usual). Used to compare two
+    platforms whose indexers may break near ties differently."""
+    queue = list(recorded)
+    original = layer._select_compressed
+
+    def replay(*args: Any, **kw: Any) -> torch.Tensor | None:
+        original(*args, **kw)
+        if not queue:
+            raise RuntimeError("replay_selection: more calls than recorded selections")
+        return queue.pop(0)
+
+    layer._select_compressed = replay  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        layer.__dict__.pop("_select_compressed", None)

@@ -1,14 +1,37 @@
-"""``process_weights_after_loading``: run each layer's platform passes in order (placeholder
-until the pass objects land: no pass is registered yet, so the report is empty)."""
+"""``process_weights_after_loading``: run each layer's platform passes in their declared order.
+
+Order: compressor fusion -> full input-projection fusion -> preshuffle (fusions touch bf16
+compressor weights, preshuffle the fp8 ``fused_wqa_wkv`` / ``wo_b``; fusion runs first as
+upstream's hook does). Each pass is planned over every layer before any layer is changed, so a
+pass that fails leaves the whole module as it was. After the passes, each layer's offloader takes
+its final weights (``post_init``).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from dsv4.passes.base import Skip, WeightPass
+from dsv4.passes.compressor_fusion import CompressorFusionPass
+from dsv4.passes.preshuffle import PreshufflePass
+
 log = logging.getLogger(__name__)
+
+PASSES: dict[str, WeightPass] = {
+    "compressor_fusion": CompressorFusionPass(),
+    "preshuffle": PreshufflePass(),
+}
+ORDER: tuple[str, ...] = ("compressor_fusion", "fuse_input_projections", "preshuffle")
+
+
+def register_pass(p: WeightPass) -> None:
+    if p.name not in ORDER:
+        raise ValueError(f"pass {p.name!r} has no place in the pass order {ORDER}")
+    PASSES[p.name] = p
 
 
 @dataclass
@@ -18,6 +41,57 @@ class PassReport:
     changed: dict[str, list[int]] = field(default_factory=dict)
     skipped: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
+    def summary(self) -> str:
+        lines = []
+        for name in ORDER:
+            if name in self.changed or name in self.skipped:
+                lines.append(f"{name}: changed layers {self.changed.get(name, [])}, skipped "
+                             f"{len(self.skipped.get(name, []))}")
+        return "; ".join(lines) if lines else "no pass ran"
 
-def process_weights_after_loading(module: nn.Module) -> PassReport:
-    return PassReport()
+
+def _attention_layers(module: nn.Module) -> list:
+    from dsv4.attention import DeepseekV4Attention
+
+    if isinstance(module, DeepseekV4Attention):
+        return [module]
+    return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]
+
+
+def process_weights_after_loading(module: nn.Module,
+                                  passes: Sequence[str] | None = None) -> PassReport:
+    """Run the post-load passes on every attention layer in ``module``.
+
+    ``passes``: pass names to run instead of each layer's platform default (order is always
+    :data:`ORDER`); e.g. ``["compressor_fusion"]`` turns the fusion on for ``reference``.
+    """
+    layers = _attention_layers(module)
+    if not layers:
+        raise ValueError("process_weights_after_loading: no DeepseekV4Attention in the module")
+    if passes is not None:
+        unknown = [p for p in passes if p not in PASSES]
+        if unknown:
+            raise ValueError(f"unknown pass(es) {unknown}; available passes: {list(PASSES)}")
+    report = PassReport()
+    for name in ORDER:
+        if name not in PASSES:
+            continue
+        planned = []
+        for layer in layers:
+            wanted = layer.default_passes() if passes is None else tuple(passes)
+            if name in wanted:
+                planned.append((layer, PASSES[name].plan(layer)))  # validation; may raise
+        if not planned:
+            continue
+        for layer, plan in planned:
+            if isinstance(plan, Skip):
+                report.skipped.setdefault(name, []).append((layer.layer_id, plan.reason))
+            else:
+                plan()
+                report.changed.setdefault(name, []).append(layer.layer_id)
+        log.info("post-load pass %s: changed %d layer(s) %s, skipped %d", name,
+                 len(report.changed.get(name, [])), report.changed.get(name, []),
+                 len(report.skipped.get(name, [])))
+    for layer in layers:
+        layer._finish_post_load()
+    return report

@@ -1,0 +1,104 @@
+"""The override contract between ``DeepseekV4Attention`` and platform subclasses.
+
+Two kinds of checks, both cheap enough for any machine:
+
+* **Structure** (:func:`structural_violations`): every name in ``OVERRIDE_POINTS`` exists on the
+  base; a platform subclass only redefines names that are override points or declared hooks; any
+  other method it adds is listed in its ``HELPERS``. A subclass that still defines an override
+  after the base lost it (upstream #51430 deleted ``_fused_wqa_wkv_gemm``, leaving ROCm's override
+  dead and its ``super()`` fallback broken) is therefore reported by name.
+* **Path** (:func:`path_violations`): a real forward, with spies on every override point, must
+  pass through each point the layer type needs, and ``_fused_wqa_wkv_gemm`` must run inside
+  ``_run_parallel_input_projections`` (a spy, not a text search).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.probes import spy_methods
+
+# Methods a platform may redefine besides the override points (construction and weight hooks).
+PLATFORM_HOOKS = ("__init__", "_after_weights_changed", "shared_build_kwargs")
+
+
+def structural_violations(cls: type[Any], base: type[Any] = DeepseekV4Attention) -> list[str]:
+    problems = []
+    points = getattr(base, "OVERRIDE_POINTS", ())
+    for name in points:
+        if not callable(getattr(base, name, None)):
+            problems.append(f"{base.__name__}.OVERRIDE_POINTS lists {name!r}, which "
+                            f"{base.__name__} does not define")
+    if cls is base:
+        return problems
+    helpers = set(getattr(cls, "HELPERS", ()))
+    for klass in cls.__mro__:
+        if klass is base or not issubclass(klass, base):
+            break
+        for name, value in vars(klass).items():
+            if not (inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))):
+                continue
+            on_base = hasattr(base, name)
+            if on_base and name not in points and name not in PLATFORM_HOOKS:
+                problems.append(f"{klass.__name__}.{name} redefines a base method that is not "
+                                "an override point (declare it in OVERRIDE_POINTS or keep it)")
+            elif not on_base and name not in helpers:
+                problems.append(f"{klass.__name__}.{name} is not defined on {base.__name__}: if "
+                                "it overrides a removed base method it is dead code and its "
+                                "super() fallback fails; if it is a helper, list it in HELPERS")
+    return problems
+
+
+def expected_points(layer: DeepseekV4Attention) -> set[str]:
+    """The override points a forward of this layer must pass through."""
+    pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa", "_o_proj"}
+    fused = isinstance(layer._fused_compressor_weight, torch.Tensor)
+    if layer.compressor is not None:
+        pts.add("_fused_compressor_score_gemm" if fused else "_compressor_kv_score_gemm")
+    if layer.indexer is not None:
+        pts.add("_indexer_weights_gemm")
+        if not fused:
+            pts.add("_indexer_kv_score_gemm")
+    return pts
+
+
+def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
+    """Run one prefill of ``x`` with spies on every override point and check the path."""
+    order: list[tuple[str, str]] = []
+    points = list(type(layer).OVERRIDE_POINTS)
+    originals = {n: getattr(layer, n) for n in points}
+
+    def tracer(name: str) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            order.append(("enter", name))
+            try:
+                return originals[name](*args, **kw)
+            finally:
+                order.append(("exit", name))
+        return call
+
+    for n in points:
+        setattr(layer, n, tracer(n))
+    try:
+        layer(x, torch.arange(x.shape[0], device=x.device), layer.new_cache(x.shape[0]))
+    finally:
+        for n in points:
+            layer.__dict__.pop(n, None)
+    called = {n for kind, n in order if kind == "enter"}
+    problems = [f"forward never called {n}" for n in sorted(expected_points(layer) - called)]
+    active: list[str] = []
+    for kind, n in order:
+        if kind == "enter":
+            if n == "_fused_wqa_wkv_gemm" and "_run_parallel_input_projections" not in active:
+                problems.append("_fused_wqa_wkv_gemm ran outside _run_parallel_input_projections")
+            active.append(n)
+        else:
+            active.pop()
+    return problems
+
+
+__all__ = ["expected_points", "path_violations", "spy_methods", "structural_violations"]

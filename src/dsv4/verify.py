@@ -1,0 +1,164 @@
+"""``dsv4 verify``: the conformance matrix and the override contract.
+
+For every platform x compressor fusion off/on x layer type x prefill/decode, the platform's layer
+(after its post-load passes) and a ``reference`` layer with the same weights run the same random
+inputs; the reference replays the platform's top-k picks (indexers may break near ties
+differently), and the relative error must be within the platform's declared tolerance. The
+override contract (structure and spied path) is checked for every platform and layer type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.config import DSV4Config
+from dsv4.contract import path_violations, structural_violations
+from dsv4.passes import process_weights_after_loading
+from dsv4.platforms import available, get_platform
+from dsv4.probes import record_selection, replay_selection
+from dsv4.random_weights import random_layer_weights
+
+
+@dataclass
+class ConformanceRow:
+    platform: str
+    fusion: bool
+    ratio: int
+    mode: str
+    rel_err: float
+    tolerance: float
+    fused_layers: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.rel_err <= self.tolerance
+
+
+@dataclass
+class ContractRow:
+    platform: str
+    fusion: bool
+    ratio: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def passes_for(layer: DeepseekV4Attention, fusion: bool) -> list[str]:
+    """The platform's passes with the compressor fusion switched on or off."""
+    names = [p for p in layer.default_passes() if p != "compressor_fusion"]
+    return ["compressor_fusion", *names] if fusion else names
+
+
+def _run(layer: DeepseekV4Attention, x: torch.Tensor, mode: str) -> torch.Tensor:
+    t = x.shape[0]
+    pos = torch.arange(t, device=x.device)
+    cache = layer.new_cache(t)
+    if mode == "prefill":
+        return layer(x, pos, cache)
+    split = t // 2  # a prefill of half, then token-by-token decode
+    ys = [layer(x[:split], pos[:split], cache)]
+    ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(split, t)]
+    return torch.cat(ys)
+
+
+def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
+               device: torch.device | str, dtype: torch.dtype, seed: int,
+               ) -> tuple[DeepseekV4Attention, DeepseekV4Attention, int]:
+    """(reference layer, processed platform layer, number of fused layers) on shared weights."""
+    layer_id = cfg.layer_of_ratio(ratio)
+    weights = random_layer_weights(cfg, layer_id, seed)
+    ref = DeepseekV4Attention.build(cfg, layer_id, platform="reference", device=device,
+                                    dtype=dtype)
+    ref.load_weights(weights.items())
+    layer = DeepseekV4Attention.build(cfg, layer_id, platform=platform, device=device,
+                                      dtype=dtype)
+    layer.load_weights(weights.items())
+    report = process_weights_after_loading(layer, passes=passes_for(layer, fusion))
+    return ref, layer, len(report.changed.get("compressor_fusion", []))
+
+
+def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
+                tokens: int = 300, seed: int = 0,
+                cfg: DSV4Config | None = None) -> list[ConformanceRow]:
+    cfg = cfg or DSV4Config.preset("tiny")
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for platform in platforms:
+        tol = get_platform(platform, device).conformance_tolerance
+        for fusion in (False, True):
+            for ratio in (0, 4, 128):
+                ref, layer, fused = build_pair(cfg, ratio, platform, fusion, device,
+                                               torch.bfloat16, seed)
+                for mode in ("prefill", "decode"):
+                    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
+                    x = x.to(device=device, dtype=torch.bfloat16)
+                    try:
+                        with record_selection(layer) as seen:
+                            y = _run(layer, x, mode)
+                        with replay_selection(ref, seen):
+                            y_ref = _run(ref, x, mode)
+                        err = float((y.double() - y_ref.double()).norm() / y_ref.double().norm())
+                        rows.append(ConformanceRow(platform, fusion, ratio, mode, err, tol,
+                                                   fused))
+                    except Exception as e:  # a failing platform is a row, not a crash
+                        rows.append(ConformanceRow(platform, fusion, ratio, mode, float("nan"),
+                                                   tol, fused, f"{type(e).__name__}: {e}"))
+    return rows
+
+
+def contract(platforms: Sequence[str], device: torch.device | str = "cpu",
+             cfg: DSV4Config | None = None) -> list[ContractRow]:
+    cfg = cfg or DSV4Config.preset("tiny")
+    rows = []
+    for platform in platforms:
+        cls = get_platform(platform, device).attention_cls
+        structure = structural_violations(cls)
+        for ratio in (0, 4, 128):
+            for fusion in (False, True):
+                _, layer, _ = build_pair(cfg, ratio, platform, fusion, device, torch.bfloat16, 0)
+                x = torch.randn(40, cfg.hidden_size).to(device=device, dtype=torch.bfloat16)
+                try:
+                    path = path_violations(layer, x)
+                except Exception as e:
+                    path = [f"forward failed: {type(e).__name__}: {e}"]
+                rows.append(ContractRow(platform, fusion, ratio, structure + path))
+    return rows
+
+
+def format_report(conf: list[ConformanceRow], cont: list[ContractRow]) -> str:
+    lines = ["conformance against `reference` (rel. Frobenius error, bf16, same weights and "
+             "inputs, reference replays the platform's top-k picks)", "",
+             f"{'platform':>11} | {'fusion':>6} | {'ratio':>5} | {'mode':>7} | {'rel err':>9} | "
+             f"{'tolerance':>9} | {'fused':>5} | result"]
+    for r in conf:
+        res = "ok" if r.ok else ("FAIL " + r.error if r.error else "FAIL")
+        lines.append(f"{r.platform:>11} | {'on' if r.fusion else 'off':>6} | {r.ratio:>5} | "
+                     f"{r.mode:>7} | {r.rel_err:>9.2e} | {r.tolerance:>9.1e} | "
+                     f"{r.fused_layers:>5} | {res}")
+    lines += ["", "override contract (structure + spied forward path)"]
+    for c in cont:
+        lines.append(f"{c.platform:>11} | fusion {'on' if c.fusion else 'off':>3} | "
+                     f"ratio {c.ratio:>3} | "
+                     + ("ok" if c.ok else "FAIL: " + "; ".join(c.problems)))
+    return "\n".join(lines)
+
+
+def run_verify(platforms: Sequence[str] | None = None, device: str | None = None,
+               tokens: int = 300, seed: int = 0) -> tuple[bool, str]:
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = list(platforms) if platforms else available(dev)
+    for n in names:
+        get_platform(n, dev)  # unknown / unavailable: a clear error before any work
+    conf = conformance(names, dev, tokens, seed)
+    cont = contract(names, dev)
+    ok = all(r.ok for r in conf) and all(c.ok for c in cont)
+    report = format_report(conf, cont)
+    return ok, report + f"\n\n{'PASS' if ok else 'FAIL'}: platforms {names} on {dev}"
