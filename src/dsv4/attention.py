@@ -23,7 +23,7 @@ from dsv4.layers.mqa import sparse_mqa_with_sink
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.rotary import RotaryEmbedding
-from dsv4.layers.weight_layout import WeightLayout, canonical, set_layout
+from dsv4.layers.weight_layout import WeightLayout, set_layout
 from dsv4.offload import BaseOffloader, resolve_offloader
 from dsv4.parallel import execute_in_parallel
 from dsv4.weights import load_layer_weights, official_weight_specs
@@ -502,10 +502,10 @@ class DeepseekV4Attention(nn.Module):
 def _canonical_state_dict_hook(module: DeepseekV4Attention, state_dict: dict[str, Any],
                                prefix: str, local_metadata: Any) -> None:
     """state_dict() never leaks a platform layout: tagged weights are returned canonical."""
-    for name in module._weight_layouts:
+    for name, layout in module._weight_layouts.items():
         key = prefix + name
         if key in state_dict:
-            state_dict[key] = canonical(state_dict[key].detach())
+            state_dict[key] = layout.to_canonical(state_dict[key].detach())
 
 
 def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:

@@ -169,7 +169,7 @@ def export_official_weights(layer: DeepseekV4Attention) -> dict[str, torch.Tenso
 
     out: dict[str, torch.Tensor] = {}
     for spec in official_weight_specs(layer):
-        value = canonical(spec.param.detach())
+        value = canonical(spec.param).detach()
         if spec.rows is not None:
             value = value[spec.rows]
         out[spec.name] = value.to(device="cpu", dtype=spec.dtypes[0]).contiguous().clone()

@@ -41,7 +41,8 @@ def set_layout(t: torch.Tensor, layout: WeightLayout | None) -> None:
 
 
 def canonical(t: torch.Tensor) -> torch.Tensor:
-    """The canonical value of ``t`` (``t`` itself when it carries no layout tag)."""
+    """The canonical value of ``t`` (``t`` itself when it carries no layout tag). Pass the
+    Parameter itself: ``detach()`` returns a new tensor without the tag."""
     layout = get_layout(t)
     return t if layout is None else layout.to_canonical(t.detach())
 
