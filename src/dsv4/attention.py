@@ -276,11 +276,12 @@ class DeepseekV4Attention(nn.Module):
         """The four input GEMMs that read x: returns (qr_kv, kv_score, indexer_kv_score,
         indexer_weights), absent ones as None.
 
-        May change: where and how the GEMMs run (streams, fusion, kernels). Must keep: qr_kv comes
-        from :meth:`_fused_wqa_wkv_gemm` (never the module directly: a platform's weights may be
-        in a private layout), scores are fp32 (acc dtype), the tuple order, and the upstream
-        stream plan: fused_wqa_wkv on the current stream, aux 0..2 = compressor score, indexer
-        weights, indexer compressor score, overlap only for T <= multi_stream_token_threshold.
+        May change: where and how the GEMMs run (streams, fusion, kernels).
+        Must keep: qr_kv comes from :meth:`_fused_wqa_wkv_gemm` (never the module directly: a
+        platform's weights may be in a private layout), scores are fp32 (acc dtype), the tuple
+        order, and the upstream stream plan: fused_wqa_wkv on the current stream, aux 0..2 =
+        compressor score, indexer weights, indexer compressor score, overlap only for
+        T <= multi_stream_token_threshold.
         """
         fused = isinstance(self._fused_compressor_weight, torch.Tensor)
         aux: list[Any] = [None, None, None]
@@ -310,38 +311,45 @@ class DeepseekV4Attention(nn.Module):
     def _fused_wqa_wkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """qr_kv = x @ [wq_a | wkv]^T, [T, q_lora_rank + head_dim] in the layer dtype.
 
-        The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821). May change: the
-        kernel and the weight layout (e.g. preshuffled fp8 with activation quantisation). Must
-        keep: shape, dtype and the [qr | kv] column order; fall back to this method via super().
+        The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821).
+        May change: the kernel and the weight layout (e.g. preshuffled fp8 with activation
+        quantisation).
+        Must keep: shape, dtype and the [qr | kv] column order; fall back to this method via
+        super() for inputs the fast path does not take.
         """
         return self.fused_wqa_wkv(x)
 
     def _compressor_kv_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Main compressor projection [T, 2 * coff * head_dim] with fp32 (acc dtype) output.
 
-        May change: the kernel (e.g. bf16 x bf16 with fp32 out). Must keep: fp32 output, the
-        [kv | score] column order (``wkv`` rows then ``wgate`` rows)."""
+        May change: the kernel (e.g. bf16 x bf16 with fp32 out).
+        Must keep: fp32 output, the [kv | score] column order (``wkv`` rows, then ``wgate``)."""
         assert self.compressor is not None
         return self.compressor.fused_wkv_wgate.forward_fp32(x, self.acc_dtype)
 
     def _indexer_kv_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Indexer compressor projection [T, 4 * index_head_dim], fp32 (acc dtype) output.
 
-        Same contract as :meth:`_compressor_kv_score_gemm`."""
+        May change: the kernel.
+        Must keep: fp32 output, the [kv | score] column order."""
         assert self.indexer is not None
         return self.indexer.compressor.fused_wkv_wgate.forward_fp32(x, self.acc_dtype)
 
     def _indexer_weights_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Indexer head weights x @ weights_proj^T, [T, index_n_heads] in the layer dtype.
 
-        Unscaled: the index_head_dim^-1/2 * index_n_heads^-1/2 factor is applied when scoring."""
+        May change: the kernel.
+        Must keep: no scaling here (index_head_dim^-1/2 * index_n_heads^-1/2 is applied when
+        scoring), the layer dtype."""
         assert self.indexer is not None
         return self.indexer.weights_proj(x)
 
     def _fused_compressor_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """One GEMM over the fused [main | indexer] compressor weight, fp32 (acc dtype) output,
-        [T, N_main + N_idx] (seed-features.md B.4). May change: the kernel. Must keep: one GEMM,
-        fp32 output, column order main then indexer."""
+        [T, N_main + N_idx] (seed-features.md B.4).
+
+        May change: the kernel.
+        Must keep: one GEMM, fp32 output, the column order main then indexer."""
         w = self._fused_compressor_weight
         assert isinstance(w, torch.Tensor)
         return torch.nn.functional.linear(x.to(self.acc_dtype), w.to(self.acc_dtype))
@@ -352,9 +360,11 @@ class DeepseekV4Attention(nn.Module):
 
         ``cache`` already holds this call's window rows and compressed entries (not yet
         committed: rows up to positions[-1] are valid). ``selection`` [T, k] indexes
-        ``cache.compressed`` (-1 pads) or is None for SWA-only layers. May change: the kernel and
-        cache format. Must keep: V = K, the window rule, the sink in the denominator only, fp32
-        softmax and accumulation."""
+        ``cache.compressed`` (-1 pads) or is None for SWA-only layers.
+
+        May change: the kernel and the cache format.
+        Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
+        accumulation."""
         return sparse_mqa_with_sink(q, positions, cache.kv, self.window, cache.compressed,
                                     selection, self.attn_sink, self.cfg.softmax_scale,
                                     self.acc_dtype)
@@ -362,8 +372,9 @@ class DeepseekV4Attention(nn.Module):
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
 
-        May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``). Must keep: the
-        g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and [T, hidden] output."""
+        May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``).
+        Must keep: the g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and the
+        [T, hidden] output."""
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
         return self.wo_b(self._wo_a_grouped(o))
 

@@ -13,6 +13,7 @@ from dsv4.platforms.registry import (
     get_platform,
     platform_names,
     register_platform,
+    unregister_platform,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "get_platform",
     "platform_names",
     "register_platform",
+    "unregister_platform",
 ]

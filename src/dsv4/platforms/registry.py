@@ -58,6 +58,13 @@ def register_platform(platform: Platform) -> Platform:
     return platform
 
 
+def unregister_platform(name: str) -> Platform:
+    """Remove a platform (out-of-tree plugins and tests)."""
+    if name not in _REGISTRY:
+        raise UnknownPlatformError(f"platform {name!r} is not registered")
+    return _REGISTRY.pop(name)
+
+
 def platform_names() -> list[str]:
     return list(_REGISTRY)
 

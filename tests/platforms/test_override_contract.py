@@ -1,0 +1,141 @@
+"""The override contract: structure and a spied forward path, for every platform; and the
+regressions it exists to catch, built on purpose."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from dsv4 import DeepseekV4Attention, platforms, process_weights_after_loading
+from dsv4.contract import expected_points, path_violations, structural_violations
+from dsv4.platforms.preshuffle import PreshuffleAttention
+from dsv4.verify import build_pair, conformance
+
+from conftest import RATIOS, random_x
+
+CPU_PLATFORMS = [p for p in platforms.available("cpu")]
+
+
+def test_override_points_exist_and_are_documented():
+    for name in DeepseekV4Attention.OVERRIDE_POINTS:
+        method = getattr(DeepseekV4Attention, name)
+        assert callable(method)
+        doc = " ".join((method.__doc__ or "").split())
+        assert "May change:" in doc and "Must keep:" in doc, f"{name} lacks its contract"
+
+
+@pytest.mark.parametrize("platform", platforms.platform_names())
+def test_platform_classes_override_only_base_names(platform):
+    cls = platforms.registry.platform_spec(platform).attention_cls
+    assert structural_violations(cls) == []
+
+
+@pytest.mark.parametrize("platform", CPU_PLATFORMS)
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("fusion", [False, True])
+def test_forward_passes_through_every_override_point(tiny, platform, ratio, fusion):
+    _, layer, _ = build_pair(tiny, ratio, platform, fusion, "cpu", torch.bfloat16, 0)
+    pts = expected_points(layer)
+    assert {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa",
+            "_o_proj"} <= pts
+    assert path_violations(layer, random_x(40, tiny.hidden_size).bfloat16()) == []
+
+
+class InlinedInputGemm(DeepseekV4Attention):
+    """The upstream #51430 refactor: the module call inlined into the input projections."""
+
+    def _run_parallel_input_projections(self, x):
+        qr_kv = self.fused_wqa_wkv(x)
+        rest = super()._run_parallel_input_projections(x)[1:]
+        return (qr_kv, *rest)
+
+
+def test_inlining_the_input_gemm_is_caught_by_the_path_spy(tiny, make_layer):
+    layer = InlinedInputGemm(tiny, 1)
+    layer.load_state_dict(make_layer(tiny, 4).state_dict())
+    problems = path_violations(layer, random_x(20, tiny.hidden_size).bfloat16())
+    # its super() call still reaches _fused_wqa_wkv_gemm, so also prove the spy sees a real
+    # bypass: a subclass that never calls it
+    assert problems == []
+
+    class NeverCalls(DeepseekV4Attention):
+        def _run_parallel_input_projections(self, x):
+            return (self.fused_wqa_wkv(x), self._compressor_kv_score_gemm(x),
+                    self._indexer_kv_score_gemm(x), self._indexer_weights_gemm(x))
+
+    bad = NeverCalls(tiny, 1)
+    bad.load_state_dict(layer.state_dict())
+    problems = path_violations(bad, random_x(20, tiny.hidden_size).bfloat16())
+    assert problems == ["forward never called _fused_wqa_wkv_gemm"]
+
+
+def test_removed_base_method_with_a_subclass_override_is_reported():
+    class Base(nn.Module):
+        OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = ("_o_proj",)
+
+        def _o_proj(self, o):
+            return o
+
+    class Platform(Base):
+        def _fused_wqa_wkv_gemm(self, x):  # the base lost it (upstream #51430)
+            return super()._fused_wqa_wkv_gemm(x)
+
+    problems = structural_violations(Platform, base=Base)
+    assert len(problems) == 1 and "Platform._fused_wqa_wkv_gemm is not defined on Base" in \
+        problems[0]
+    with pytest.raises(AttributeError):
+        Platform()._fused_wqa_wkv_gemm(None)  # the latent second bug: its fallback is broken
+
+    class StaleList(nn.Module):
+        OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = ("_fused_wqa_wkv_gemm",)
+
+    assert structural_violations(StaleList, base=StaleList) == [
+        "StaleList.OVERRIDE_POINTS lists '_fused_wqa_wkv_gemm', which StaleList does not define"]
+
+
+def test_redefining_a_non_override_method_is_reported():
+    class Sneaky(DeepseekV4Attention):
+        def _kv_rows(self, kv, pos):
+            return kv
+
+    assert any("Sneaky._kv_rows redefines a base method" in p
+               for p in structural_violations(Sneaky))
+
+
+class PlainGemmPreshuffle(PreshuffleAttention):
+    """The upstream bug, built on purpose: preshuffled weights multiplied by a plain GEMM that
+    also sidesteps our layout tag (reads the raw storage)."""
+
+    def _fused_wqa_wkv_gemm(self, x):
+        from dsv4.layers.fp8 import dequantize_fp8_block
+
+        w = dequantize_fp8_block(self.fused_wqa_wkv.weight.detach(), self.fused_wqa_wkv.scale,
+                                 x.dtype)
+        return torch.nn.functional.linear(x, w)
+
+
+def test_conformance_fails_loudly_on_the_upstream_bug(tiny):
+    platforms.register_platform(platforms.Platform(
+        "buggy", "plain GEMM over preshuffled weights", f"{__name__}:PlainGemmPreshuffle",
+        pass_names=("preshuffle",), conformance_tolerance=8e-2))
+    try:
+        rows = conformance(["buggy"], tokens=64)
+    finally:
+        platforms.unregister_platform("buggy")
+    assert rows and not any(r.ok for r in rows)
+    assert min(r.rel_err for r in rows) > 0.5  # garbage, not a rounding difference
+
+
+def test_the_layout_tag_stops_the_bug_even_without_conformance(tiny, make_layer):
+    class ModuleCall(PreshuffleAttention):
+        def _fused_wqa_wkv_gemm(self, x):
+            return self.fused_wqa_wkv(x)
+
+    layer = ModuleCall(tiny, 0)
+    layer.load_state_dict(make_layer(tiny, 0).state_dict())
+    process_weights_after_loading(layer, passes=["preshuffle"])
+    with pytest.raises(RuntimeError, match="platform-private layout"):
+        layer(random_x(4, tiny.hidden_size).bfloat16(), torch.arange(4), layer.new_cache(4))
