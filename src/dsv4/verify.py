@@ -31,7 +31,8 @@ class ConformanceRow:
     mode: str
     rel_err: float
     tolerance: float
-    fused_layers: int
+    passes: str
+    """The post-load passes that changed the layer."""
     error: str = ""
 
     @property
@@ -71,8 +72,8 @@ def _run(layer: DeepseekV4Attention, x: torch.Tensor, mode: str) -> torch.Tensor
 
 def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
                device: torch.device | str, dtype: torch.dtype, seed: int,
-               ) -> tuple[DeepseekV4Attention, DeepseekV4Attention, int]:
-    """(reference layer, processed platform layer, number of fused layers) on shared weights."""
+               ) -> tuple[DeepseekV4Attention, DeepseekV4Attention, str]:
+    """(reference layer, processed platform layer, passes that changed it) on shared weights."""
     layer_id = cfg.layer_of_ratio(ratio)
     weights = random_layer_weights(cfg, layer_id, seed)
     ref = DeepseekV4Attention.build(cfg, layer_id, platform="reference", device=device,
@@ -82,7 +83,7 @@ def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
                                       dtype=dtype)
     layer.load_weights(weights.items())
     report = process_weights_after_loading(layer, passes=passes_for(layer, fusion))
-    return ref, layer, len(report.changed.get("compressor_fusion", []))
+    return ref, layer, "+".join(report.changed) or "-"
 
 
 def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
@@ -95,7 +96,7 @@ def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
         tol = get_platform(platform, device).conformance_tolerance
         for fusion in (False, True):
             for ratio in (0, 4, 128):
-                ref, layer, fused = build_pair(cfg, ratio, platform, fusion, device,
+                ref, layer, changed = build_pair(cfg, ratio, platform, fusion, device,
                                                torch.bfloat16, seed)
                 for mode in ("prefill", "decode"):
                     x = torch.randn(tokens, cfg.hidden_size, generator=gen)
@@ -107,10 +108,10 @@ def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
                             y_ref = _run(ref, x, mode)
                         err = float((y.double() - y_ref.double()).norm() / y_ref.double().norm())
                         rows.append(ConformanceRow(platform, fusion, ratio, mode, err, tol,
-                                                   fused))
+                                                   changed))
                     except Exception as e:  # a failing platform is a row, not a crash
                         rows.append(ConformanceRow(platform, fusion, ratio, mode, float("nan"),
-                                                   tol, fused, f"{type(e).__name__}: {e}"))
+                                                   tol, changed, f"{type(e).__name__}: {e}"))
     return rows
 
 
@@ -137,12 +138,12 @@ def format_report(conf: list[ConformanceRow], cont: list[ContractRow]) -> str:
     lines = ["conformance against `reference` (rel. Frobenius error, bf16, same weights and "
              "inputs, reference replays the platform's top-k picks)", "",
              f"{'platform':>11} | {'fusion':>6} | {'ratio':>5} | {'mode':>7} | {'rel err':>9} | "
-             f"{'tolerance':>9} | {'fused':>5} | result"]
+             f"{'tolerance':>9} | {'passes applied':>30} | result"]
     for r in conf:
         res = "ok" if r.ok else ("FAIL " + r.error if r.error else "FAIL")
         lines.append(f"{r.platform:>11} | {'on' if r.fusion else 'off':>6} | {r.ratio:>5} | "
                      f"{r.mode:>7} | {r.rel_err:>9.2e} | {r.tolerance:>9.1e} | "
-                     f"{r.fused_layers:>5} | {res}")
+                     f"{r.passes:>30} | {res}")
     lines += ["", "override contract (structure + spied forward path)"]
     for c in cont:
         lines.append(f"{c.platform:>11} | fusion {'on' if c.fusion else 'off':>3} | "

@@ -25,13 +25,25 @@ PASSES: dict[str, WeightPass] = {
     "compressor_fusion": CompressorFusionPass(),
     "preshuffle": PreshufflePass(),
 }
-ORDER: tuple[str, ...] = ("compressor_fusion", "fuse_input_projections", "preshuffle")
+ORDER: list[str] = ["compressor_fusion", "fuse_input_projections", "preshuffle"]
 
 
-def register_pass(p: WeightPass) -> None:
+def register_pass(p: WeightPass, after: str | None = None) -> None:
+    """Add a pass (out-of-tree platforms). It runs right after ``after`` (default: last)."""
+    if p.name in PASSES:
+        raise ValueError(f"pass {p.name!r} is already registered")
     if p.name not in ORDER:
-        raise ValueError(f"pass {p.name!r} has no place in the pass order {ORDER}")
+        if after is not None and after not in ORDER:
+            raise ValueError(f"cannot place {p.name!r} after unknown pass {after!r}; order: "
+                             f"{ORDER}")
+        ORDER.insert(len(ORDER) if after is None else ORDER.index(after) + 1, p.name)
     PASSES[p.name] = p
+
+
+def unregister_pass(name: str) -> None:
+    PASSES.pop(name, None)
+    if name not in ("compressor_fusion", "fuse_input_projections", "preshuffle"):
+        ORDER.remove(name)
 
 
 @dataclass
