@@ -50,13 +50,13 @@ class NoopOffloader(BaseOffloader):
 
 @dataclass
 class _Unit:
-    """Weights that move together: one host tensor and the parameters that view it."""
+    """Tensors that move together: one host copy of a storage and everything that views it
+    (parameters, and buffers such as a fused weight)."""
 
     name: str
     host: torch.Tensor
-    views: list[tuple[nn.Parameter, int, tuple[int, ...]]]
-    """(parameter, element offset into the unit, shape)."""
-    is_fused_buffer: bool = False
+    views: list[tuple[str, int, tuple[int, ...]]]
+    """(parameter or buffer name in the layer, element offset into the unit, shape)."""
     device_copy: torch.Tensor | None = None
 
 
@@ -113,19 +113,8 @@ class CpuOffloader(BaseOffloader):
         if id(layer) in self._state:
             raise RuntimeError(f"layer {layer.layer_id} is already offloaded by this offloader")
         state = _LayerState()
-        selected = self._selected(layer)
-        fused = layer._fused_compressor_weight
-        covered: set[int] = set()
-        if isinstance(fused, torch.Tensor):
-            views = []
-            for p in layer.fused_compressor_params():
-                offset = int(p.storage_offset() - fused.storage_offset())
-                views.append((p, offset, tuple(p.shape)))
-                covered.add(id(p))
-            state.units.append(_Unit("compressor_fused", self._host(fused), views, True))
-        for name, p in selected:
-            if id(p) not in covered:
-                state.units.append(_Unit(name, self._host(p.data), [(p, 0, tuple(p.shape))]))
+        for unit in self._units(layer):
+            state.units.append(unit)
         self._point_params(layer, state, on_device=False)
         self._state[id(layer)] = state
         self._layers.append(layer)
@@ -135,15 +124,49 @@ class CpuOffloader(BaseOffloader):
         log.debug("layer %d: offloaded %d unit(s), %.1f MB", layer.layer_id, len(state.units),
                   moved / 1e6)
 
+    def _units(self, layer: DeepseekV4Attention) -> list[_Unit]:
+        """Group the selected weights by storage: a fused buffer and every parameter or buffer
+        that views it become one unit (fusion-aware), any other weight a unit of its own."""
+        tensors: dict[str, torch.Tensor] = {n: p for n, p in self._selected(layer)}
+        for name, buf in layer.named_buffers():
+            if buf is not None and buf.dim() == 2 and not name.endswith("inv_freq"):
+                tensors[name] = buf
+        groups: dict[int, list[str]] = {}
+        for name, t in tensors.items():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+        units = []
+        for names in groups.values():
+            shared = len(names) > 1
+            if not shared and names[0] not in dict(self._selected(layer)):
+                continue  # a lone buffer (e.g. fp32 scales): stays where it is
+            root_name = max(names, key=lambda n: tensors[n].numel())
+            root = tensors[root_name]
+            if not root.is_contiguous():
+                raise RuntimeError(f"layer {layer.layer_id}: {root_name} is not contiguous")
+            views = []
+            for n in names:
+                t = tensors[n]
+                offset = int(t.storage_offset() - root.storage_offset())
+                if offset < 0 or offset + t.numel() > root.numel() or not t.is_contiguous():
+                    raise RuntimeError(f"layer {layer.layer_id}: {n} is not a contiguous view "
+                                       f"inside {root_name}; cannot offload them together")
+                views.append((n, offset, tuple(t.shape)))
+            units.append(_Unit(root_name, self._host(root), views))
+        return units
+
     def _point_params(self, layer: DeepseekV4Attention, state: _LayerState,
                       on_device: bool) -> None:
         for unit in state.units:
             src = unit.device_copy if on_device else unit.host
             assert src is not None
-            for p, offset, shape in unit.views:
-                p.data = src.view(-1)[offset: offset + _numel(shape)].view(shape)
-            if unit.is_fused_buffer:
-                layer._fused_compressor_weight = src
+            for name, offset, shape in unit.views:
+                view = src.view(-1)[offset: offset + _numel(shape)].view(shape)
+                module_name, _, attr = name.rpartition(".")
+                owner = layer.get_submodule(module_name) if module_name else layer
+                if attr in owner._parameters:
+                    owner._parameters[attr].data = view  # type: ignore[union-attr]
+                else:
+                    setattr(owner, attr, view)
         state.on_device = on_device
 
     # ---- movement -------------------------------------------------------------------------
