@@ -133,9 +133,15 @@ def test_load_weights_and_load_state_dict_after_preshuffle(pre, tiny, make_layer
 
 
 def test_preshuffle_platform_close_to_reference(pre, tiny, make_layer):
+    """fp8 activations make it visibly different, nowhere near garbage (the reference replays
+    the platform's top-k picks: near ties may break differently)."""
+    from dsv4.probes import record_selection, replay_selection
+
     ref = make_layer(tiny, 4)
     process_weights_after_loading(pre)
     x = random_x(50, tiny.hidden_size).bfloat16()
-    err = rel_err(pre(x, torch.arange(50), pre.new_cache(50)),
-                  ref(x, torch.arange(50), ref.new_cache(50)))
-    assert 1e-3 < err < 0.1  # fp8 activations: visibly different, nowhere near garbage
+    with record_selection(pre) as seen:
+        y = pre(x, torch.arange(50), pre.new_cache(50))
+    with replay_selection(ref, seen):
+        y_ref = ref(x, torch.arange(50), ref.new_cache(50))
+    assert 1e-3 < rel_err(y, y_ref) < 8e-2
