@@ -62,6 +62,7 @@ class DeepseekV4Attention(nn.Module):
         "_indexer_kv_score_gemm",
         "_indexer_weights_gemm",
         "_fused_compressor_score_gemm",
+        "_fused_input_projections_gemm",
         "forward_mqa",
         "_o_proj",
     )
@@ -117,6 +118,10 @@ class DeepseekV4Attention(nn.Module):
         # so it never reaches state_dict(), and the split sizes.
         self.register_buffer("_fused_compressor_weight", None, persistent=False)
         self._fused_compressor_split_sizes: tuple[int, int] | None = None
+        # Post-load full input-projection packing (passes/input_fusion.py).
+        self.register_buffer("_packed_input_weight", None, persistent=False)
+        self.register_buffer("_packed_fp8_scale", None, persistent=False)
+        self._input_pack: Any = None
 
         # Streams are shared by all layers of a model; events belong to the layer (created once,
         # never per call, so CUDA-graph capture sees stable fork/join edges).
@@ -214,6 +219,15 @@ class DeepseekV4Attention(nn.Module):
         and state derived from weights (platforms extend this)."""
         for name, layout in self._weight_layouts.items():
             set_layout(self.get_parameter(name), layout)
+        packed = self._packed_input_weight
+        if isinstance(packed, torch.Tensor):
+            from dsv4.passes.input_fusion import input_segments, pack_layer_inputs
+
+            ptr = packed.untyped_storage().data_ptr()
+            if any(p.untyped_storage().data_ptr() != ptr
+                   for _, p, _ in input_segments(self)[1:]):
+                pack_layer_inputs(self)
+            return
         fused = self._fused_compressor_weight
         if isinstance(fused, torch.Tensor):
             main, idx = self.fused_compressor_params()
@@ -244,12 +258,17 @@ class DeepseekV4Attention(nn.Module):
                 seq_lens: Sequence[int] | None = None) -> torch.Tensor:
         """Prefill, a prefill chunk, or decode of one or several sequences.
 
-        x: [T, hidden] in the layer dtype; positions: [T] ascending from each cache's length.
+        x: [T, hidden] in the layer dtype; positions: [T] ascending from each cache's length
+        (a CPU tensor is checked without a device sync; the call is CUDA-graph capturable).
         ``cache`` is one cache, or one cache per sequence with ``seq_lens`` giving how many
         consecutive tokens of x belong to each (default: one token each, a decode batch).
         """
         segments = self._plan_call(x, positions, cache, seq_lens)
-        pos = positions.to(device=x.device, dtype=torch.long)
+        # positions are validated to be arange(length, length + n) per sequence: rebuild them on
+        # the device from those ints (no host-to-device copy, nothing read back)
+        pos = torch.cat([torch.arange(s.start_pos, s.end_pos, device=x.device)
+                         for s in segments]) if len(segments) > 1 else torch.arange(
+            segments[0].start_pos, segments[0].end_pos, device=x.device)
         qr_kv, kv_score, idx_kv_score, idx_weights = self._run_parallel_input_projections(x)
         qr, kv = self._latent_norms(qr_kv)
         q = self._query_heads(qr, pos)
@@ -283,6 +302,15 @@ class DeepseekV4Attention(nn.Module):
         compressor score, indexer weights, indexer compressor score, overlap only for
         T <= multi_stream_token_threshold.
         """
+        if self._input_pack is not None:
+            return self._fused_input_projections_gemm(x)
+        return self._stream_input_projections(x)
+
+    # ---- the stream plan (a fixed step that platform overrides call) -----------------
+    def _stream_input_projections(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The upstream stream plan (not an override point: platforms call it)."""
         fused = isinstance(self._fused_compressor_weight, torch.Tensor)
         aux: list[Any] = [None, None, None]
         if fused:
@@ -354,6 +382,24 @@ class DeepseekV4Attention(nn.Module):
         assert isinstance(w, torch.Tensor)
         return torch.nn.functional.linear(x.to(self.acc_dtype), w.to(self.acc_dtype))
 
+    def _fused_input_projections_gemm(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """All input projections in one launch over the packed weights (after the
+        ``fuse_input_projections`` pass); same tuple as :meth:`_run_parallel_input_projections`.
+
+        May change: the kernel and its tiling.
+        Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, the tuple order.
+        """
+        from dsv4.kernels.fused_input_proj import fused_input_projections
+        from dsv4.passes.input_fusion import current_pack
+
+        pack = current_pack(self)
+        outs = dict(zip((s.name for s in pack.segments), fused_input_projections(x, pack),
+                        strict=True))
+        return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
+                outs.get("idx_weights"))
+
     def forward_mqa(self, q: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                     selection: torch.Tensor | None) -> torch.Tensor:
         """Sparse MQA with the attention sink for one sequence's queries; o [T, heads, d].
@@ -365,9 +411,9 @@ class DeepseekV4Attention(nn.Module):
         May change: the kernel and the cache format.
         Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
         accumulation."""
-        return sparse_mqa_with_sink(q, positions, cache.kv, self.window, cache.compressed,
-                                    selection, self.attn_sink, self.cfg.softmax_scale,
-                                    self.acc_dtype)
+        return sparse_mqa_with_sink(q, positions, cache.length, cache.kv, self.window,
+                                    cache.compressed, selection, self.attn_sink,
+                                    self.cfg.softmax_scale, self.acc_dtype)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
@@ -475,13 +521,17 @@ class DeepseekV4Attention(nn.Module):
                                       f"of the {len(caches)} cache(s) and sum to T={t}")
         if len({id(c) for c in caches}) != len(caches):
             raise AttentionInputError("the same cache appears twice in one call")
-        pos_host = positions.detach().to("cpu", torch.long)
+        # CPU positions cost nothing to check; device positions are read back (a sync), except
+        # under CUDA-graph capture, where reading is impossible and they are trusted.
+        check = positions.device.type == "cpu" or not (
+            positions.is_cuda and torch.cuda.is_current_stream_capturing())
+        pos_host = positions.detach().to("cpu", torch.long) if check else None
         segments = []
         begin = 0
         for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
             self._check_cache(c, i)
             expect = torch.arange(c.length, c.length + n)
-            got = pos_host[begin:begin + n]
+            got = expect if pos_host is None else pos_host[begin:begin + n]
             if not torch.equal(got, expect):
                 raise AttentionInputError(
                     f"positions of sequence {i} are {_short(got)} but its cache holds {c.length} "

@@ -55,6 +55,9 @@ def structural_violations(cls: type[Any], base: type[Any] = DeepseekV4Attention)
 
 def expected_points(layer: DeepseekV4Attention) -> set[str]:
     """The override points a forward of this layer must pass through."""
+    if layer._input_pack is not None:  # one launch replaces the four GEMMs
+        return {"_run_parallel_input_projections", "_fused_input_projections_gemm",
+                "forward_mqa", "_o_proj"}
     pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa", "_o_proj"}
     fused = isinstance(layer._fused_compressor_weight, torch.Tensor)
     if layer.compressor is not None:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def sparse_mqa_with_sink(q: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
-                         window: int, compressed: torch.Tensor | None,
+def sparse_mqa_with_sink(q: torch.Tensor, positions: torch.Tensor, start: int,
+                         kv_rows: torch.Tensor, window: int, compressed: torch.Tensor | None,
                          selection: torch.Tensor | None, sink: torch.Tensor, scale: float,
                          acc_dtype: torch.dtype, block_elems: int = 1 << 24) -> torch.Tensor:
-    """o [T, heads, d] for queries ``q`` [T, heads, d] at ascending contiguous ``positions``.
+    """o [T, heads, d] for queries ``q`` [T, heads, d] at ``positions`` = start .. start + T - 1.
 
-    ``kv_rows[i]`` is the window row of position i (at least up to positions[-1]);
-    ``selection`` [T, k] indexes ``compressed``.
+    ``start`` is passed as a Python int so that no device value is read back (no host sync;
+    CUDA-graph capturable). ``kv_rows[i]`` is the window row of position i (at least up to
+    start + T - 1); ``selection`` [T, k] indexes ``compressed``.
     """
     t, h, d = q.shape
     out = torch.empty_like(q)
@@ -28,16 +29,16 @@ def sparse_mqa_with_sink(q: torch.Tensor, positions: torch.Tensor, kv_rows: torc
     sink_f = sink.to(acc_dtype)
     for s in range(0, t, block):
         e = min(t, s + block)
-        out[s:e] = _attend_block(q[s:e], positions[s:e], kv_rows, window, compressed,
+        out[s:e] = _attend_block(q[s:e], positions[s:e], start + s, kv_rows, window, compressed,
                                  None if selection is None else selection[s:e], sink_f, scale,
                                  acc_dtype)
     return out
 
 
-def _attend_block(q: torch.Tensor, pos: torch.Tensor, kv_rows: torch.Tensor, window: int,
-                  compressed: torch.Tensor | None, selection: torch.Tensor | None,
+def _attend_block(q: torch.Tensor, pos: torch.Tensor, p_first: int, kv_rows: torch.Tensor,
+                  window: int, compressed: torch.Tensor | None, selection: torch.Tensor | None,
                   sink: torch.Tensor, scale: float, acc_dtype: torch.dtype) -> torch.Tensor:
-    p_first, p_last = int(pos[0]), int(pos[-1])
+    p_last = p_first + q.shape[0] - 1
     lo = max(0, p_first - window + 1)
     k_win = kv_rows[lo: p_last + 1].to(acc_dtype)
     qf = q.to(acc_dtype)

@@ -17,12 +17,14 @@ from torch import nn
 
 from dsv4.passes.base import Skip, WeightPass
 from dsv4.passes.compressor_fusion import CompressorFusionPass
+from dsv4.passes.input_fusion import InputFusionPass
 from dsv4.passes.preshuffle import PreshufflePass
 
 log = logging.getLogger(__name__)
 
 PASSES: dict[str, WeightPass] = {
     "compressor_fusion": CompressorFusionPass(),
+    "fuse_input_projections": InputFusionPass(),
     "preshuffle": PreshufflePass(),
 }
 ORDER: list[str] = ["compressor_fusion", "fuse_input_projections", "preshuffle"]

@@ -122,8 +122,9 @@ register_platform(Platform(
 ))
 register_platform(Platform(
     name="cuda",
-    description="CUDA: aux-stream overlap of the input GEMMs, fp32-output GEMMs",
+    description="CUDA: all input projections in one Triton launch (fuse_input_projections), "
+                "else aux-stream overlap of the input GEMMs; fp32-output GEMMs",
     attention_path="dsv4.platforms.cuda:CudaAttention",
-    pass_names=("compressor_fusion",),
+    pass_names=("compressor_fusion", "fuse_input_projections"),
     requirement=_needs_cuda,
 ))

@@ -1,0 +1,1 @@
+"""GPU kernels, each with a PyTorch reference it is tested against."""

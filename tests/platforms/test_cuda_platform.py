@@ -1,0 +1,65 @@
+"""The cuda platform on a GPU: fused input projections, graphs replay bit-identically to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4.platforms.cuda import CudaAttention, CudaPlan
+from dsv4.random_weights import random_layer_weights
+
+from conftest import random_x, rel_err
+
+pytestmark = pytest.mark.cuda
+
+
+def cuda_layer(cfg, ratio, plan=None, passes=None):
+    lid = cfg.layer_of_ratio(ratio)
+    layer = CudaAttention(cfg, lid, device="cuda", dtype=torch.bfloat16, plan=plan)
+    layer.load_weights(random_layer_weights(cfg, lid, seed=1).items())
+    process_weights_after_loading(layer, passes=passes)
+    return layer
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_graph_replay_of_the_input_stage_is_bit_identical(tiny, ratio):
+    layer = cuda_layer(tiny, ratio)
+    assert layer._input_pack is not None
+    for m in (1, 3, 16, 33):
+        x = random_x(m, tiny.hidden_size).to("cuda", torch.bfloat16)
+        graphed = layer._run_parallel_input_projections(x)
+        again = layer._run_parallel_input_projections(x)
+        eager = layer._fused_input_projections_gemm(x)
+        for g, a, e in zip(graphed, again, eager, strict=True):
+            if e is None:
+                assert g is None
+                continue
+            assert torch.equal(g, e) and torch.equal(a, e)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_decode_with_graphs_equals_eager_and_reference(tiny, ratio):
+    graphed = cuda_layer(tiny, ratio)
+    eager = cuda_layer(tiny, ratio, plan=CudaPlan(fused_max_tokens=256, graph_max_tokens=0))
+    ref = DeepseekV4Attention.build(tiny, tiny.layer_of_ratio(ratio), device="cuda")
+    ref.load_weights(random_layer_weights(tiny, ref.layer_id, seed=1).items())
+    x = random_x(150, tiny.hidden_size).to("cuda", torch.bfloat16)
+    outs = []
+    for layer in (graphed, eager, ref):
+        c = layer.new_cache(150)
+        ys = [layer(x[:100], torch.arange(100, device="cuda"), c)]
+        ys += [layer(x[i:i + 1], torch.tensor([i], device="cuda"), c) for i in range(100, 150)]
+        outs.append(torch.cat(ys))
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], outs[2]) < 1e-2
+
+
+def test_unpacked_layers_use_the_stream_plan(tiny):
+    layer = cuda_layer(tiny, 4, passes=["compressor_fusion"])
+    assert layer._input_pack is None
+    x = random_x(8, tiny.hidden_size).to("cuda", torch.bfloat16)
+    a = layer._run_parallel_input_projections(x)
+    b = layer._stream_input_projections(x)
+    for u, v in zip(a, b, strict=True):
+        assert torch.equal(u, v)
