@@ -79,9 +79,9 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
 
 
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
-             dev: torch.device, bw: float, reps: int) -> list[dict[str, Any]]:
+             dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
+             ) -> list[dict[str, Any]]:
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
-    weights = random_layer_weights(cfg, layer_id, seed=0)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     x = torch.randn(m, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.time()
@@ -160,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         cfg = DSV4Config.preset(model)
         for layer_type in args.layers.split(","):
+            weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
             for m in (int(v) for v in args.ms.split(",")):
-                rows += run_case(cfg, model, layer_type, m, args.context, dev, bw, args.reps)
+                rows += run_case(cfg, model, layer_type, m, args.context, dev, bw, args.reps,
+                                 weights)
+                partial = {"rows": rows, "copy_bw": bw}
+                (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_step.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
