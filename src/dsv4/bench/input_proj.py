@@ -1,13 +1,14 @@
 """DSV4 decode input projections on one GPU: upstream strategies against the fused dsv4 kernel.
 
-    PYTHONPATH=src python benchmarks/bench_input_proj.py --out DIR [--quick] [--tune]
+    dsv4 bench input-proj --out DIR [--quick] [--tune]     (or python -m dsv4.bench.input_proj)
 
 For Flash (K=4096) and Pro (K=7168), layer types C4 / C128 / SWA and M in 1..256 it checks every
 strategy against a float64 reference on fresh random inputs (a wrong strategy is not timed), then
 times it eager and under CUDA-graph replay, with the weights rotated over enough copies to stream
 from HBM rather than the 60 MB L2. floor = bytes that must move (weights + x + outputs in their
 own dtypes) / device-to-device copy bandwidth measured in the same run. Writes results.json,
-summary.md and fraction_of_floor.png (the plot is remade on any machine by plot_input_proj.py).
+summary.md and fraction_of_floor.png (the plot is remade on any machine by
+``python -m dsv4.bench.plot_input_proj``).
 
 Strategies: serial4 (the layer's GEMMs one after another on one stream), multistream (wqa_wkv on
 the current stream, the others on 3 aux streams with events: the upstream CUDA plan), rocm_style
@@ -560,8 +561,7 @@ def main(argv=None):
         json.dump(res, f, indent=1)
     summarize(res, args.out)
     try:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from plot_input_proj import plot
+        from dsv4.bench.plot_input_proj import plot
 
         plot(res, args.out)
     except Exception as ex:  # the plot can be made later from results.json

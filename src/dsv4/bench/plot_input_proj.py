@@ -1,6 +1,6 @@
 """Plot fraction-of-floor vs M per strategy from bench_input_proj.py's results.json.
 
-    python benchmarks/plot_input_proj.py RESULTS_DIR   (writes fraction_of_floor.png beside it)
+    python -m dsv4.bench.plot_input_proj RESULTS_DIR   (writes fraction_of_floor.png beside it)
 """
 
 from __future__ import annotations
