@@ -63,3 +63,33 @@ def test_unpacked_layers_use_the_stream_plan(tiny):
     b = layer._stream_input_projections(x)
     for u, v in zip(a, b, strict=True):
         assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
+    """A full-layer decode step of 3 sequences captured as one CUDA graph (CPU positions: no
+    host syncs) replays exactly what eager execution computes."""
+    layer = cuda_layer(tiny, ratio)
+    caches = [layer.new_cache(64) for _ in range(3)]
+    for i, c in enumerate(caches):
+        n = 20 + 9 * i
+        layer(random_x(n, tiny.hidden_size).to("cuda", torch.bfloat16), torch.arange(n), c)
+    x = random_x(3, tiny.hidden_size).to("cuda", torch.bfloat16)
+    pos = torch.tensor([c.length for c in caches])
+    lengths = [c.length for c in caches]
+    eager = layer(x, pos, caches)
+    for c, n in zip(caches, lengths, strict=True):
+        c.length = n
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, pos, caches)
+    torch.cuda.current_stream().wait_stream(side)
+    for c, n in zip(caches, lengths, strict=True):
+        c.length = n
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, pos, caches)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
