@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan
@@ -34,20 +35,6 @@ from dsv4.random_weights import random_layer_weights
 
 STRATEGIES = ("serial4", "multistream", "rocm_style", "fused4_dsv4")
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
 
 
 def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torch.Tensor],
@@ -154,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
-    bw = copy_bandwidth(dev)
+    bw = measure_copy_bw(dev)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.time()
     rows: list[dict[str, Any]] = []
