@@ -81,7 +81,7 @@ def measure_copy_bw(dev) -> float:
 
 def make_copy(K, segs, fp8: bool, dev, gen):
     """One random weight set; returns (packed, {name: [rows, K] bf16-or-dequant view})."""
-    items = []
+    items: list[tuple] = []
     for i, (name, rows, dt) in enumerate(segs):
         if fp8 and i == 0:
             q = (torch.randn(rows, K, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
@@ -122,7 +122,7 @@ class Case:
 
             def run():
                 return fused_input_projections(x, p, outs, config=c)
-            run.outs = outs
+            run.outs = outs  # type: ignore[attr-defined]
             return run
         if name == "fused4_cublas":
             sizes = [s[1] for s in self.segs]
@@ -308,7 +308,7 @@ def run_case_rows(case, M, strategies, wdt, copy_bw, rows, modes=("eager", "grap
 def add_ratios(rows):
     """ratio_to_best_other: best other strategy's time / this time (same case, mode, any dtype)."""
     key = lambda r: (r["model"], r["layer_type"], r["M"], r["mode"])  # noqa: E731
-    best = {}
+    best: dict = {}
     for r in rows:
         if r.get("us") and not r["strategy"].startswith("fused4_dsv4"):
             k = key(r)
