@@ -1,0 +1,153 @@
+"""The tiny LM's checkpoint folder: official names, the attention through ``save_checkpoint`` /
+``load_checkpoint``, the rest beside it.
+
+Layout (what ``save_tiny_lm`` writes)::
+
+    config.json                          DSV4 HF keys + intermediate_size + tokenizer
+    model-00001-of-00002.safetensors     layers.{i}.attn.*  (written by save_checkpoint: fp8 e4m3
+                                         + ue8m0 scales where the official checkpoint is fp8)
+    model-00002-of-00002.safetensors     embed.weight, layers.{i}.{attn_norm,ffn_norm}.weight,
+                                         layers.{i}.ffn.{w1,w2,w3}.weight, norm.weight,
+                                         head.weight (bf16)
+    model.safetensors.index.json         name -> shard
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.checkpoint import (
+    INDEX_FILE,
+    AttentionStack,
+    CheckpointError,
+    layer_prefix,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dsv4.config import ConfigError
+from dsv4.model.config import TinyLMConfig
+from dsv4.model.lm import TinyLM
+
+ATTN_SHARD = "model-00001-of-00002.safetensors"
+LM_SHARD = "model-00002-of-00002.safetensors"
+
+
+def lm_tensor_shapes(cfg: TinyLMConfig) -> dict[str, tuple[int, ...]]:
+    """Official names and shapes of every non-attention tensor."""
+    h, v, inter = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, h)}
+    for i in range(cfg.num_layers):
+        shapes[f"layers.{i}.attn_norm.weight"] = (h,)
+        shapes[f"layers.{i}.ffn_norm.weight"] = (h,)
+        shapes[f"layers.{i}.ffn.w1.weight"] = (inter, h)
+        shapes[f"layers.{i}.ffn.w2.weight"] = (h, inter)
+        shapes[f"layers.{i}.ffn.w3.weight"] = (inter, h)
+    shapes["norm.weight"] = (h,)
+    shapes["head.weight"] = (v, h)
+    return shapes
+
+
+def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: str | Path
+                 ) -> list[Path]:
+    """Write a complete model folder from official-name tensors (checkpoint dtypes).
+
+    The attention tensors are loaded into reference layers and written by ``save_checkpoint``,
+    so the folder holds exactly what that function produces for them."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layers = {}
+    for i in range(cfg.num_layers):
+        prefix = layer_prefix(cfg.attn, i)
+        layer = DeepseekV4Attention.build(cfg.attn, i, dtype=torch.bfloat16)
+        layer.load_weights((k[len(prefix):], t) for k, t in tensors.items()
+                           if k.startswith(prefix))
+        layers[i] = layer
+    for stale in (folder / "model.safetensors", folder / INDEX_FILE):
+        stale.unlink(missing_ok=True)
+    save_checkpoint(AttentionStack(cfg.attn, layers), folder)
+    (folder / "model.safetensors").replace(folder / ATTN_SHARD)
+    shapes = lm_tensor_shapes(cfg)
+    lm = {name: tensors[name].to(torch.bfloat16).contiguous() for name in shapes}
+    save_file(lm, str(folder / LM_SHARD), metadata={"format": "pt"})
+    with safe_open(str(folder / ATTN_SHARD), framework="pt") as f:
+        attn_names = list(f.keys())
+    weight_map = {**{n: ATTN_SHARD for n in attn_names}, **{n: LM_SHARD for n in lm}}
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                indent=1))
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    return [folder / ATTN_SHARD, folder / LM_SHARD, folder / INDEX_FILE, folder / "config.json"]
+
+
+def read_lm_tensors(folder: Path, cfg: TinyLMConfig) -> dict[str, torch.Tensor]:
+    """The non-attention tensors, validated (present, no extras, shapes, float dtype, finite)."""
+    index = folder / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder}: cannot read the shard index {index.name}: {e}") from e
+    shapes = lm_tensor_shapes(cfg)
+    attn_prefixes = tuple(layer_prefix(cfg.attn, i) for i in range(cfg.attn.num_layers_with_mtp))
+    extra = sorted(n for n in weight_map if n not in shapes and not n.startswith(attn_prefixes))
+    missing = [n for n in shapes if n not in weight_map]
+    if missing or extra:
+        raise CheckpointError(f"{folder}: non-attention tensors do not match the config: missing "
+                              f"{missing}, unexpected {extra}")
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted({weight_map[n] for n in shapes}):
+        path = folder / shard
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: shard {shard} does not exist")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for n in shapes:
+                    if weight_map[n] == shard:
+                        out[n] = f.get_tensor(n)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {e}") from e
+    for n, shape in shapes.items():
+        t = out[n]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{folder}: {n!r} has shape {tuple(t.shape)}, but the config "
+                                  f"needs {shape}")
+        if t.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+            raise CheckpointError(f"{folder}: {n!r} has dtype {t.dtype}, expected bfloat16")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{folder}: {n!r} contains NaN or Inf")
+    return out
+
+
+def load_tiny_lm(folder: str | Path, platform: str = "reference",
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                 passes: Sequence[str] | None = None) -> TinyLM:
+    """Load a tiny-LM folder: the attention layers through ``load_checkpoint`` (platform layer
+    classes and post-load ``passes``, default: the platform's own), the rest from its shard."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+    try:
+        cfg = TinyLMConfig.from_pretrained(folder)
+    except ConfigError as e:
+        raise CheckpointError(f"{folder}: {e}") from e
+    stack = load_checkpoint(folder, layers=list(range(cfg.num_layers)), platform=platform,
+                            device=device, dtype=dtype, cfg=cfg.attn, passes=passes)
+    model = TinyLM(cfg, [stack[i] for i in range(cfg.num_layers)])
+    model.load_lm_tensors(read_lm_tensors(folder, cfg))
+    return model
+
+
+def default_model_dir() -> Path:
+    """The shipped model: ``models/tiny-arith`` of the repository (or of the installed package's
+    source tree)."""
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "models" / "tiny-arith"
+        if (candidate / "config.json").is_file():
+            return candidate
+    return here.parents[3] / "models" / "tiny-arith"

@@ -1,0 +1,137 @@
+"""``dsv4 eval``: the shipped model answers the held-out problems on every platform x compressor
+fusion on/off, through the full load -> post-load passes -> prefill -> decode path.
+
+Accuracy is exact-match of the greedy answer; token agreement is the share of ``reference``
+(fusion off) generated tokens that the run reproduced at the same position. A platform whose
+weights went through a wrong GEMM (the upstream regression) answers garbage: accuracy collapses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4.model.checkpoint import load_tiny_lm
+from dsv4.model.config import TinyLMConfig
+from dsv4.model.generate import generate_ids
+from dsv4.model.task import Problem, heldout_problems
+from dsv4.platforms import available, get_platform
+from dsv4.platforms.registry import platform_spec
+
+
+@dataclass
+class EvalRun:
+    platform: str
+    fusion: bool
+    device: str
+    n: int
+    correct: int
+    token_agreement: float
+    """Share of the baseline's generated tokens reproduced at the same position."""
+    load_seconds: float
+    answer_seconds: float
+    passes: list[str]
+    error: str = ""
+    answers: list[str] = field(default_factory=list, repr=False)
+    tokens: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.n if self.n else 0.0
+
+
+def passes_with_fusion(platform: str, fusion: bool) -> list[str]:
+    """The platform's post-load passes with the compressor fusion on or off (as
+    :func:`dsv4.verify.passes_for`, without building a layer first)."""
+    names = [p for p in platform_spec(platform).pass_names if p != "compressor_fusion"]
+    return ["compressor_fusion", *names] if fusion else names
+
+
+def token_agreement(runs: Sequence[list[int]], base: Sequence[list[int]]) -> float:
+    total = sum(len(b) for b in base)
+    same = sum(sum(1 for i, t in enumerate(b) if i < len(r) and r[i] == t)
+               for r, b in zip(runs, base, strict=True))
+    return same / max(1, total)
+
+
+def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform: str,
+                    fusion: bool, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    ) -> EvalRun:
+    passes = passes_with_fusion(platform, fusion)
+    t0 = time.perf_counter()
+    model = load_tiny_lm(model_dir, platform=platform, device=device, dtype=dtype, passes=passes)
+    t1 = time.perf_counter()
+    tok = model.cfg.tokenizer
+    prompts = [tok.encode(p.prompt, bos=True) for p in problems]
+    max_new = model.cfg.task.max_answer_tokens
+    outs = generate_ids(model, prompts, max_new)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    answers = [tok.decode(o) for o in outs]
+    correct = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
+    return EvalRun(platform, fusion, device, len(problems), correct, 1.0, t1 - t0, t2 - t1,
+                   passes, answers=answers, tokens=outs)
+
+
+def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
+             device: str = "cpu", n: int = 400, fusions: Sequence[bool] = (False, True),
+             dtype: torch.dtype = torch.bfloat16, log: Any = None) -> list[EvalRun]:
+    """Every platform x fusion setting; token agreement against ``reference`` without fusion
+    (always run first). A run that raises is reported with its error, never aborts the rest."""
+    names = list(platforms) if platforms else available(device)
+    for name in names:
+        get_platform(name, device)  # unknown / unavailable: a clear error before any work
+    problems = heldout_problems(n, TinyLMConfig.from_pretrained(model_dir).task)
+    combos = [("reference", False)] + [(p, f) for p in names for f in fusions
+                                       if (p, f) != ("reference", False)]
+    runs: list[EvalRun] = []
+    base: list[list[int]] | None = None
+    for platform, fusion in combos:
+        try:
+            run = answer_problems(model_dir, problems, platform, fusion, device, dtype)
+        except Exception as e:  # noqa: BLE001 - a broken platform is a row, not a crash
+            if base is None:
+                raise
+            run = EvalRun(platform, fusion, device, len(problems), 0, 0.0, 0.0, 0.0, [],
+                          error=f"{type(e).__name__}: {e}")
+        if base is None:
+            base = run.tokens
+        elif not run.error:
+            run.token_agreement = token_agreement(run.tokens, base)
+        runs.append(run)
+        if log is not None:
+            log(format_row(run))
+    return runs
+
+
+def format_row(r: EvalRun) -> str:
+    if r.error:
+        return f"| {r.platform} | {'on' if r.fusion else 'off'} | ERROR: {r.error} | | | |"
+    return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.accuracy:.3f} "
+            f"({r.correct}/{r.n}) | {100 * r.token_agreement:.2f} % | {r.answer_seconds:.1f} | "
+            f"{'+'.join(r.passes) or '-'} |")
+
+
+def format_table(runs: Sequence[EvalRun]) -> str:
+    head = ["| platform | compressor fusion | accuracy | tokens = reference | s (400 answers) "
+            "| post-load passes |", "|---|---|---|---|---|---|"]
+    if runs:
+        head[0] = head[0].replace("400", str(runs[0].n))
+    return "\n".join(head + [format_row(r) for r in runs])
+
+
+def runs_to_json(runs: Sequence[EvalRun], path: str | Path, extra: dict[str, Any] | None = None
+                 ) -> None:
+    rows = []
+    for r in runs:
+        d = asdict(r)
+        d["accuracy"] = r.accuracy
+        rows.append(d)
+    Path(path).write_text(json.dumps({"runs": rows, **(extra or {})}, indent=1))

@@ -1,0 +1,88 @@
+"""Greedy batched decoding through the attention caches.
+
+Prompts are prefilled several at a time (one forward over their concatenated tokens, one cache
+list per sequence, ``seq_lens``), then all unfinished sequences decode together, one token each
+per forward (the list-of-caches decode batch), until ``<eos>`` or ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dsv4.model.lm import TinyLM
+from dsv4.model.tokenizer import CharTokenizer
+
+
+class PromptError(ValueError):
+    """A prompt is empty, too long for the model, or holds characters it cannot encode."""
+
+
+def encode_prompts(model: TinyLM, prompts: Sequence[str], max_new_tokens: int
+                   ) -> list[list[int]]:
+    tok: CharTokenizer = model.cfg.tokenizer
+    limit = model.cfg.max_seq_len
+    out = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise PromptError(f"prompt {i} is empty: give at least one character")
+        try:
+            ids = tok.encode(p, bos=True)
+        except ValueError as e:
+            raise PromptError(f"prompt {i}: {e}") from e
+        if len(ids) + max_new_tokens > limit:
+            raise PromptError(f"prompt {i} has {len(ids)} tokens (with <bos>); with "
+                              f"max_new_tokens={max_new_tokens} that exceeds the model's "
+                              f"max_position_embeddings={limit}")
+        out.append(ids)
+    return out
+
+
+@torch.no_grad()
+def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: int,
+                 prefill_tokens: int = 4096) -> list[list[int]]:
+    """Greedy continuations (without the prompt, ``<eos>`` included when produced)."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
+    dev = model.device
+    eos = model.cfg.tokenizer.eos_id
+    caches = [model.new_caches(len(p) + max_new_tokens) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    nxt: list[int] = [0] * len(prompts)
+    # prefill in groups of about ``prefill_tokens`` tokens
+    start = 0
+    while start < len(prompts):
+        end, total = start, 0
+        while end < len(prompts) and (end == start or total + len(prompts[end]) <= prefill_tokens):
+            total += len(prompts[end])
+            end += 1
+        group = range(start, end)
+        tokens = torch.tensor([t for i in group for t in prompts[i]], device=dev)
+        pos = torch.cat([torch.arange(len(prompts[i])) for i in group]).to(dev)
+        lens = [len(prompts[i]) for i in group]
+        last = torch.tensor(lens).cumsum(0) - 1
+        logits = model(tokens, pos, [caches[i] for i in group], lens, last.to(dev))
+        for i, t in zip(group, logits.argmax(-1).tolist(), strict=True):
+            nxt[i] = t
+        start = end
+    active = list(range(len(prompts)))
+    for step in range(max_new_tokens):
+        for i in active:
+            outs[i].append(nxt[i])
+        active = [i for i in active if nxt[i] != eos]
+        if not active or step == max_new_tokens - 1:
+            break
+        tokens = torch.tensor([nxt[i] for i in active], device=dev)
+        pos = torch.tensor([len(prompts[i]) + step for i in active], device=dev)
+        logits = model(tokens, pos, [caches[i] for i in active], [1] * len(active))
+        for i, t in zip(active, logits.argmax(-1).tolist(), strict=True):
+            nxt[i] = t
+    return outs
+
+
+def generate(model: TinyLM, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
+    """Greedy text continuations of ``prompts`` (up to ``<eos>``)."""
+    ids = encode_prompts(model, prompts, max_new_tokens)
+    tok = model.cfg.tokenizer
+    return [tok.decode(o) for o in generate_ids(model, ids, max_new_tokens)]

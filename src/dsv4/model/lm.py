@@ -1,0 +1,121 @@
+"""The tiny DeepSeek-V4-architecture decoder LM for inference, around our attention layers.
+
+token embedding -> blocks of (RMSNorm -> :class:`DeepseekV4Attention` -> residual -> RMSNorm ->
+SwiGLU MLP -> residual) -> final RMSNorm -> ``lm_head``. The attention layers are the package's
+inference layers, for any platform, with their caches. What the real model has and this one does
+not: MoE (the MLP is one dense SwiGLU), hyper-connections (plain residuals), MTP layers.
+
+A forward call takes any mix of sequences like the attention layer does: one cache list per
+sequence, ``seq_lens`` tokens each (a prefill of several prompts, or a decode batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.attention import DeepseekV4Attention
+from dsv4.layers.cache import AttentionCache
+from dsv4.layers.norm import RMSNorm
+from dsv4.model.config import TinyLMConfig
+
+
+class _Weight(nn.Module):
+    """A frozen tensor under the official ``*.weight`` name."""
+
+    weight: nn.Parameter
+
+    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): the dense stand-in for DeepSeek's MoE."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.w1 = _Weight(inter, hidden, dtype=dtype, device=device)
+        self.w2 = _Weight(hidden, inter, dtype=dtype, device=device)
+        self.w3 = _Weight(inter, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.w1.weight, self.w2.weight, self.w3.weight
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TinyLMConfig, attn: DeepseekV4Attention) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.attn.rms_norm_eps
+        dtype, device = attn.dtype, attn.device
+        self.attn_norm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self.attn = attn
+        self.ffn_norm = RMSNorm(h, eps, dtype=dtype, device=device)
+        self.ffn = SwiGLU(h, cfg.intermediate_size, dtype, device)
+        self.acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, caches: list[AttentionCache],
+                seq_lens: Sequence[int]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x, self.acc), positions, caches, seq_lens)
+        return x + self.ffn(self.ffn_norm(x, self.acc))
+
+
+class TinyLM(nn.Module):
+    """Built from already-loaded attention layers (see :func:`dsv4.model.checkpoint.load_tiny_lm`);
+    the other weights are filled by :meth:`load_lm_tensors`."""
+
+    def __init__(self, cfg: TinyLMConfig, attention: Sequence[DeepseekV4Attention]) -> None:
+        super().__init__()
+        if len(attention) != cfg.num_layers:
+            raise ValueError(f"{len(attention)} attention layers for {cfg.num_layers} blocks")
+        self.cfg = cfg
+        first = attention[0]
+        self.dtype, h = first.dtype, cfg.hidden_size
+        self.embed = _Weight(cfg.vocab_size, h, dtype=self.dtype, device=first.device)
+        self.layers = nn.ModuleList(Block(cfg, a) for a in attention)
+        self.norm = RMSNorm(h, cfg.attn.rms_norm_eps, dtype=self.dtype, device=first.device)
+        self.head = _Weight(cfg.vocab_size, h, dtype=self.dtype, device=first.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def lm_tensor_names(self) -> list[str]:
+        """Official names of the non-attention tensors."""
+        return [n for n, _ in self.named_parameters() if ".attn." not in n]
+
+    @torch.no_grad()
+    def load_lm_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = {n: p for n, p in self.named_parameters() if ".attn." not in n}
+        for name, p in params.items():
+            p.copy_(tensors[name].to(device=p.device, dtype=p.dtype))
+
+    def new_caches(self, max_seq_len: int) -> list[AttentionCache]:
+        """One sequence's caches, one per layer."""
+        return [block.attn.new_cache(max_seq_len) for block in self.blocks]
+
+    @property
+    def blocks(self) -> list[Block]:
+        return [b for b in self.layers if isinstance(b, Block)]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                caches: Sequence[list[AttentionCache]], seq_lens: Sequence[int],
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [R, vocab] (fp32; fp64 for a float64 model) of the rows ``logit_rows`` (default:
+        all) of tokens [T]; ``caches[s]`` holds sequence s's per-layer caches, ``seq_lens[s]``
+        its token count."""
+        x = F.embedding(tokens, self.embed.weight)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, [c[i] for c in caches], seq_lens)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        logits = F.linear(self.norm(x, acc), self.head.weight)
+        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

@@ -1,0 +1,209 @@
+"""The shipped tiny LM: loads through load_checkpoint, answers, and collapses on the upstream
+bug; bad model folders and prompts fail clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import dsv4.model.checkpoint as model_ckpt
+from dsv4 import CheckpointError, DeepseekV4Attention, platforms
+from dsv4.model.checkpoint import ATTN_SHARD, default_model_dir, load_tiny_lm, save_tiny_lm
+from dsv4.model.config import TinyLMConfig
+from dsv4.model.evaluate import answer_problems, evaluate, token_agreement
+from dsv4.model.generate import PromptError, generate
+from dsv4.model.task import heldout_problems
+from dsv4.model.train import EVAL_QUANT, greedy_answers
+from dsv4.model.train_lm import TrainLM
+from dsv4.platforms.preshuffle import PreshuffleAttention
+
+from conftest import rel_err
+
+MODEL = default_model_dir()
+SUBSET = 50
+
+
+@pytest.fixture(scope="module")
+def reference_lm():
+    return load_tiny_lm(MODEL)
+
+
+def test_shipped_model_is_official_names_and_dtypes_and_small():
+    size = sum(f.stat().st_size for f in MODEL.iterdir())
+    assert size <= 20 * 2**20
+    cfg = TinyLMConfig.from_pretrained(MODEL)
+    assert sorted(set(cfg.attn.compress_ratios[:cfg.num_layers])) == [0, 4, 128]
+    assert cfg.attn.fp8_weights
+    with safe_open(str(MODEL / ATTN_SHARD), framework="pt") as f:
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}  # noqa: SIM118
+    assert dtypes["layers.1.attn.wq_a.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.attn.wq_a.scale"] == "F8_E8M0"
+    assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.attn.compressor.wkv.weight"] == "BF16"
+    assert dtypes["layers.2.attn.compressor.ape"] == "F32"
+
+
+def test_attention_layers_come_through_load_checkpoint(monkeypatch):
+    seen = []
+    real = model_ckpt.load_checkpoint
+
+    def spy(*args, **kwargs):
+        stack = real(*args, **kwargs)
+        seen.append(stack)
+        return stack
+
+    monkeypatch.setattr(model_ckpt, "load_checkpoint", spy)
+    lm = load_tiny_lm(MODEL, platform="preshuffle")
+    assert len(seen) == 1
+    layers = [b.attn for b in lm.layers]
+    assert all(isinstance(a, PreshuffleAttention) for a in layers)
+    assert [a is seen[0][i] for i, a in enumerate(layers)] == [True] * len(layers)
+
+
+def test_accuracy_on_a_subset(reference_lm):
+    problems = heldout_problems(SUBSET)
+    answers = generate(reference_lm, [p.prompt for p in problems], max_new_tokens=4)
+    acc = sum(a == p.answer for a, p in zip(answers, problems, strict=True)) / SUBSET
+    assert acc >= 0.9, list(zip(answers, [p.answer for p in problems], strict=True))
+
+
+def test_every_cpu_platform_and_fusion_agrees_with_reference():
+    runs = evaluate(MODEL, platforms.available("cpu"), "cpu", n=SUBSET)
+    assert len(runs) == 2 * len(platforms.available("cpu"))
+    for r in runs:
+        assert not r.error and r.correct >= runs[0].correct - 1, r
+        assert r.token_agreement >= 0.99, r
+
+
+class PlainGemmPreshuffle(PreshuffleAttention):
+    """The upstream bug: the preshuffled fp8 weight sent through a plain GEMM."""
+
+    def _fused_wqa_wkv_gemm(self, x):
+        from dsv4.layers.fp8 import dequantize_fp8_block
+
+        w = dequantize_fp8_block(self.fused_wqa_wkv.weight.detach(), self.fused_wqa_wkv.scale,
+                                 x.dtype)
+        return torch.nn.functional.linear(x, w)
+
+
+def test_the_upstream_bug_collapses_accuracy():
+    platforms.register_platform(platforms.Platform(
+        "plain_gemm_bug", "preshuffled weights through a plain GEMM",
+        f"{__name__}:PlainGemmPreshuffle", pass_names=("compressor_fusion", "preshuffle")))
+    try:
+        bad = answer_problems(MODEL, heldout_problems(SUBSET), "plain_gemm_bug", fusion=True)
+    finally:
+        platforms.unregister_platform("plain_gemm_bug")
+    good = answer_problems(MODEL, heldout_problems(SUBSET), "preshuffle", fusion=True)
+    assert good.accuracy >= 0.9
+    assert bad.accuracy < 0.05
+    assert token_agreement(bad.tokens, good.tokens) < 0.5
+
+
+def test_training_model_equals_inference_model_in_float64(tmp_path):
+    """Export -> save_tiny_lm -> load_tiny_lm: the inference LM (float64, fp8 weights, default
+    simulations) computes the training LM's checkpoint numerics."""
+    cfg = TinyLMConfig.preset()
+    train = TrainLM(cfg).double()
+    save_tiny_lm(train.export_tensors(fp8=True), cfg, tmp_path)
+    lm = load_tiny_lm(tmp_path, dtype=torch.float64)
+    tokens = torch.randint(3, cfg.vocab_size, (1, 150))
+    with torch.no_grad():
+        ref, _ = train(tokens, quant=EVAL_QUANT, dtype=torch.float64)
+    caches = [lm.new_caches(150)]
+    got = lm(tokens[0], torch.arange(150), caches, [150])
+    assert rel_err(got, ref[0]) < 1e-10
+
+
+def test_shipped_model_agrees_with_its_training_numerics(reference_lm):
+    """The float64 training forward of the shipped tensors answers like the bf16 layers."""
+    problems = heldout_problems(20)
+    cfg = TinyLMConfig.from_pretrained(MODEL)
+    train = TrainLM(cfg)
+    tensors = model_ckpt.read_lm_tensors(MODEL, cfg)
+    from dsv4.checkpoint import read_layer_tensors
+    from dsv4.model.train_attention import load_attention_tensors
+
+    with torch.no_grad():
+        for name, p in train.named_parameters():
+            if name in tensors:
+                p.copy_(tensors[name].float())
+    for i, t in read_layer_tensors(MODEL, cfg.attn, range(cfg.num_layers)).items():
+        load_attention_tensors(train.layers[i].attn, t)  # type: ignore[arg-type]
+    answers = greedy_answers(train, problems, cfg.tokenizer)
+    assert answers == generate(reference_lm, [p.prompt for p in problems], 4)
+
+
+# ---------------------------------------------------------------------------------- bad input
+@pytest.fixture
+def model_copy(tmp_path):
+    dest = tmp_path / "m"
+    shutil.copytree(MODEL, dest)
+    return dest
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_tiny_lm(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_tiny_lm(tmp_path / "empty")
+
+
+def test_corrupt_shard_is_a_clear_error(model_copy):
+    shard = model_copy / ATTN_SHARD
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_tiny_lm(model_copy)
+
+
+def test_missing_shard_is_a_clear_error(model_copy):
+    (model_copy / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_tiny_lm(model_copy)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("hidden_size", 128, "shape"),
+    ("intermediate_size", 256, "ffn.w1.weight"),
+    ("num_hidden_layers", 5, "layer 4"),
+    ("index_n_heads", 8, "indexer"),
+])
+def test_config_that_does_not_match_the_tensors(model_copy, key, value, match):
+    path = model_copy / "config.json"
+    d = json.loads(path.read_text())
+    d[key] = value
+    if key == "num_hidden_layers":
+        d["compress_ratios"] = [*d["compress_ratios"], 0]
+    path.write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=match):
+        load_tiny_lm(model_copy)
+
+
+def test_invalid_config_json_is_a_clear_error(model_copy):
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_tiny_lm(model_copy)
+
+
+def test_bad_prompts(reference_lm):
+    with pytest.raises(PromptError, match="empty"):
+        generate(reference_lm, [""])
+    limit = reference_lm.cfg.max_seq_len
+    with pytest.raises(PromptError, match="max_position_embeddings"):
+        generate(reference_lm, ["c" * limit])
+    with pytest.raises(PromptError, match=r"\['#'\]"):
+        generate(reference_lm, ["a=1;#"])
+    assert isinstance(reference_lm.layers[0].attn, DeepseekV4Attention)
+
+
+def test_shipped_report_is_committed():
+    report = json.loads((MODEL / "train_report.json").read_text())
+    assert report["steps"] > 0 and report["command"]
+    assert (MODEL / "loss_curve.png").stat().st_size > 1000
+    assert Path(MODEL / "config.json").is_file()
