@@ -53,9 +53,12 @@ def structural_violations(cls: type[Any], base: type[Any] = DeepseekV4Attention)
     return problems
 
 
-def expected_points(layer: DeepseekV4Attention) -> set[str]:
-    """The override points a forward of this layer must pass through."""
-    if layer._input_pack is not None:  # one launch replaces the four GEMMs
+def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None) -> set[str]:
+    """The override points a forward of this layer must pass through. A layer with packed input
+    weights may take the one-launch path (``packed_path``) or, for calls its platform plans
+    otherwise, the separate GEMMs; default: packed iff the layer is packed."""
+    packed = layer._input_pack is not None if packed_path is None else packed_path
+    if packed:  # one launch replaces the four GEMMs
         return {"_run_parallel_input_projections", "_fused_input_projections_gemm",
                 "forward_mqa", "_o_proj"}
     pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa", "_o_proj"}
@@ -92,7 +95,9 @@ def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
         for n in points:
             layer.__dict__.pop(n, None)
     called = {n for kind, n in order if kind == "enter"}
-    problems = [f"forward never called {n}" for n in sorted(expected_points(layer) - called)]
+    packed_path = layer._input_pack is not None and "_fused_input_projections_gemm" in called
+    expected = expected_points(layer, packed_path)
+    problems = [f"forward never called {n}" for n in sorted(expected - called)]
     active: list[str] = []
     for kind, n in order:
         if kind == "enter":

@@ -46,7 +46,9 @@ def _block_scale(blocks: Tensor, floor: float, qmax: float) -> Tensor:
     that product decide the exponent.
     """
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(floor)
-    return pow2(ceil_log2(amax * amax.new_tensor(1.0 / qmax)), blocks.dtype)
+    # a Python scalar multiplies in amax's dtype (fp32 x fp32(1/qmax), as the official kernel);
+    # unlike new_tensor it needs no host-to-device copy (CUDA-graph capturable)
+    return pow2(ceil_log2(amax * (1.0 / qmax)), blocks.dtype)
 
 
 def fp8_block_sim(x: Tensor, block: int = 64) -> Tensor:
