@@ -17,6 +17,7 @@ from torch import nn
 from dsv4.config import DSV4Config
 from dsv4.layers.cache import AttentionCache
 from dsv4.layers.compressor import Compressor
+from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.linear import Linear, MergedLinear
 from dsv4.layers.mqa import sparse_mqa_with_sink
@@ -227,6 +228,9 @@ class DeepseekV4Attention(nn.Module):
             if any(p.untyped_storage().data_ptr() != ptr
                    for _, p, _ in input_segments(self)[1:]):
                 pack_layer_inputs(self)
+            elif self.fused_wqa_wkv.scale is not None:  # new block scales: re-derive fp32 copy
+                self._packed_fp8_scale = e8m0_to_float(self.fused_wqa_wkv.scale.data).to(
+                    self.device)
             return
         fused = self._fused_compressor_weight
         if isinstance(fused, torch.Tensor):

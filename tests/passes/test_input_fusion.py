@@ -69,8 +69,11 @@ def test_pack_survives_reload_and_module_conversion(tiny, make_layer):
 
     layer = make_layer(tiny, 4)
     process_weights_after_loading(layer, passes=PASSES)
-    layer.load_weights(random_layer_weights(tiny, layer.layer_id, seed=3).items())
-    fresh = make_layer(tiny, 4, seed=3)
+    new = random_layer_weights(tiny, layer.layer_id, seed=3)
+    new["wq_a.scale"].view(torch.uint8)[0, 1] += 1  # one block doubles (a uniform change
+    layer.load_weights(new.items())  # would vanish in q_norm)
+    fresh = make_layer(tiny, 4)
+    fresh.load_weights(new.items())
     x = random_x(9, tiny.hidden_size).bfloat16()
     y = fresh(x, torch.arange(9), fresh.new_cache(9))
     assert torch.equal(layer(x, torch.arange(9), layer.new_cache(9)), y)
