@@ -59,6 +59,12 @@ class TrainSettings:
     init_from: str = ""
     """Start from this float state dict (``torch.save(model.state_dict())``) instead of a fresh
     initialisation (fine-tuning)."""
+    accumulate: int = 1
+    """Batches per optimizer step (gradient accumulation: a larger batch on a CPU)."""
+    autocast: bool = False
+    """bf16 autocast for the forward (CPU fine-tuning: AMX matmuls)."""
+    length_buckets: int = 4
+    """Batches drawn together from one length-sorted pool (less padding)."""
     data_workers: int = -1
     """Processes generating batches (-1: 3 on CUDA, 0 on the CPU)."""
     task: TaskSpec = field(default_factory=TaskSpec)
@@ -133,9 +139,15 @@ class _Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         info = torch.utils.data.get_worker_info()
         wid = 0 if info is None else info.id
         rng = random.Random(1000 * (self.settings.seed + 1) + wid)  # never the held-out seed
+        b, k = self.settings.batch, self.settings.length_buckets
         while True:
-            yield encode_batch([make_problem(rng, self.settings.task)
-                                for _ in range(self.settings.batch)], self.tok, "cpu")
+            # k batches at a time from one sorted pool: rows of similar length pad little
+            pool = sorted((make_problem(rng, self.settings.task) for _ in range(k * b)),
+                          key=lambda p: len(p.prompt))
+            order = list(range(k))
+            rng.shuffle(order)
+            for i in order:
+                yield encode_batch(pool[i * b:(i + 1) * b], self.tok, "cpu")
 
 
 def _lr(settings: TrainSettings, step: int, frac: float) -> float:
@@ -187,13 +199,16 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
         lr = _lr(settings, step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y, lens = (t.to(device, non_blocking=True) for t in next(batches))
-        logits, kl = model(x, sparse=phase != "dense", quant=QAT if phase == "qat" else NO_QUANT,
-                           indexer_loss=True, valid_len=lens)
-        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        loss = ce + settings.indexer_loss_weight * kl
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for _ in range(settings.accumulate):  # one optimizer step over `accumulate` batches
+            x, y, lens = (t.to(device, non_blocking=True) for t in next(batches))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.autocast):
+                logits, kl = model(x, sparse=phase != "dense",
+                                   quant=QAT if phase == "qat" else NO_QUANT, indexer_loss=True,
+                                   valid_len=lens)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+            loss = ce + settings.indexer_loss_weight * kl
+            (loss / settings.accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -213,6 +228,7 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
     model.eval()
     final_acc = accuracy(greedy_answers(model, heldout, tok), heldout)
     float_acc = accuracy(greedy_answers(model, heldout, tok, quant=NO_QUANT), heldout)
+    evals.append({"step": step, "seconds": train_seconds, "accuracy": final_acc})
     log(f"done: {step} steps in {train_seconds:.0f}s; held-out accuracy {final_acc:.3f} with "
         f"checkpoint weights + simulations, {float_acc:.3f} float")
     report = {"settings": {k: v for k, v in asdict(settings).items() if k != "task"},
@@ -221,8 +237,29 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
               "heldout_accuracy_float": float_acc, "curve": curve, "evals": evals,
               "device": str(device), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu"}
+              else f"cpu ({torch.get_num_threads()} threads)"}
     return model, report
+
+
+def combine_reports(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """One report for two training stages run back to back (e.g. GPU training, then a CPU
+    fine-tune from its float weights): curves concatenated, steps and seconds summed."""
+    def shifted(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{**r, "step": r["step"] + first["steps"],
+                 "seconds": r["seconds"] + first["train_seconds"]} for r in rows]
+
+    out = {**second, "steps": first["steps"] + second["steps"],
+           "train_seconds": first["train_seconds"] + second["train_seconds"],
+           "curve": first["curve"] + shifted(second["curve"]),
+           "evals": first["evals"] + shifted(second["evals"])}
+    def summary(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items()
+                if k not in ("curve", "evals", "stages", "stage_boundaries")}
+
+    out["stages"] = first.get("stages", [summary(first)]) + [summary(second)]
+    out["stage_boundaries"] = [*first.get("stage_boundaries", []), first["steps"]]
+    out["device_name"] = f"{first['device_name']} + {second['device_name']}"
+    return out
 
 
 def save_report(report: dict[str, Any], folder: Path) -> None:
@@ -241,11 +278,15 @@ def save_report(report: dict[str, Any], folder: Path) -> None:
     steps = [c["step"] for c in curve]
     ax[0].semilogy(steps, [c["ce"] for c in curve], label="answer cross-entropy")
     ax[0].semilogy(steps, [max(c["indexer_kl"], 1e-6) for c in curve], label="indexer KL")
-    for name, pid in (("sparse", 1), ("qat", 2)):
-        first = next((c["step"] for c in curve if c["phase_id"] == pid), None)
-        if first is not None:
-            ax[0].axvline(first, color="gray", ls=":")
-            ax[0].text(first, ax[0].get_ylim()[1], f" {name}", va="top", fontsize=8)
+    names = ["dense", "sparse", "qat"]
+    for prev, cur in zip(curve, curve[1:], strict=False):
+        if cur["phase_id"] != prev["phase_id"]:
+            ax[0].axvline(cur["step"], color="gray", ls=":")
+            ax[0].text(cur["step"], ax[0].get_ylim()[1], f" {names[int(cur['phase_id'])]}",
+                       va="top", fontsize=8)
+    for b in report.get("stage_boundaries", []):
+        ax[0].axvline(b, color="black", ls="--")
+        ax[0].text(b, ax[0].get_ylim()[0], " next stage", va="bottom", fontsize=8)
     ax[0].set_xlabel("step")
     ax[0].legend()
     ax[0].set_title("training loss")

@@ -172,11 +172,16 @@ class TrainIndexer(nn.Module):
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, rope_dim: int,
            adt: torch.dtype, inverse: bool = False) -> torch.Tensor:
-    """GPT-J RoPE on the last ``rope_dim`` dims of x [B, T, (heads,) d] at positions [T]: the
+    """GPT-J RoPE on the last ``rope_dim`` dims of x [B, T, (heads,) d] at positions [T] (or
+    [B, T]): the
     inference layer's angles (:meth:`RotaryEmbedding.cos_sin`) and arithmetic, batch-first."""
-    cos, sin = rotary.cos_sin(positions, adt)  # [T, rope_dim / 2]
-    while cos.dim() < x.dim() - 1:  # align T with x's dim 1, broadcast over heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = rotary.cos_sin(positions, adt)  # [(B,) T, rope_dim / 2]
+    if positions.dim() == 1:
+        while cos.dim() < x.dim() - 1:  # align T with x's dim 1, broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    else:  # per-row positions [B or 1, T]: broadcast over heads
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     if inverse:
         sin = -sin
     d = x.shape[-1]
@@ -225,29 +230,37 @@ class TrainAttention(nn.Module):
     # ---------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *, sparse: bool = True, quant: QuantOptions = NO_QUANT,
                 indexer_loss: bool = False, valid_len: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y [B, T, hidden] for sequences x [B, T, hidden] starting at position 0, and the
         indexer distillation loss (ratio-4 layers, when ``indexer_loss``; else None).
 
         ``valid_len`` [B]: tokens of each row that are real (right padding is never attended to
-        by real tokens anyway; it only keeps padded queries out of the indexer loss)."""
+        by real tokens anyway; it only keeps padded queries out of the indexer loss).
+        ``rows`` [B, R]: compute only these query positions (y is [B, R, hidden]); keys and
+        compressed entries still come from every position (fine-tuning the last layer)."""
         cfg = self.cfg
-        b_, t, _ = x.shape
+        b_, t, hid = x.shape
         dt = x.dtype
         acc = torch.float64 if dt == torch.float64 else torch.float32
         eps = cfg.rms_norm_eps
         pos = torch.arange(t, device=x.device)
+        qpos = pos[None] if rows is None else rows  # [1 or B, R]
         sim = quant.simulate
         x_in = x
         if quant.act_fp8_prob > 0 and torch.rand(()) < quant.act_fp8_prob:
             x_in = act_fp8(x)
-        qr = F.linear(x_in, self._w("wq_a", quant))
+        xq, xq_in = x, x_in
+        if rows is not None:
+            index = rows[..., None].expand(-1, -1, hid)
+            xq, xq_in = x.gather(1, index), x_in.gather(1, index)
+        qr = F.linear(xq_in, self._w("wq_a", quant))
         kv = F.linear(x_in, self._w("wkv", quant))
         qr = (rms_normalize(qr, eps, acc) * self._w("q_norm", quant).to(acc)).to(dt)
         kv = (rms_normalize(kv, eps, acc) * self._w("kv_norm", quant).to(acc)).to(dt)
         d, nh = self.head_dim, self.n_heads
         q = F.linear(qr, self._w("wq_b", quant)).unflatten(-1, (nh, d))
-        q = self._rope(rms_normalize(q, eps, acc), pos, acc).to(dt)  # [B, T, nh, d]
+        q = self._rope(rms_normalize(q, eps, acc), qpos, acc).to(dt)  # [B, R, nh, d]
         kv = self._rope(kv, pos, acc)
         if sim:
             nope = d - self.rope_dim
@@ -258,9 +271,10 @@ class TrainAttention(nn.Module):
         qf, kvf = q.to(acc), kv.to(acc)
         scale = cfg.softmax_scale
         logits_w = torch.einsum("bthd,bsd->bhts", qf, kvf) * scale
-        rel = pos[:, None] - pos[None, :]
+        rel = qpos[..., None] - pos  # [1 or B, R, T]
         win_ok = (rel >= 0) & (rel < cfg.sliding_window)
-        logits_w = logits_w.masked_fill(~win_ok, float("-inf"))
+        logits_w = logits_w.masked_fill(~win_ok[:, None], float("-inf"))
+        n_q = q.shape[1]
 
         cmp = None
         visible = None
@@ -271,10 +285,10 @@ class TrainAttention(nn.Module):
             cmp = self.compressor(x, self.rotary, acc, quant, False, eps,
                                   self.rope_dim).to(dt).to(acc)  # [B, n, d]
             n = cmp.shape[1]
-            visible = torch.arange(n, device=x.device)[None, :] < ((pos + 1) // r)[:, None]
-            selected = visible[None].expand(b_, t, n)
+            visible = torch.arange(n, device=x.device) < ((qpos + 1) // r)[..., None]
+            selected = visible.expand(b_, n_q, n)
             if self.indexer is not None:
-                scores = self._index_scores(x, qr, pos, quant, visible)  # [B, T, n]
+                scores = self._index_scores(x, xq, qr, qpos, quant, visible)  # [B, R, n]
                 if sparse:
                     selected = topk_mask(scores.detach(), self.indexer.topk)
         if cmp is not None and cmp.shape[1] > 0:
@@ -292,35 +306,37 @@ class TrainAttention(nn.Module):
             if self.indexer is not None and indexer_loss:
                 assert visible is not None
                 dense = _softmax_with_sink(
-                    torch.cat((logits_w, logits_c.masked_fill(~visible, float("-inf"))), -1),
-                    self.attn_sink.to(acc))
-                loss = _indexer_kl(dense[..., t:].detach(), scores, visible, valid_len)
+                    torch.cat((logits_w, logits_c.masked_fill(~visible[:, None], float("-inf"))),
+                              -1), self.attn_sink.to(acc))
+                loss = _indexer_kl(dense[..., t:].detach(), scores, visible, qpos, valid_len)
         o = o.to(dt)
 
-        o = self._rope(o, pos, acc, inverse=True)
+        o = self._rope(o, qpos, acc, inverse=True)
         g, r_o = cfg.o_groups, cfg.o_lora_rank
         wo_a = self._w("wo_a", quant).view(g, r_o, -1)
-        z = torch.einsum("btgc,grc->btgr", o.reshape(b_, t, g, -1), wo_a).flatten(-2)
+        z = torch.einsum("btgc,grc->btgr", o.reshape(b_, n_q, g, -1), wo_a).flatten(-2)
         if quant.act_fp8_prob > 0 and torch.rand(()) < quant.act_fp8_prob:
             z = act_fp8(z)
         return F.linear(z, self._w("wo_b", quant)), loss
 
-    def _index_scores(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor,
-                      quant: QuantOptions, visible: torch.Tensor) -> torch.Tensor:
+    def _index_scores(self, x: torch.Tensor, xq: torch.Tensor, qr: torch.Tensor,
+                      qpos: torch.Tensor, quant: QuantOptions, visible: torch.Tensor
+                      ) -> torch.Tensor:
         """score[b, t, j] = sum_h w[b, t, h] relu(<q_I[b, t, h], K_I[b, j]>), -inf where entry j
-        is not visible to t. Inputs are detached: only the distillation loss trains these."""
+        is not visible to query t (keys from every row of x, queries from xq / qr at qpos).
+        Inputs are detached: only the distillation loss trains these."""
         idx = self.indexer
         assert idx is not None
         dt = x.dtype
         acc = torch.float64 if dt == torch.float64 else torch.float32
-        x, qr = x.detach(), qr.detach()
+        x, xq, qr = x.detach(), xq.detach(), qr.detach()
         q = F.linear(qr, self._w("indexer.wq_b", quant)).unflatten(-1, (idx.n_heads, -1))
-        q = self._rope(q, pos, acc)
+        q = self._rope(q, qpos, acc)
         keys = idx.compressor(x, self.rotary, acc, quant, True,
                               self.cfg.rms_norm_eps, self.rope_dim).to(dt)
         if quant.simulate:
             q = ste(q, indexer_quant_sim(q))
-        w = F.linear(x, self._w("indexer.weights_proj", quant)).to(acc) * idx.weight_scale
+        w = F.linear(xq, self._w("indexer.weights_proj", quant)).to(acc) * idx.weight_scale
         logits = torch.einsum("bthd,bnd->bthn", q.to(acc), keys.to(acc)).relu()
         scores = torch.einsum("bthn,bth->btn", logits, w)
         return scores.masked_fill(~visible, float("-inf"))
@@ -346,16 +362,15 @@ def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor
 
 
 def _indexer_kl(attn_cmp: torch.Tensor, scores: torch.Tensor, visible: torch.Tensor,
-                valid_len: torch.Tensor | None) -> torch.Tensor:
+                qpos: torch.Tensor, valid_len: torch.Tensor | None) -> torch.Tensor:
     """KL(target || softmax(scores)) over visible entries, averaged over the queries that see at
     least one entry. target = the main attention's mass on each entry, summed over heads and
     renormalised."""
     target = attn_cmp.sum(dim=1)  # [B, T, n]
     target = target / target.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    has = visible.any(dim=-1)[None].expand(scores.shape[0], -1)  # [B, T]
+    has = visible.any(dim=-1).expand(scores.shape[0], -1)  # [B, T]
     if valid_len is not None:
-        t = scores.shape[1]
-        has = has & (torch.arange(t, device=scores.device)[None] < valid_len[:, None])
+        has = has & (qpos < valid_len[:, None])
     logq = torch.log_softmax(scores.masked_fill(~visible, -1e30), dim=-1)
     kl = (target * (torch.log(target.clamp_min(1e-30)) - logq)).masked_fill(~visible, 0.0)
     per_query = kl.sum(dim=-1)
