@@ -208,16 +208,7 @@ class DSV4Config:
     @classmethod
     def from_pretrained(cls, path: str | Path, **overrides: Any) -> DSV4Config:
         """Read a ``config.json`` file, or the ``config.json`` inside a checkpoint folder."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise ConfigError(f"no config.json at {p}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p} is not valid JSON: {e}") from e
-        return cls.from_dict(d, **overrides)
+        return cls.from_dict(read_config_json(path), **overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """HF-style dict; ``from_dict(to_dict())`` round-trips."""
@@ -250,6 +241,22 @@ class DSV4Config:
         if name not in _PRESETS:
             raise ConfigError(f"unknown preset {name!r}; valid presets: {sorted(_PRESETS)}")
         return cls.from_dict(_PRESETS[name])
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in a ``config.json`` file (or a folder holding one), with clear errors."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"no config.json at {p}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p} must hold a JSON object")
+    return d
 
 
 def _parse_rope_scaling(rs: Any) -> YarnScaling | None:

@@ -6,12 +6,11 @@ The LM keys ride in the same HF-style ``config.json`` (``DSV4Config.from_dict`` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.config import ConfigError, DSV4Config
+from dsv4.config import ConfigError, DSV4Config, read_config_json
 from dsv4.model.task import TaskSpec
 from dsv4.model.tokenizer import CharTokenizer
 
@@ -91,17 +90,7 @@ class TinyLMConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, **attn_overrides: Any) -> TinyLMConfig:
-        p = Path(folder)
-        p = p / "config.json" if p.is_dir() else p
-        if not p.is_file():
-            raise ConfigError(f"no config.json at {p}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p} is not valid JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p} must hold a JSON object")
-        return cls.from_dict(d, **attn_overrides)
+        return cls.from_dict(read_config_json(folder), **attn_overrides)
 
     def to_dict(self) -> dict[str, Any]:
         d = self.attn.to_dict()
