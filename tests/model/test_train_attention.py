@@ -43,7 +43,10 @@ def test_float64_equals_inference_layer_simulations_off(ratio):
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_checkpoint_numerics_equal_the_fp8_layer_with_simulations(ratio):
     """With every weight rounded to its checkpoint dtype and the official simulations on, the
-    training forward is the shipped fp8 layer's default numerics (float64)."""
+    training forward is the shipped fp8 layer's default numerics (float64). Seeded: with the FP4
+    indexer simulation exact score ties are common, where a 1-ulp difference in summation order
+    could pick another entry."""
+    torch.manual_seed(1)
     cfg = DSV4Config.preset("tiny")
     layer_id = cfg.layer_of_ratio(ratio)
     train = TrainAttention(cfg, layer_id).double()
@@ -62,7 +65,7 @@ def test_dense_mode_differs_and_the_indexer_is_trained_by_distillation_only():
     y_sparse, kl = train(x, sparse=True, indexer_loss=True)
     y_dense, _ = train(x, sparse=False)
     assert rel_err(y_sparse, y_dense) > 1e-4  # 40 entries, top-8: selection matters
-    assert kl is not None and float(kl) > 0
+    assert kl is not None and float(kl.detach()) > 0
     kl.backward()
     idx_grads = {n: p.grad for n, p in train.named_parameters() if n.startswith("indexer.")}
     assert idx_grads and all(g is not None and g.abs().sum() > 0 for g in idx_grads.values())

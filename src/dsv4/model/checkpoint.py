@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -125,14 +126,15 @@ def read_lm_tensors(folder: Path, cfg: TinyLMConfig) -> dict[str, torch.Tensor]:
 
 def load_tiny_lm(folder: str | Path, platform: str = "reference",
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                 passes: Sequence[str] | None = None) -> TinyLM:
+                 passes: Sequence[str] | None = None, **attn_overrides: Any) -> TinyLM:
     """Load a tiny-LM folder: the attention layers through ``load_checkpoint`` (platform layer
-    classes and post-load ``passes``, default: the platform's own), the rest from its shard."""
+    classes and post-load ``passes``, default: the platform's own), the rest from its shard.
+    ``attn_overrides``: runtime options of the attention config, e.g. ``simulate_quant=False``."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist")
     try:
-        cfg = TinyLMConfig.from_pretrained(folder)
+        cfg = TinyLMConfig.from_pretrained(folder, **attn_overrides)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from e
     stack = load_checkpoint(folder, layers=list(range(cfg.num_layers)), platform=platform,

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dsv4.checkpoint import CheckpointError
+from dsv4.config import ConfigError
 from dsv4.model.checkpoint import load_tiny_lm
 from dsv4.model.config import TinyLMConfig
 from dsv4.model.generate import generate_ids
@@ -88,7 +90,13 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     names = list(platforms) if platforms else available(device)
     for name in names:
         get_platform(name, device)  # unknown / unavailable: a clear error before any work
-    problems = heldout_problems(n, TinyLMConfig.from_pretrained(model_dir).task)
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"model folder {model_dir} does not exist")
+    try:
+        task = TinyLMConfig.from_pretrained(model_dir).task
+    except ConfigError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+    problems = heldout_problems(n, task)
     combos = [("reference", False)] + [(p, f) for p in names for f in fusions
                                        if (p, f) != ("reference", False)]
     runs: list[EvalRun] = []

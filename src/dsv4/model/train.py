@@ -95,7 +95,7 @@ def encode_batch(problems: Sequence[Problem], tok: CharTokenizer, device: torch.
 @torch.no_grad()
 def greedy_answers(model: TrainLM, problems: Sequence[Problem], tok: CharTokenizer,
                    quant: QuantOptions = EVAL_QUANT, batch: int = 200, max_new: int = 4,
-                   ) -> list[str]:
+                   dtype: torch.dtype = torch.float32) -> list[str]:
     """Greedy answers by the training model itself (full re-forward per token, no caches): a
     cheap progress signal during training. The shipped model is scored by :mod:`dsv4.model.eval`
     through the inference layers instead."""
@@ -111,7 +111,7 @@ def greedy_answers(model: TrainLM, problems: Sequence[Problem], tok: CharTokeniz
             x = torch.full((len(seqs), t), tok.pad_id, dtype=torch.long)
             for i, q in enumerate(seqs):
                 x[i, :len(q)] = torch.tensor(q)
-            logits, _ = model(x.to(device), quant=quant)
+            logits, _ = model(x.to(device), quant=quant, dtype=dtype)
             last = torch.tensor([len(q) - 1 for q in seqs], device=device)
             nxt = logits[torch.arange(len(seqs), device=device), last].argmax(-1).tolist()
             for i, n in enumerate(nxt):
