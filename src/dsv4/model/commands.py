@@ -21,57 +21,50 @@ def _device(arg: str | None) -> str:
     return arg or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# The issue's goals for the shipped model (reported, not enforced: the shipped model misses them,
-# see models/tiny-arith/README.md).
-GOAL_ACCURACY, GOAL_WITHIN, GOAL_AGREEMENT = 0.95, 1, 0.999
-# The regression check that sets the exit code: what a working path gives with the shipped model,
-# with a margin; a broken path (e.g. the upstream preshuffle bug) scores ~0 and fails it.
-MIN_ACCURACY, MAX_GAP_SHARE, MIN_AGREEMENT = 0.8, 0.03, 0.9
+# The end-to-end check that sets the exit code of `dsv4 eval` / `dsv4 demo`: the shipped model's
+# goals (models/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
+# scores ~0 and fails it by far; so does a near-tie flip on more than one problem.
+MIN_ACCURACY, MAX_GAP, MIN_AGREEMENT = 0.95, 1, 0.999
 
 
 def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
-    """(passed the regression check, a two-line verdict: the check, then the issue's goals)."""
+    """(passed, a one-line verdict): ``runs[0]`` is ``reference`` without fusion; it must reach
+    ``MIN_ACCURACY`` and every other run be within ``MAX_GAP`` problems of it with at least
+    ``MIN_AGREEMENT`` token agreement."""
     ref = runs[0]
-    gap = max(5, round(MAX_GAP_SHARE * ref.n))
-    bad, missed = [], []
+    bad = []
     if ref.accuracy < MIN_ACCURACY:
         bad.append(f"reference accuracy {ref.accuracy:.3f} < {MIN_ACCURACY}")
-    if ref.accuracy < GOAL_ACCURACY:
-        missed.append(f"reference accuracy {ref.accuracy:.3f} < {GOAL_ACCURACY}")
     for r in runs[1:]:
-        name = f"{r.platform} fusion {'on' if r.fusion else 'off'}"
+        name = f"{r.platform} fusion {'on' if r.fusion else 'off'} {r.mode}"
         if r.error:
             bad.append(f"{name}: {r.error}")
-            continue
-        diff = f"{name}: {r.correct} correct vs {ref.correct}, {100 * r.token_agreement:.2f} %"
-        if abs(r.correct - ref.correct) > gap or r.token_agreement < MIN_AGREEMENT:
-            bad.append(diff)
-        if abs(r.correct - ref.correct) > GOAL_WITHIN or r.token_agreement < GOAL_AGREEMENT:
-            missed.append(diff)
-    check = ("check OK" if not bad else "check FAILED: " + "; ".join(bad)) + (
-        f" (reference >= {MIN_ACCURACY}, others within {gap} problems and >= "
-        f"{100 * MIN_AGREEMENT:.0f} % token agreement)")
-    goals = ("issue goals met" if not missed else "issue goals not met: " + "; ".join(missed)) + (
-        f" (reference >= {GOAL_ACCURACY}, others within {GOAL_WITHIN} problem and >= "
-        f"{100 * GOAL_AGREEMENT:.1f} % token agreement)")
-    return not bad, f"{check}\n{goals}"
+        elif abs(r.correct - ref.correct) > MAX_GAP or r.token_agreement < MIN_AGREEMENT:
+            bad.append(f"{name}: {r.correct} correct vs {ref.correct}, "
+                       f"{100 * r.token_agreement:.2f} % token agreement")
+    rule = (f" (reference >= {MIN_ACCURACY}, every other run within {MAX_GAP} problem of it and "
+            f">= {100 * MIN_AGREEMENT:.1f} % token agreement)")
+    return not bad, ("check OK" if not bad else "check FAILED: " + "; ".join(bad)) + rule
 
 
 def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int,
-                   dtype: str, json_path: Path | None) -> int:
-    from dsv4.model.evaluate import evaluate, format_table, runs_to_json
+                   dtype: str, json_path: Path | None, decode_batch: int | None = -1) -> int:
+    from dsv4.model.evaluate import default_decode_batch, evaluate, format_table, runs_to_json
 
+    if decode_batch == -1:
+        decode_batch = default_decode_batch(device)
     t0 = time.perf_counter()
     print(f"tiny-arith model {model}: {n} held-out problems (a=..;<filler>b=..;<filler>a+b=), "
-          f"greedy batched decoding through the caches, {dtype} on {device}", flush=True)
-    runs = evaluate(model, platforms, device, n, dtype=DTYPES[dtype])
+          f"greedy batched decoding through the caches ({decode_batch or 'all'} sequences per "
+          f"decode forward), {dtype} on {device}", flush=True)
+    runs = evaluate(model, platforms, device, n, dtype=DTYPES[dtype], decode_batch=decode_batch)
     seconds = time.perf_counter() - t0
     print(format_table(runs))
     ok, verdict = eval_verdict(runs)
     print(f"\n{verdict}\n{seconds:.1f} s in all (loads included)")
     if json_path is not None:
         runs_to_json(runs, json_path, {"model": str(model), "device": device, "dtype": dtype,
-                                       "seconds": seconds, "ok": ok, "verdict": verdict,
+                                       "decode_batch": decode_batch, "seconds": seconds, "ok": ok, "verdict": verdict,
                                        "torch": torch.__version__})
     return 0 if ok else 1
 
@@ -90,8 +83,12 @@ def _user_errors(fn: Any) -> Any:
 
 @_user_errors
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.decode_batch is not None and args.decode_batch < 0:
+        raise ValueError(f"--decode-batch {args.decode_batch}: give a positive number, or 0 for "
+                         "all sequences in one forward")
+    batch = -1 if args.decode_batch is None else (args.decode_batch or None)
     return run_model_eval(args.model, args.platform, _device(args.device), args.problems,
-                          args.dtype, args.json)
+                          args.dtype, args.json, batch)
 
 
 @_user_errors
@@ -132,6 +129,9 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--problems", type=int, default=400, help="the first N held-out problems")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     e.add_argument("--json", type=Path, default=None, help="also write the results here")
+    e.add_argument("--decode-batch", type=int, default=None,
+                   help="sequences per decode forward (0: all at once; default: 16 on a GPU, "
+                        "all on the CPU)")
     e.set_defaults(func=_cmd_eval)
     g = sub.add_parser("generate", help="greedy decoding with the tiny LM")
     g.add_argument("--prompt", action="append", required=True, help="repeatable")

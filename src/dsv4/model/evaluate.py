@@ -32,6 +32,8 @@ class EvalRun:
     platform: str
     fusion: bool
     device: str
+    mode: str
+    """"graph": the platform's CUDA graphs as planned (platforms that have them); "eager": off."""
     n: int
     correct: int
     token_agreement: float
@@ -62,31 +64,54 @@ def token_agreement(runs: Sequence[list[int]], base: Sequence[list[int]]) -> flo
     return same / max(1, total)
 
 
+def graph_modes(platform: str, device: str) -> tuple[str, ...]:
+    """("graph", "eager") for a platform whose layers run CUDA graphs (``use_cuda_graphs``),
+    else ("eager",)."""
+    cls = get_platform(platform, device)
+    return ("graph", "eager") if hasattr(cls, "use_cuda_graphs") else ("eager",)
+
+
+def default_decode_batch(device: str) -> int | None:
+    """On a GPU, decode 16 sequences per forward (a decode server's batch; the ``cuda``
+    platform's one-launch path); on the CPU all unfinished sequences at once (fastest)."""
+    return 16 if str(device).startswith("cuda") else None
+
+
 def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform: str,
                     fusion: bool, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    ) -> EvalRun:
+                    mode: str = "graph", decode_batch: int | None = None) -> EvalRun:
     passes = passes_with_fusion(platform, fusion)
     t0 = time.perf_counter()
     model = load_tiny_lm(model_dir, platform=platform, device=device, dtype=dtype, passes=passes)
+    if mode not in graph_modes(platform, device):
+        mode = "eager"
+    for block in model.layers:
+        if hasattr(block.attn, "use_cuda_graphs"):
+            block.attn.use_cuda_graphs(mode == "graph")
     t1 = time.perf_counter()
     tok = model.cfg.tokenizer
     prompts = [tok.encode(p.prompt, bos=True) for p in problems]
     max_new = model.cfg.task.max_answer_tokens
-    outs = generate_ids(model, prompts, max_new)
+    outs = generate_ids(model, prompts, max_new, decode_batch=decode_batch)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     answers = [tok.decode(o) for o in outs]
     correct = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
-    return EvalRun(platform, fusion, device, len(problems), correct, 1.0, t1 - t0, t2 - t1,
-                   passes, answers=answers, tokens=outs)
+    return EvalRun(platform, fusion, device, mode, len(problems), correct, 1.0, t1 - t0,
+                   t2 - t1, passes, answers=answers, tokens=outs)
 
 
 def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
              device: str = "cpu", n: int = 400, fusions: Sequence[bool] = (False, True),
-             dtype: torch.dtype = torch.bfloat16, log: Any = None) -> list[EvalRun]:
-    """Every platform x fusion setting; token agreement against ``reference`` without fusion
-    (always run first). A run that raises is reported with its error, never aborts the rest."""
+             dtype: torch.dtype = torch.bfloat16, log: Any = None,
+             decode_batch: int | None = -1) -> list[EvalRun]:
+    """Every platform x fusion setting (x CUDA graphs on / off where the platform has them);
+    token agreement against ``reference`` without fusion (always run first). A run that raises
+    is reported with its error, never aborts the rest. ``decode_batch``: sequences per decode
+    forward (-1: :func:`default_decode_batch`, None: all at once)."""
+    if decode_batch == -1:
+        decode_batch = default_decode_batch(device)
     names = list(platforms) if platforms else available(device)
     for name in names:
         get_platform(name, device)  # unknown / unavailable: a clear error before any work
@@ -97,17 +122,19 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     except ConfigError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
     problems = heldout_problems(n, task)
-    combos = [("reference", False)] + [(p, f) for p in names for f in fusions
-                                       if (p, f) != ("reference", False)]
+    combos = [("reference", False, "eager")] + [
+        (p, f, m) for p in names for f in fusions for m in graph_modes(p, device)
+        if (p, f) != ("reference", False)]
     runs: list[EvalRun] = []
     base: list[list[int]] | None = None
-    for platform, fusion in combos:
+    for platform, fusion, mode in combos:
         try:
-            run = answer_problems(model_dir, problems, platform, fusion, device, dtype)
+            run = answer_problems(model_dir, problems, platform, fusion, device, dtype, mode,
+                                  decode_batch)
         except Exception as e:  # noqa: BLE001 - a broken platform is a row, not a crash
             if base is None:
                 raise
-            run = EvalRun(platform, fusion, device, len(problems), 0, 0.0, 0.0, 0.0, [],
+            run = EvalRun(platform, fusion, device, mode, len(problems), 0, 0.0, 0.0, 0.0, [],
                           error=f"{type(e).__name__}: {e}")
         if base is None:
             base = run.tokens
@@ -121,15 +148,16 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
 
 def format_row(r: EvalRun) -> str:
     if r.error:
-        return f"| {r.platform} | {'on' if r.fusion else 'off'} | ERROR: {r.error} | | | |"
-    return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.accuracy:.3f} "
+        return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | ERROR: {r.error} "
+                "| | | |")
+    return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.accuracy:.3f} "
             f"({r.correct}/{r.n}) | {100 * r.token_agreement:.2f} % | {r.answer_seconds:.1f} | "
             f"{'+'.join(r.passes) or '-'} |")
 
 
 def format_table(runs: Sequence[EvalRun]) -> str:
-    head = ["| platform | compressor fusion | accuracy | tokens = reference | s (400 answers) "
-            "| post-load passes |", "|---|---|---|---|---|---|"]
+    head = ["| platform | compressor fusion | mode | accuracy | tokens = reference "
+            "| s (400 answers) | post-load passes |", "|---|---|---|---|---|---|---|"]
     if runs:
         head[0] = head[0].replace("400", str(runs[0].n))
     return "\n".join(head + [format_row(r) for r in runs])

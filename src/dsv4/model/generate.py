@@ -41,10 +41,17 @@ def encode_prompts(model: TinyLM, prompts: Sequence[str], max_new_tokens: int
 
 @torch.no_grad()
 def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: int,
-                 prefill_tokens: int = 4096) -> list[list[int]]:
-    """Greedy continuations (without the prompt, ``<eos>`` included when produced)."""
+                 prefill_tokens: int = 4096, decode_batch: int | None = None,
+                 ) -> list[list[int]]:
+    """Greedy continuations (without the prompt, ``<eos>`` included when produced).
+
+    ``decode_batch``: at most this many sequences per decode forward (``None``: all unfinished
+    sequences in one forward). Small batches are what a decode server runs, and what sends the
+    ``cuda`` platform down its decode-sized path (one-launch input projections, CUDA graphs)."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
+    if decode_batch is not None and decode_batch <= 0:
+        raise ValueError(f"decode_batch={decode_batch} must be positive (or None: all at once)")
     dev = model.device
     eos = model.cfg.tokenizer.eos_id
     caches = [model.new_caches(len(p) + max_new_tokens) for p in prompts]
@@ -73,11 +80,14 @@ def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: in
         active = [i for i in active if nxt[i] != eos]
         if not active or step == max_new_tokens - 1:
             break
-        tokens = torch.tensor([nxt[i] for i in active], device=dev)
-        pos = torch.tensor([len(prompts[i]) + step for i in active], device=dev)
-        logits = model(tokens, pos, [caches[i] for i in active], [1] * len(active))
-        for i, t in zip(active, logits.argmax(-1).tolist(), strict=True):
-            nxt[i] = t
+        size = decode_batch or len(active)
+        for s in range(0, len(active), size):
+            rows = active[s:s + size]
+            tokens = torch.tensor([nxt[i] for i in rows], device=dev)
+            pos = torch.tensor([len(prompts[i]) + step for i in rows], device=dev)
+            logits = model(tokens, pos, [caches[i] for i in rows], [1] * len(rows))
+            for i, t in zip(rows, logits.argmax(-1).tolist(), strict=True):
+                nxt[i] = t
     return outs
 
 

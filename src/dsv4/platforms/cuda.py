@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,13 @@ class CudaAttention(DeepseekV4Attention):
         self._fp32_out = self.dtype == torch.bfloat16
         self.plan = plan or CudaPlan.load(self.cfg.hidden_size)
         self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, InputProjections]] = {}
+
+    def use_cuda_graphs(self, enabled: bool) -> None:
+        """Turn the input stage's CUDA graphs on (the plan's ``graph_max_tokens``) or off (every
+        call eager, same kernels): graph-vs-eager comparisons and debugging."""
+        default = CudaPlan.load(self.cfg.hidden_size).graph_max_tokens
+        self.plan = replace(self.plan, graph_max_tokens=default if enabled else 0)
+        self._graphs = {}
 
     @staticmethod
     def shared_build_kwargs(device: torch.device | str) -> dict[str, Any]:
