@@ -65,9 +65,28 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
     return w + m * keys * cfg.head_dim * 2
 
 
+def profile_step(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
+                 context: int, title: str) -> str:
+    """Kernel table of one eager decode step (same kernels as the graph): where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x, pos, caches)
+        torch.cuda.synchronize()
+    for c in caches:
+        c.length = context
+    events = prof.key_averages()
+    times = [(e.count, getattr(e, "device_time_total", 0.0)) for e in events]
+    kernels = sum(n for n, t in times if t > 0)
+    total = sum(t for _, t in times)
+    table = events.table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
+    return (f"## {title}: {kernels} kernel launches, {total:.0f} us of kernel time in one "
+            f"eager step\n\n{table}\n")
+
+
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
-             ) -> list[dict[str, Any]]:
+             profiles: list[str] | None = None) -> list[dict[str, Any]]:
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -121,6 +140,9 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
                      "rel_err_vs_serial4": err})
         print(f"{model:>5} {layer_type:>4} M={m:>3} {strategy:>12}: {us:8.1f} us "
               f"(floor {floor:6.1f} us, {floor / us:.2f}), err {err:.1e}", flush=True)
+        if profiles is not None and strategy == "fused4_dsv4":
+            profiles.append(profile_step(layer, x, pos, caches, context,
+                                         f"{model} {layer_type} M={m} {strategy}"))
         del layer, caches, graph
         torch.cuda.empty_cache()
     best_other = {r["M"]: min(q["us"] for q in rows if q["strategy"] != "fused4_dsv4")
@@ -138,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--profile", action="store_true",
+                    help="also write decode_step_profile.md: the kernel table of one step")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -145,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.time()
     rows: list[dict[str, Any]] = []
+    profiles: list[str] | None = [] if args.profile else None
     for model in args.models.split(","):
         cfg = DSV4Config.preset(model)
         for layer_type in args.layers.split(","):
             weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
             for m in (int(v) for v in args.ms.split(",")):
                 rows += run_case(cfg, model, layer_type, m, args.context, dev, bw, args.reps,
-                                 weights)
+                                 weights, profiles)
                 partial = {"rows": rows, "copy_bw": bw}
                 (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -172,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         "Full-layer decode step, CUDA-graph replay, us (context "
         f"{args.context} tokens per sequence)\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
+    if profiles:
+        (args.out / "decode_step_profile.md").write_text("\n".join(profiles))
     return 0
 
 

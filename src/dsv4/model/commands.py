@@ -64,8 +64,8 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
     print(f"\n{verdict}\n{seconds:.1f} s in all (loads included)")
     if json_path is not None:
         runs_to_json(runs, json_path, {"model": str(model), "device": device, "dtype": dtype,
-                                       "decode_batch": decode_batch, "seconds": seconds, "ok": ok, "verdict": verdict,
-                                       "torch": torch.__version__})
+                                       "decode_batch": decode_batch, "seconds": seconds,
+                                       "ok": ok, "verdict": verdict, "torch": torch.__version__})
     return 0 if ok else 1
 
 
