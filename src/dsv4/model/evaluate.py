@@ -86,8 +86,9 @@ def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform
     if mode not in graph_modes(platform, device):
         mode = "eager"
     for block in model.layers:
-        if hasattr(block.attn, "use_cuda_graphs"):
-            block.attn.use_cuda_graphs(mode == "graph")
+        switch = getattr(block.attn, "use_cuda_graphs", None)
+        if callable(switch):
+            switch(mode == "graph")
     t1 = time.perf_counter()
     tok = model.cfg.tokenizer
     prompts = [tok.encode(p.prompt, bos=True) for p in problems]
