@@ -141,6 +141,23 @@ def test_dequantize_matches_elementwise_definition(
         assert torch.equal(got.double(), want)  # exact: e4m3 times 2^e fits bf16
 
 
+def test_dequantize_to_bf16_equals_float32_rounded_over_the_whole_scale_range() -> None:
+    """The bf16 fast path (computed in bf16 for whole blocks) gives the bits of the float32
+    product rounded once to bf16, for every E8M0 byte (tiny, huge, NaN) and every E4M3 value."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randint(0, 256, (256, 4096), generator=gen, dtype=torch.int32)
+    w = w.to(torch.uint8).view(torch.float8_e4m3fn)  # 2 x 32 blocks, every byte many times
+    sbytes = torch.cat([torch.arange(0, 32), torch.arange(223, 255)]).to(torch.uint8)
+    scale = sbytes.reshape(2, 32).contiguous().view(torch.float8_e8m0fnu)
+    scale[1, 5] = torch.tensor(255, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # NaN
+    got = dequantize_fp8_block(w, scale, torch.bfloat16)
+    want = dequantize_fp8_block(w, scale, torch.float32).to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert got.isinf().any() and (got == 0).any()  # the range's ends were reached
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_dequantize_scale_multiplies() -> None:
     w = torch.full((128, 128), 3.0).to(torch.float8_e4m3fn)
     s = torch.tensor([[130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^3

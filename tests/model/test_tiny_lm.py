@@ -99,6 +99,30 @@ def test_decode_batch_does_not_change_the_answers(reference_lm):
         generate_ids(reference_lm, prompts, 4, decode_batch=0)
 
 
+class GraphSwitchRecorder(DeepseekV4Attention):
+    """A CPU stand-in for a platform with CUDA graphs: records what the eval switches."""
+
+    switched: list[bool] = []
+
+    def use_cuda_graphs(self, enabled: bool) -> None:
+        GraphSwitchRecorder.switched.append(enabled)
+
+
+def test_eval_runs_graph_platforms_with_graphs_on_and_off():
+    platforms.register_platform(platforms.Platform(
+        "graph_recorder", "records use_cuda_graphs", f"{__name__}:GraphSwitchRecorder"))
+    GraphSwitchRecorder.switched.clear()
+    try:
+        runs = evaluate(MODEL, ["graph_recorder"], "cpu", n=4, fusions=(False,))
+    finally:
+        platforms.unregister_platform("graph_recorder")
+    assert [(r.platform, r.mode) for r in runs] == [
+        ("reference", "eager"), ("graph_recorder", "graph"), ("graph_recorder", "eager")]
+    layers = TinyLMConfig.from_pretrained(MODEL).num_layers
+    assert GraphSwitchRecorder.switched == [True] * layers + [False] * layers
+    assert all(r.token_agreement == 1.0 for r in runs)
+
+
 @pytest.mark.cuda
 def test_cuda_platform_graph_and_eager_answer_like_reference():
     """On the GPU, in decode micro-batches of 16 (the cuda platform's one-launch input stage),

@@ -138,9 +138,20 @@ def dequantize_fp8_block(
         )
     if not (weight.dtype in _FP8_DTYPES or weight.is_floating_point()):
         raise TypeError(f"fp8 weight must be a float8 or floating tensor, got {weight.dtype}")
-    cdt = compute_dtype(dtype)
-    s = e8m0_to_float(scale, cdt)
-    return (weight.to(cdt) * _expand_blocks(s, (n, k), (bn, bk))).to(dtype)
+    if n % bn or k % bk:  # ragged edge blocks: expand the scale and crop
+        cdt = compute_dtype(dtype)
+        s = e8m0_to_float(scale, cdt)
+        return (weight.to(cdt) * _expand_blocks(s, (n, k), (bn, bk))).to(dtype)
+    # Whole blocks: broadcast the scale over a [N/bn, bn, K/bk, bk] view (no expanded copy).
+    # An fp8 weight with an E8M0 (power-of-two) scale dequantised to bf16 is computed in bf16:
+    # both factors are exact in bf16 and the product keeps the E4M3 value's 4 significant bits,
+    # so it equals the float32 product rounded to bf16, in 2 passes over the weight instead of 4.
+    direct = (dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn
+              and scale.dtype == torch.float8_e8m0fnu)
+    cdt = dtype if direct else compute_dtype(dtype)
+    s = e8m0_to_float(scale, cdt)[:, None, :, None]
+    blocks = weight.view(n // bn, bn, k // bk, bk).to(cdt) * s
+    return blocks.view(n, k).to(dtype)
 
 
 def quantize_fp8_block(w: Tensor, block: tuple[int, int] = (128, 128)) -> tuple[Tensor, Tensor]:

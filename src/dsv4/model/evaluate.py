@@ -67,7 +67,7 @@ def token_agreement(runs: Sequence[list[int]], base: Sequence[list[int]]) -> flo
 def graph_modes(platform: str, device: str) -> tuple[str, ...]:
     """("graph", "eager") for a platform whose layers run CUDA graphs (``use_cuda_graphs``),
     else ("eager",)."""
-    cls = get_platform(platform, device)
+    cls = get_platform(platform, device).attention_cls
     return ("graph", "eager") if hasattr(cls, "use_cuda_graphs") else ("eager",)
 
 
