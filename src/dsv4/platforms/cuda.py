@@ -52,7 +52,7 @@ class CudaPlan:
 
 class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
-    HELPERS = ("_score_gemm", "_graphed")
+    HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
