@@ -21,6 +21,7 @@ from dsv4.kernels.fused_input_proj import (
     segment_views,
     triton_available,
 )
+from dsv4.platforms.cuda import capture_graph
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -268,7 +269,7 @@ def test_graph_replay_equals_eager_bitwise(fp8, M):
         fused_input_projections(x, p, out, workspace=ws)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with capture_graph(g):
         fused_input_projections(x, p, out, workspace=ws)
     for o in out:
         o.fill_(float("nan"))

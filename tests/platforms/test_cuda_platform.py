@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
-from dsv4.platforms.cuda import CudaAttention, CudaPlan
+from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
 
 from conftest import random_x, rel_err
@@ -96,7 +96,7 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
     for c, n in zip(caches, lengths, strict=True):
         c.length = n
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         out = layer(x, pos, caches)
     graph.replay()
     torch.cuda.synchronize()

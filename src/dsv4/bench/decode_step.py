@@ -30,7 +30,7 @@ import torch
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
-from dsv4.platforms.cuda import CudaAttention, CudaPlan
+from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
 
 STRATEGIES = ("serial4", "multistream", "rocm_style", "fused4_dsv4")
@@ -109,7 +109,7 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
                 c.length = context
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture_graph(graph):
             out = layer(x, pos, caches)
         for c in caches:
             c.length = context

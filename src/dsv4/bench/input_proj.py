@@ -38,6 +38,7 @@ from dsv4.kernels.fused_input_proj import (
     pack_input_weights,
     segment_views,
 )
+from dsv4.platforms.cuda import capture_graph
 
 MODELS = {"flash": (4096, 1536), "pro": (7168, 2048)}  # K, fused_wqa_wkv rows
 LAYERS = ("C4", "C128", "SWA")
@@ -239,7 +240,7 @@ def time_graph(fns, reps=10, trials=5):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with capture_graph(g):
         for f in fns:
             f()
     for _ in range(3):

@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,24 @@ InputProjections = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
 def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T with an fp32 output from bf16 operands (products exact in fp32)."""
     return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+    """``torch.cuda.graph(graph)`` with Python's garbage collector paused during the capture.
+
+    A collection that runs mid-capture can free tensors of earlier work that other streams
+    used; the allocator's event calls then invalidate the capture (seen on the H200 as
+    ``cudaErrorStreamCaptureInvalidated`` in a long test session). ``torch.cuda.graph`` collects
+    once before it starts, so nothing is left waiting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -99,7 +119,7 @@ class CudaAttention(DeepseekV4Attention):
                 stage(static_x)
             torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture_graph(graph):
                 outs = stage(static_x)
             self._graphs[key] = (graph, static_x, outs)
         graph, static_x, outs = self._graphs[key]
