@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,10 @@ def main() -> int:
                    help="comma-separated TrainSettings overrides, e.g. 'seed=1,lr=1e-3'")
     p.add_argument("--work", type=Path, default=Path("/tmp/tiny_arith_variants"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    command = "PYTHONPATH=src python scripts/train_tiny.py " + " ".join(sys.argv[1:])
+    command = args.command or "PYTHONPATH=src python scripts/train_tiny.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:])
     if args.worker is not None:
         run_variant(args.out, args.seconds, args.device, args.batch, args.worker, command)
         return 0
@@ -66,7 +69,8 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
         procs.append((spec, folder, subprocess.Popen(
             [sys.executable, __file__, "--out", str(folder), "--seconds", str(args.seconds),
-             "--device", args.device, "--batch", str(args.batch), "--worker", spec])))
+             "--device", args.device, "--batch", str(args.batch), "--worker", spec,
+             "--command", command])))
     results = []
     for spec, folder, proc in procs:
         rc = proc.wait()

@@ -241,27 +241,6 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
     return model, report
 
 
-def combine_reports(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """One report for two training stages run back to back (e.g. GPU training, then a CPU
-    fine-tune from its float weights): curves concatenated, steps and seconds summed."""
-    def shifted(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-        return [{**r, "step": r["step"] + first["steps"],
-                 "seconds": r["seconds"] + first["train_seconds"]} for r in rows]
-
-    out = {**second, "steps": first["steps"] + second["steps"],
-           "train_seconds": first["train_seconds"] + second["train_seconds"],
-           "curve": first["curve"] + shifted(second["curve"]),
-           "evals": first["evals"] + shifted(second["evals"])}
-    def summary(r: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in r.items()
-                if k not in ("curve", "evals", "stages", "stage_boundaries")}
-
-    out["stages"] = first.get("stages", [summary(first)]) + [summary(second)]
-    out["stage_boundaries"] = [*first.get("stage_boundaries", []), first["steps"]]
-    out["device_name"] = f"{first['device_name']} + {second['device_name']}"
-    return out
-
-
 def save_report(report: dict[str, Any], folder: Path) -> None:
     """``train_report.json`` and ``loss_curve.png`` (matplotlib, when installed)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -284,9 +263,6 @@ def save_report(report: dict[str, Any], folder: Path) -> None:
             ax[0].axvline(cur["step"], color="gray", ls=":")
             ax[0].text(cur["step"], ax[0].get_ylim()[1], f" {names[int(cur['phase_id'])]}",
                        va="top", fontsize=8)
-    for b in report.get("stage_boundaries", []):
-        ax[0].axvline(b, color="black", ls="--")
-        ax[0].text(b, ax[0].get_ylim()[0], " next stage", va="bottom", fontsize=8)
     ax[0].set_xlabel("step")
     ax[0].legend()
     ax[0].set_title("training loss")
