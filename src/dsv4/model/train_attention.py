@@ -230,30 +230,24 @@ class TrainAttention(nn.Module):
     # ---------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, *, sparse: bool = True, quant: QuantOptions = NO_QUANT,
                 indexer_loss: bool = False, valid_len: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y [B, T, hidden] for sequences x [B, T, hidden] starting at position 0, and the
         indexer distillation loss (ratio-4 layers, when ``indexer_loss``; else None).
 
         ``valid_len`` [B]: tokens of each row that are real (right padding is never attended to
-        by real tokens anyway; it only keeps padded queries out of the indexer loss).
-        ``rows`` [B, R]: compute only these query positions (y is [B, R, hidden]); keys and
-        compressed entries still come from every position (fine-tuning the last layer)."""
+        by real tokens anyway; it only keeps padded queries out of the indexer loss)."""
         cfg = self.cfg
         b_, t, hid = x.shape
         dt = x.dtype
         acc = torch.float64 if dt == torch.float64 else torch.float32
         eps = cfg.rms_norm_eps
         pos = torch.arange(t, device=x.device)
-        qpos = pos[None] if rows is None else rows  # [1 or B, R]
+        qpos = pos[None]  # query positions [1, T]
         sim = quant.simulate
         x_in = x
         if quant.act_fp8_prob > 0 and torch.rand(()) < quant.act_fp8_prob:
             x_in = act_fp8(x)
         xq, xq_in = x, x_in
-        if rows is not None:
-            index = rows[..., None].expand(-1, -1, hid)
-            xq, xq_in = x.gather(1, index), x_in.gather(1, index)
         qr = F.linear(xq_in, self._w("wq_a", quant))
         kv = F.linear(x_in, self._w("wkv", quant))
         qr = (rms_normalize(qr, eps, acc) * self._w("q_norm", quant).to(acc)).to(dt)

@@ -66,13 +66,10 @@ class TrainBlock(nn.Module):
         self.eps = cfg.attn.rms_norm_eps
 
     def forward(self, x: torch.Tensor, sparse: bool, quant: QuantOptions, indexer_loss: bool,
-                valid_len: torch.Tensor | None, rows: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T, hidden] -> [B, T, hidden], or [B, R, hidden] for the query ``rows`` [B, R]."""
+                valid_len: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, hidden] -> [B, T, hidden] (and the indexer loss of a ratio-4 layer)."""
         a, kl = self.attn(_norm(x, self.attn_norm.weight, self.eps, quant), sparse=sparse,
-                          quant=quant, indexer_loss=indexer_loss, valid_len=valid_len, rows=rows)
-        if rows is not None:
-            x = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+                          quant=quant, indexer_loss=indexer_loss, valid_len=valid_len)
         x = x + a
         return x + self.ffn(_norm(x, self.ffn_norm.weight, self.eps, quant), quant), kl
 
@@ -103,31 +100,6 @@ class TrainLM(nn.Module):
         x = _norm(x, self.norm.weight, self.cfg.attn.rms_norm_eps, quant)
         logits = F.linear(x, _bf16_view(self.head.weight, quant).to(x.dtype))
         return logits.to(torch.float64 if dtype == torch.float64 else torch.float32), kl_total
-
-    @torch.no_grad()
-    def hidden_before(self, tokens: torch.Tensor, layer: int, quant: QuantOptions = NO_QUANT,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The residual stream entering block ``layer`` [B, T, hidden] (no gradient)."""
-        x = F.embedding(tokens, _bf16_view(self.embed.weight, quant)).to(dtype)
-        for block in list(self.layers)[:layer]:
-            x, _ = block(x, True, quant, False, None)
-        return x
-
-    def forward_tail(self, x: torch.Tensor, layer: int, rows: torch.Tensor, *,
-                     quant: QuantOptions = NO_QUANT, indexer_loss: bool = False,
-                     valid_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [B, R, vocab] at query ``rows`` from the residual stream ``x`` entering block
-        ``layer``; every block but the last runs on all rows (they feed later keys)."""
-        kl_total = x.new_zeros((), dtype=torch.float32)
-        blocks = list(self.layers)[layer:]
-        for i, block in enumerate(blocks):
-            last = i == len(blocks) - 1
-            x, kl = block(x, True, quant, indexer_loss, valid_len, rows if last else None)
-            if kl is not None:
-                kl_total = kl_total + kl.float()
-        x = _norm(x, self.norm.weight, self.cfg.attn.rms_norm_eps, quant)
-        logits = F.linear(x, _bf16_view(self.head.weight, quant).to(x.dtype))
-        return logits.to(torch.float64 if x.dtype == torch.float64 else torch.float32), kl_total
 
     @torch.no_grad()
     def export_tensors(self, fp8: bool = True) -> dict[str, torch.Tensor]:
