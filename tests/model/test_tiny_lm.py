@@ -271,6 +271,8 @@ def test_cli_reports_bad_input_in_one_line(capsys, tmp_path):
     assert "error: prompt 0 is empty" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["eval", "--decode-batch", "-3"]) == 2
+    assert "--decode-batch -3" in capsys.readouterr().err
     assert main(["generate", "--prompt", "a=1;b=2;a+b=", "--only-answer"]) == 0
     assert capsys.readouterr().out.strip().isdigit()
 
