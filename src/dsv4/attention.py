@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from dsv4.config import DSV4Config
-from dsv4.layers.cache import AttentionCache
+from dsv4.layers.cache import AttentionCache, CachePool
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.linear import Linear, MergedLinear
-from dsv4.layers.mqa import sparse_mqa_with_sink
+from dsv4.layers.mqa import sparse_mqa_batched, sparse_mqa_with_sink
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.rotary import RotaryEmbedding
@@ -65,6 +65,7 @@ class DeepseekV4Attention(nn.Module):
         "_fused_compressor_score_gemm",
         "_fused_input_projections_gemm",
         "forward_mqa",
+        "forward_mqa_batched",
         "_o_proj",
     )
     platform_name: ClassVar[str] = "reference"
@@ -179,6 +180,19 @@ class DeepseekV4Attention(nn.Module):
             head_dim=self.head_dim, index_head_dim=self.cfg.index_head_dim, dtype=self.dtype,
             acc_dtype=self.acc_dtype, device=self.device)
 
+    def new_caches(self, n: int, max_seq_len: int = 4096) -> list[AttentionCache]:
+        """``n`` caches in one :class:`~dsv4.layers.cache.CachePool`: a decode batch of them runs
+        every sequence's cache reads and writes and the attention as single batched operations
+        (:meth:`forward_mqa_batched`) instead of a loop over sequences."""
+        if not 0 < max_seq_len <= self.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} must be in 1 .. max_position_embeddings"
+                             f"={self.cfg.max_position_embeddings}")
+        return CachePool.allocate(
+            n, layer_id=self.layer_id, compress_ratio=self.compress_ratio,
+            max_seq_len=max_seq_len, head_dim=self.head_dim,
+            index_head_dim=self.cfg.index_head_dim, dtype=self.dtype, acc_dtype=self.acc_dtype,
+            device=self.device).caches
+
     # ------------------------------------------------------------------ post-load state
     def default_passes(self) -> tuple[str, ...]:
         """This platform's post-load passes, in order."""
@@ -281,13 +295,22 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             idx_q = self.indexer.query(qr, pos, self.rotary, self.acc_dtype,
                                        self.cfg.simulate_quant)
-        o = torch.empty_like(q)
-        for seg in segments:
-            sl = slice(seg.begin, seg.end)
-            self._write_cache(seg, kv[sl], _rows(kv_score, sl), _rows(idx_kv_score, sl))
-            selection = self._select_compressed(seg, pos[sl], _rows(idx_q, sl),
-                                                _rows(idx_weights, sl))
-            o[sl] = self.forward_mqa(q[sl], pos[sl], seg.cache, selection)
+        pool = self._decode_pool(segments)
+        if pool is not None:  # one token per sequence, all caches in one pool: batched
+            slots = pool.slots_of([seg.cache for seg in segments])
+            self._write_pooled_rows(pool, slots, pos, kv, kv_score, idx_kv_score)
+            for seg in segments:
+                self._compress_new_entries(seg)
+            selection = self._select_pooled(pool, slots, segments, pos, idx_q, idx_weights)
+            o = self.forward_mqa_batched(q, pos, pool, slots, selection)
+        else:
+            o = torch.empty_like(q)
+            for seg in segments:
+                sl = slice(seg.begin, seg.end)
+                self._write_cache(seg, kv[sl], _rows(kv_score, sl), _rows(idx_kv_score, sl))
+                selection = self._select_compressed(seg, pos[sl], _rows(idx_q, sl),
+                                                    _rows(idx_weights, sl))
+                o[sl] = self.forward_mqa(q[sl], pos[sl], seg.cache, selection)
         for seg in segments:  # commit last: a failure above leaves every cache as it was
             seg.cache.length = seg.end_pos
         return self._o_proj(o, pos)
@@ -419,6 +442,22 @@ class DeepseekV4Attention(nn.Module):
                                     cache.compressed, selection, self.attn_sink,
                                     self.cfg.softmax_scale, self.acc_dtype)
 
+    def forward_mqa_batched(self, q: torch.Tensor, positions: torch.Tensor, pool: CachePool,
+                            slots: torch.Tensor, selection: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward_mqa` for a decode batch of pooled caches: query b [heads, d] at
+        ``positions[b]`` attends to slot ``slots[b]`` of ``pool``; o [B, heads, d].
+
+        ``selection`` [B, k] indexes each query's slot of ``pool.compressed`` (-1 pads) or is
+        None for SWA-only layers. The forward takes this path only when the platform's
+        ``forward_mqa`` is the base one or it overrides this method too, so a platform's own
+        attention kernel is never bypassed.
+
+        May change: the kernel and the cache format.
+        Must keep: what :meth:`forward_mqa` computes for each row."""
+        return sparse_mqa_batched(q, positions, pool.kv, slots, self.window, pool.compressed,
+                                  selection, self.attn_sink, self.cfg.softmax_scale,
+                                  self.acc_dtype)
+
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
 
@@ -459,19 +498,42 @@ class DeepseekV4Attention(nn.Module):
         c = seg.cache
         start, end = seg.start_pos, seg.end_pos
         c.kv[start:end] = kv
+        if self.compressor is not None:
+            assert kv_score is not None and c.raw is not None
+            self.compressor.write_raw_rows(kv_score, start, c.raw)
+        if self.indexer is not None:
+            assert idx_kv_score is not None and c.idx_raw is not None
+            self.indexer.compressor.write_raw_rows(idx_kv_score, start, c.idx_raw)
+        self._compress_new_entries(seg)
+
+    def _write_pooled_rows(self, pool: CachePool, slots: torch.Tensor, pos: torch.Tensor,
+                           kv: torch.Tensor, kv_score: torch.Tensor | None,
+                           idx_kv_score: torch.Tensor | None) -> None:
+        """The rows of a pooled decode batch (one token per slot), one indexed write each."""
+        pool.kv[slots, pos] = kv
+        if self.compressor is not None:
+            assert kv_score is not None and pool.raw is not None
+            self.compressor.write_raw_rows_at(kv_score, slots, pos, pool.raw)
+        if self.indexer is not None:
+            assert idx_kv_score is not None and pool.idx_raw is not None
+            self.indexer.compressor.write_raw_rows_at(idx_kv_score, slots, pos, pool.idx_raw)
+
+    def _compress_new_entries(self, seg: _Segment) -> None:
+        """The compressed entries (and indexer keys) this segment completes; its raw rows are
+        already written."""
+        c = seg.cache
+        start, end = seg.start_pos, seg.end_pos
         sim = self.cfg.simulate_quant
         if self.compressor is not None:
-            assert kv_score is not None and c.raw is not None and c.compressed is not None
-            self.compressor.write_raw_rows(kv_score, start, c.raw)
+            assert c.raw is not None and c.compressed is not None
             r = self.compress_ratio
             j0, j1 = start // r, end // r
             if j1 > j0:
                 c.compressed[j0:j1] = self.compressor.compress(c.raw, j0, j1, self.rotary,
                                                                self.dtype, sim)
         if self.indexer is not None:
-            assert idx_kv_score is not None and c.idx_raw is not None and c.idx_keys is not None
+            assert c.idx_raw is not None and c.idx_keys is not None
             comp = self.indexer.compressor
-            comp.write_raw_rows(idx_kv_score, start, c.idx_raw)
             j0, j1 = start // 4, end // 4
             if j1 > j0:
                 c.idx_keys[j0:j1] = comp.compress(c.idx_raw, j0, j1, self.rotary, self.dtype, sim)
@@ -492,6 +554,38 @@ class DeepseekV4Attention(nn.Module):
         j = torch.arange(n, device=pos.device)
         visible = j[None, :] < ((pos + 1) // r)[:, None]
         return torch.where(visible, j[None, :], -1)
+
+    def _select_pooled(self, pool: CachePool, slots: torch.Tensor, segments: list[_Segment],
+                       pos: torch.Tensor, idx_q: torch.Tensor | None,
+                       idx_weights: torch.Tensor | None) -> torch.Tensor | None:
+        """:meth:`_select_compressed` for a pooled decode batch: entries of each query's own
+        slot, as wide as the longest sequence needs (-1 where a query sees fewer)."""
+        r = self.compress_ratio
+        if r == 0:
+            return None
+        n = max(seg.end_pos for seg in segments) // r
+        if self.indexer is not None:
+            assert idx_q is not None and idx_weights is not None and pool.idx_keys is not None
+            keys = pool.idx_keys[slots, :n]  # [B, n, index_head_dim]
+            return self.indexer.select(idx_q, idx_weights, keys, pos, self.acc_dtype)
+        j = torch.arange(n, device=pos.device)
+        visible = j[None, :] < ((pos + 1) // r)[:, None]
+        return torch.where(visible, j[None, :], -1)
+
+    def _decode_pool(self, segments: list[_Segment]) -> CachePool | None:
+        """The pool of a decode batch that can run batched: one token per sequence, every cache
+        from the same pool, and a platform that keeps the base ``forward_mqa`` or overrides
+        ``forward_mqa_batched`` as well. None: run sequence by sequence."""
+        pool = segments[0].cache.pool
+        if pool is None or len(segments) < 2:
+            return None
+        if any(seg.end - seg.begin != 1 or seg.cache.pool is not pool for seg in segments):
+            return None
+        cls = type(self)
+        if (cls.forward_mqa is not DeepseekV4Attention.forward_mqa
+                and cls.forward_mqa_batched is DeepseekV4Attention.forward_mqa_batched):
+            return None
+        return pool
 
     # ---- validation ---------------------------------------------------------------------
     def _plan_call(self, x: Any, positions: Any, cache: Any,

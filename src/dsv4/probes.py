@@ -40,11 +40,16 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
 
 @contextmanager
 def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor | None]]:
-    """Collect the compressed selection ``forward_mqa`` receives, call by call."""
+    """Collect the compressed selection ``forward_mqa`` (or, for a pooled decode batch,
+    ``forward_mqa_batched``) receives, call by call."""
     seen: list[torch.Tensor | None] = []
-    with spy_methods(layer, ["forward_mqa"]) as calls:
+    with spy_methods(layer, ["forward_mqa", "forward_mqa_batched"]) as calls:
         yield seen
+        if calls["forward_mqa"] and calls["forward_mqa_batched"]:
+            raise RuntimeError("record_selection: a recording mixes per-sequence and pooled "
+                               "calls, whose order is not kept; record them separately")
         seen.extend(args[3] for args, _ in calls["forward_mqa"])
+        seen.extend(args[4] for args, _ in calls["forward_mqa_batched"])
 
 
 def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:

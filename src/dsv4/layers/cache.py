@@ -5,11 +5,16 @@ Everything is keyed by absolute position and kept for the whole history up to ``
 [a_p | b_p + ape], the compressed entries and the indexer keys. A forward writes only rows at or
 after ``length`` and advances ``length`` last, so a call that fails half-way leaves the cache
 logically unchanged.
+
+A :class:`CachePool` holds several sequences' caches in shared tensors with a leading slot
+dimension; each of its caches is a view of one slot and behaves like any other cache, and a
+decode batch of caches from one pool reads and writes all sequences with single indexed
+operations (``DeepseekV4Attention.forward_mqa_batched``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,28 +37,19 @@ class AttentionCache:
     idx_keys: torch.Tensor | None = None
     """[ceil(max_seq_len / 4), index_head_dim]: indexer key entries."""
     length: int = 0
+    pool: CachePool | None = field(default=None, repr=False, compare=False)
+    """The pool this cache is a slot of (None: a cache of its own)."""
+    slot: int = -1
+    """This cache's slot in ``pool``."""
 
     @classmethod
     def allocate(cls, *, layer_id: int, compress_ratio: int, max_seq_len: int, head_dim: int,
                  index_head_dim: int, dtype: torch.dtype, acc_dtype: torch.dtype,
                  device: torch.device) -> AttentionCache:
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len={max_seq_len} must be positive")
-        r = compress_ratio
-        cache = cls(layer_id=layer_id, compress_ratio=r, max_seq_len=max_seq_len,
-                    kv=torch.zeros(max_seq_len, head_dim, dtype=dtype, device=device))
-        if r:
-            coff = 2 if r == 4 else 1
-            cache.raw = torch.zeros(max_seq_len, 2 * coff * head_dim, dtype=acc_dtype,
-                                    device=device)
-            cache.compressed = torch.zeros(ceil_div(max_seq_len, r), head_dim, dtype=dtype,
-                                           device=device)
-        if r == 4:
-            cache.idx_raw = torch.zeros(max_seq_len, 4 * index_head_dim, dtype=acc_dtype,
-                                        device=device)
-            cache.idx_keys = torch.zeros(ceil_div(max_seq_len, 4), index_head_dim, dtype=dtype,
-                                         device=device)
-        return cache
+        kv, raw, compressed, idx_raw, idx_keys = _state_tensors(
+            (), compress_ratio, max_seq_len, head_dim, index_head_dim, dtype, acc_dtype, device)
+        return cls(layer_id=layer_id, compress_ratio=compress_ratio, max_seq_len=max_seq_len,
+                   kv=kv, raw=raw, compressed=compressed, idx_raw=idx_raw, idx_keys=idx_keys)
 
     def num_compressed(self, length: int | None = None) -> int:
         """Entries complete after ``length`` tokens (default: the current length)."""
@@ -71,3 +67,69 @@ class AttentionCache:
     @property
     def dtype(self) -> torch.dtype:
         return self.kv.dtype
+
+
+@dataclass(repr=False, eq=False)
+class CachePool:
+    """``slots`` caches of one layer in shared tensors [slots, ...] (see the module docstring)."""
+
+    kv: torch.Tensor
+    """[slots, max_seq_len, head_dim]"""
+    raw: torch.Tensor | None
+    compressed: torch.Tensor | None
+    idx_raw: torch.Tensor | None
+    idx_keys: torch.Tensor | None
+    slot_ids: torch.Tensor
+    """arange(slots) on the device: a call's slot indices are built from views of it, so no
+    host-to-device copy is needed (CUDA-graph capturable)."""
+    caches: list[AttentionCache]
+
+    @classmethod
+    def allocate(cls, slots: int, *, layer_id: int, compress_ratio: int, max_seq_len: int,
+                 head_dim: int, index_head_dim: int, dtype: torch.dtype, acc_dtype: torch.dtype,
+                 device: torch.device) -> CachePool:
+        if slots <= 0:
+            raise ValueError(f"a cache pool needs at least one slot, got {slots}")
+        kv, raw, compressed, idx_raw, idx_keys = _state_tensors(
+            (slots,), compress_ratio, max_seq_len, head_dim, index_head_dim, dtype, acc_dtype,
+            device)
+        pool = cls(kv=kv, raw=raw, compressed=compressed, idx_raw=idx_raw, idx_keys=idx_keys,
+                   slot_ids=torch.arange(slots, device=device), caches=[])
+
+        def row(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+            return None if t is None else t[i]
+
+        for i in range(slots):
+            pool.caches.append(AttentionCache(
+                layer_id=layer_id, compress_ratio=compress_ratio, max_seq_len=max_seq_len,
+                kv=kv[i], raw=row(raw, i), compressed=row(compressed, i),
+                idx_raw=row(idx_raw, i), idx_keys=row(idx_keys, i), pool=pool, slot=i))
+        return pool
+
+    def slots_of(self, caches: list[AttentionCache]) -> torch.Tensor:
+        """Slot indices [len(caches)] on the device, without a host-to-device copy."""
+        return torch.cat([self.slot_ids[c.slot:c.slot + 1] for c in caches])
+
+
+_State = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+               torch.Tensor | None]
+
+
+def _state_tensors(lead: tuple[int, ...], r: int, max_seq_len: int, head_dim: int,
+                   index_head_dim: int, dtype: torch.dtype, acc_dtype: torch.dtype,
+                   device: torch.device) -> _State:
+    """The zero-filled state tensors of a cache (``lead`` = ()) or a pool (``lead`` = (slots,))."""
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len={max_seq_len} must be positive")
+    def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.zeros(*lead, *shape, dtype=dt, device=device)
+
+    raw = compressed = idx_raw = idx_keys = None
+    if r:
+        coff = 2 if r == 4 else 1
+        raw = zeros(max_seq_len, 2 * coff * head_dim, dt=acc_dtype)
+        compressed = zeros(ceil_div(max_seq_len, r), head_dim)
+    if r == 4:
+        idx_raw = zeros(max_seq_len, 4 * index_head_dim, dt=acc_dtype)
+        idx_keys = zeros(ceil_div(max_seq_len, 4), index_head_dim)
+    return zeros(max_seq_len, head_dim), raw, compressed, idx_raw, idx_keys

@@ -54,6 +54,15 @@ class Compressor(nn.Module):
         rows[:, :width] = kv_score[:, :width]
         rows[:, width:] = kv_score[:, width:] + self.ape.to(raw.dtype)[pos % self.ratio]
 
+    def write_raw_rows_at(self, kv_score: torch.Tensor, slots: torch.Tensor,
+                          positions: torch.Tensor, raw_pool: torch.Tensor) -> None:
+        """As :meth:`write_raw_rows` for one token per slot of a pool: row b goes to
+        ``raw_pool[slots[b], positions[b]]`` (same arithmetic, one indexed write)."""
+        width = self.coff * self.dim
+        ape = self.ape.to(raw_pool.dtype)[positions % self.ratio]
+        raw_pool[slots, positions] = torch.cat(
+            (kv_score[:, :width].to(raw_pool.dtype), kv_score[:, width:] + ape), dim=-1)
+
     def compress(self, raw: torch.Tensor, j0: int, j1: int, rotary: RotaryEmbedding,
                  out_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
         """Entries j0 .. j1 - 1 from the raw rows (which must hold every position they need)."""

@@ -47,16 +47,18 @@ class Indexer(nn.Module):
         """Top-k entry indices [T, index_topk] per query, padded with -1.
 
         ``head_weights`` is the raw ``weights_proj`` output [T, n_heads]; ``keys`` holds every
-        entry that exists after this chunk [n, head_dim]; entry j is visible to position p iff
+        entry that exists after this chunk [n, head_dim], or each query's own sequence's entries
+        [T, n, head_dim] (a pooled decode batch); entry j is visible to position p iff
         j < (p + 1) // 4, and a query takes min(index_topk, visible) entries.
         """
         t = q.shape[0]
         out = torch.full((t, self.topk), -1, dtype=torch.long, device=q.device)
-        n = keys.shape[0]
+        n = keys.shape[-2]
         if n == 0:
             return out
         w = head_weights.to(acc_dtype) * self.weight_scale
-        logits = torch.einsum("thd,nd->thn", q.to(acc_dtype), keys.to(acc_dtype)).relu_()
+        pattern = "thd,nd->thn" if keys.dim() == 2 else "thd,tnd->thn"
+        logits = torch.einsum(pattern, q.to(acc_dtype), keys.to(acc_dtype)).relu_()
         scores = torch.einsum("thn,th->tn", logits, w)
         visible = (positions + 1) // 4
         invisible = torch.arange(n, device=q.device)[None, :] >= visible[:, None]

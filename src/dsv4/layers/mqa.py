@@ -4,6 +4,7 @@ Every key is a latent row and the value is the same row (V = K). A query at posi
 window rows max(0, p - window + 1) .. p and the compressed rows named in its selection (-1 pads).
 The sink adds e^(sink_h - m) to the denominator only. Logits, softmax and accumulation run in
 ``acc_dtype``; queries are processed in blocks so memory stays bounded on long prefills.
+:func:`sparse_mqa_batched` is the same for one query per sequence of a cache pool.
 """
 
 from __future__ import annotations
@@ -61,4 +62,34 @@ def _attend_block(q: torch.Tensor, pos: torch.Tensor, p_first: int, kv_rows: tor
     o = torch.einsum("thw,wd->thd", probs[..., :n_w], k_win)
     if k_cmp is not None:
         o = o + torch.einsum("thk,tkd->thd", probs[..., n_w:], k_cmp)
+    return (o / denom[..., None]).to(q.dtype)
+
+
+def sparse_mqa_batched(q: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                       slots: torch.Tensor, window: int, compressed_pool: torch.Tensor | None,
+                       selection: torch.Tensor | None, sink: torch.Tensor, scale: float,
+                       acc_dtype: torch.dtype) -> torch.Tensor:
+    """o [B, heads, d] for one query per sequence: ``q[b]`` at ``positions[b]`` attends to the
+    window rows and the selected compressed rows of slot ``slots[b]`` of the pool tensors
+    (``kv_pool`` [S, L, d], ``compressed_pool`` [S, n, d]); ``selection`` [B, k], -1 pads.
+    Window rows before position 0 are masked, so every query sees exactly the rows
+    :func:`sparse_mqa_with_sink` gives it."""
+    rows = positions[:, None] - (window - 1) + torch.arange(window, device=q.device)  # [B, w]
+    k_win = kv_pool[slots[:, None], rows.clamp(min=0)].to(acc_dtype)  # [B, w, d]
+    qf = q.to(acc_dtype)
+    logits = torch.einsum("bhd,bwd->bhw", qf, k_win) * scale
+    logits = logits.masked_fill((rows < 0)[:, None, :], float("-inf"))
+    k_cmp = None
+    if selection is not None and compressed_pool is not None and selection.shape[1] > 0:
+        k_cmp = compressed_pool[slots[:, None], selection.clamp(min=0)].to(acc_dtype)  # [B,k,d]
+        logits_c = torch.einsum("bhd,bkd->bhk", qf, k_cmp) * scale
+        logits_c = logits_c.masked_fill((selection < 0)[:, None, :], float("-inf"))
+        logits = torch.cat((logits, logits_c), dim=-1)
+    sink = sink.to(acc_dtype)
+    m = torch.maximum(logits.amax(dim=-1), sink[None, :])  # the window is never empty
+    probs = torch.exp(logits - m[..., None])
+    denom = probs.sum(dim=-1) + torch.exp(sink[None, :] - m)
+    o = torch.einsum("bhw,bwd->bhd", probs[..., :window], k_win)
+    if k_cmp is not None:
+        o = o + torch.einsum("bhk,bkd->bhd", probs[..., window:], k_cmp)
     return (o / denom[..., None]).to(q.dtype)
