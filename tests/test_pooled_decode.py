@@ -114,10 +114,12 @@ def test_record_selection_sees_pooled_calls(tiny_exact, make_layer):
     layer = make_layer(tiny_exact, 4, torch.float64)
     caches = layer.new_caches(2, 64)
     x = random_x(42, tiny_exact.hidden_size).to(torch.float64)
-    with pytest.raises(RuntimeError, match="mixes"), record_selection(layer):
+    with record_selection(layer) as seen:
         for c in caches:
             layer(x[:20], torch.arange(20), c)
         layer(x[20:22], torch.tensor([20, 20]), caches)
+    assert [None if s is None else tuple(s.shape) for s in seen] == [
+        (20, tiny_exact.index_topk), (20, tiny_exact.index_topk), (2, tiny_exact.index_topk)]
     with record_selection(layer) as seen:
         layer(x[22:24], torch.tensor([21, 21]), caches)
     assert len(seen) == 1 and seen[0] is not None and seen[0].shape == (2, tiny_exact.index_topk)

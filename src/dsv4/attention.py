@@ -581,11 +581,15 @@ class DeepseekV4Attention(nn.Module):
             return None
         if any(seg.end - seg.begin != 1 or seg.cache.pool is not pool for seg in segments):
             return None
-        cls = type(self)
-        if (cls.forward_mqa is not DeepseekV4Attention.forward_mqa
-                and cls.forward_mqa_batched is DeepseekV4Attention.forward_mqa_batched):
-            return None
-        return pool
+        return pool if self.batches_pooled_decode() else None
+
+    @classmethod
+    def batches_pooled_decode(cls) -> bool:
+        """Whether a decode batch of pooled caches runs :meth:`forward_mqa_batched`: only when
+        the platform keeps the base :meth:`forward_mqa` or overrides both (a platform's own
+        attention kernel is never bypassed)."""
+        return (cls.forward_mqa is DeepseekV4Attention.forward_mqa
+                or cls.forward_mqa_batched is not DeepseekV4Attention.forward_mqa_batched)
 
     # ---- validation ---------------------------------------------------------------------
     def _plan_call(self, x: Any, positions: Any, cache: Any,

@@ -73,7 +73,10 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None)
 
 
 def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
-    """Run one prefill of ``x`` with spies on every override point and check the path."""
+    """Run one prefill of ``x`` with spies on every override point and check the path; then a
+    decode batch of two pooled caches must pass through the attention point the layer's class
+    promises (``forward_mqa_batched``, or ``forward_mqa`` for a platform with only its own
+    per-sequence kernel)."""
     order: list[tuple[str, str]] = []
     points = list(type(layer).OVERRIDE_POINTS)
     originals = {n: getattr(layer, n) for n in points}
@@ -106,7 +109,21 @@ def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
             active.append(n)
         else:
             active.pop()
-    return problems
+    return problems + pooled_decode_violations(layer, x)
 
 
-__all__ = ["expected_points", "path_violations", "spy_methods", "structural_violations"]
+def pooled_decode_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
+    n = max(1, x.shape[0] // 2)
+    caches = layer.new_caches(2, n + 1)
+    for c, rows in zip(caches, (x[:n], x[-n:]), strict=True):
+        layer(rows, torch.arange(n, device=x.device), c)
+    want = "forward_mqa_batched" if layer.batches_pooled_decode() else "forward_mqa"
+    with spy_methods(layer, ["forward_mqa", "forward_mqa_batched"]) as calls:
+        layer(x[:2], torch.full((2,), n, dtype=torch.long), caches)
+    if not calls[want]:
+        return [f"a pooled decode batch never called {want}"]
+    return []
+
+
+__all__ = ["expected_points", "path_violations", "pooled_decode_violations", "spy_methods",
+           "structural_violations"]

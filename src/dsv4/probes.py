@@ -41,15 +41,21 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
 @contextmanager
 def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor | None]]:
     """Collect the compressed selection ``forward_mqa`` (or, for a pooled decode batch,
-    ``forward_mqa_batched``) receives, call by call."""
+    ``forward_mqa_batched``) receives, call by call, in call order."""
     seen: list[torch.Tensor | None] = []
-    with spy_methods(layer, ["forward_mqa", "forward_mqa_batched"]) as calls:
+    for name, index in (("forward_mqa", 3), ("forward_mqa_batched", 4)):
+        bound = getattr(layer, name)
+
+        def spy(*args: Any, _bound: Any = bound, _index: int = index, **kw: Any) -> Any:
+            seen.append(args[_index])
+            return _bound(*args, **kw)
+
+        setattr(layer, name, spy)
+    try:
         yield seen
-        if calls["forward_mqa"] and calls["forward_mqa_batched"]:
-            raise RuntimeError("record_selection: a recording mixes per-sequence and pooled "
-                               "calls, whose order is not kept; record them separately")
-        seen.extend(args[3] for args, _ in calls["forward_mqa"])
-        seen.extend(args[4] for args, _ in calls["forward_mqa_batched"])
+    finally:
+        layer.__dict__.pop("forward_mqa", None)
+        layer.__dict__.pop("forward_mqa_batched", None)
 
 
 def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -68,16 +74,19 @@ def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | N
     of its own indexer's (the indexer still runs, so caches fill as usual). Used to compare two
     platforms whose indexers may break near ties differently."""
     queue = list(recorded)
-    original = layer._select_compressed
+    names = ("_select_compressed", "_select_pooled")  # per sequence / pooled decode batch
+    for name in names:
+        original = getattr(layer, name)
 
-    def replay(*args: Any, **kw: Any) -> torch.Tensor | None:
-        original(*args, **kw)
-        if not queue:
-            raise RuntimeError("replay_selection: more calls than recorded selections")
-        return queue.pop(0)
+        def replay(*args: Any, _original: Any = original, **kw: Any) -> torch.Tensor | None:
+            _original(*args, **kw)
+            if not queue:
+                raise RuntimeError("replay_selection: more calls than recorded selections")
+            return queue.pop(0)
 
-    layer._select_compressed = replay  # type: ignore[method-assign]
+        setattr(layer, name, replay)
     try:
         yield
     finally:
-        layer.__dict__.pop("_select_compressed", None)
+        for name in names:
+            layer.__dict__.pop(name, None)

@@ -1,6 +1,7 @@
 """``dsv4 verify``: the conformance matrix and the override contract.
 
-For every platform x compressor fusion off/on x layer type x prefill/decode, the platform's layer
+For every platform x compressor fusion off/on x layer type x prefill / decode / pooled decode
+(several sequences in one cache pool, decoded as batches), the platform's layer
 (after its post-load passes) and a ``reference`` layer with the same weights run the same random
 inputs; the reference replays the platform's top-k picks (indexers may break near ties
 differently), and the relative error must be within the platform's declared tolerance. The
@@ -60,6 +61,8 @@ def passes_for(layer: DeepseekV4Attention, fusion: bool) -> list[str]:
 
 def _run(layer: DeepseekV4Attention, x: torch.Tensor, mode: str) -> torch.Tensor:
     t = x.shape[0]
+    if mode == "pooled":
+        return _run_pooled(layer, x)
     pos = torch.arange(t, device=x.device)
     cache = layer.new_cache(t)
     if mode == "prefill":
@@ -67,6 +70,30 @@ def _run(layer: DeepseekV4Attention, x: torch.Tensor, mode: str) -> torch.Tensor
     split = t // 2  # a prefill of half, then token-by-token decode
     ys = [layer(x[:split], pos[:split], cache)]
     ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(split, t)]
+    return torch.cat(ys)
+
+
+def _run_pooled(layer: DeepseekV4Attention, x: torch.Tensor, sequences: int = 4
+                ) -> torch.Tensor:
+    """Prompts of 1 : 2 : 3 : 4 parts of x into one cache pool, then decode steps of one token
+    per sequence (the batched path); outputs in the order computed."""
+    t = x.shape[0]
+    steps = max(1, t // (3 * sequences))
+    rest = t - sequences * steps
+    parts = sequences * (sequences + 1) // 2
+    lens = [max(1, rest * (k + 1) // parts) for k in range(sequences - 1)]
+    lens.append(rest - sum(lens))
+    if min(lens) < 1:
+        raise ValueError(f"pooled mode needs at least {4 * sequences} tokens, got {t}")
+    caches = layer.new_caches(sequences, max(lens) + steps)
+    ys, begin = [], 0
+    for n, c in zip(lens, caches, strict=True):
+        ys.append(layer(x[begin:begin + n], torch.arange(n, device=x.device), c))
+        begin += n
+    for s in range(steps):
+        pos = torch.tensor([n + s for n in lens])  # CPU positions: no device read-back
+        ys.append(layer(x[begin:begin + sequences], pos, caches))
+        begin += sequences
     return torch.cat(ys)
 
 
@@ -98,7 +125,7 @@ def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
             for ratio in (0, 4, 128):
                 ref, layer, changed = build_pair(cfg, ratio, platform, fusion, device,
                                                torch.bfloat16, seed)
-                for mode in ("prefill", "decode"):
+                for mode in ("prefill", "decode", "pooled"):
                     x = torch.randn(tokens, cfg.hidden_size, generator=gen)
                     x = x.to(device=device, dtype=torch.bfloat16)
                     try:

@@ -54,7 +54,9 @@ def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: in
         raise ValueError(f"decode_batch={decode_batch} must be positive (or None: all at once)")
     dev = model.device
     eos = model.cfg.tokenizer.eos_id
-    caches = [model.new_caches(len(p) + max_new_tokens) for p in prompts]
+    # one pool per layer: the decode steps then write, select and attend for all sequences at
+    # once (sized for the longest prompt)
+    caches = model.new_pooled_caches(len(prompts), max(map(len, prompts)) + max_new_tokens)
     outs: list[list[int]] = [[] for _ in prompts]
     nxt: list[int] = [0] * len(prompts)
     # prefill in groups of about ``prefill_tokens`` tokens
