@@ -299,8 +299,7 @@ class DeepseekV4Attention(nn.Module):
         if pool is not None:  # one token per sequence, all caches in one pool: batched
             slots = pool.slots_of([seg.cache for seg in segments])
             self._write_pooled_rows(pool, slots, pos, kv, kv_score, idx_kv_score)
-            for seg in segments:
-                self._compress_new_entries(seg)
+            self._compress_pooled(pool, segments, pos)
             selection = self._select_pooled(pool, slots, segments, pos, idx_q, idx_weights)
             o = self.forward_mqa_batched(q, pos, pool, slots, selection)
         else:
@@ -517,6 +516,25 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             assert idx_kv_score is not None and pool.idx_raw is not None
             self.indexer.compressor.write_raw_rows_at(idx_kv_score, slots, pos, pool.idx_raw)
+
+    def _compress_pooled(self, pool: CachePool, segments: list[_Segment],
+                         pos: torch.Tensor) -> None:
+        """The entries a pooled decode batch completes (the sequences whose token ends a block),
+        all of one compressor in one batched call."""
+        jobs = []
+        if self.compressor is not None:
+            jobs.append((self.compressor, pool.raw, pool.compressed))
+        if self.indexer is not None:
+            jobs.append((self.indexer.compressor, pool.idx_raw, pool.idx_keys))
+        for comp, raw, out in jobs:
+            assert raw is not None and out is not None
+            done = [i for i, seg in enumerate(segments) if seg.end_pos % comp.ratio == 0]
+            if not done:
+                continue
+            slots = pool.slots_of([segments[i].cache for i in done])
+            entries = torch.cat([pos[i:i + 1] for i in done]) // comp.ratio  # (p + 1) / r - 1
+            out[slots, entries] = comp.compress_at(raw, slots, entries, self.rotary, self.dtype,
+                                                   self.cfg.simulate_quant)
 
     def _compress_new_entries(self, seg: _Segment) -> None:
         """The compressed entries (and indexer keys) this segment completes; its raw rows are

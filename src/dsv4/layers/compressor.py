@@ -66,28 +66,61 @@ class Compressor(nn.Module):
     def compress(self, raw: torch.Tensor, j0: int, j1: int, rotary: RotaryEmbedding,
                  out_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
         """Entries j0 .. j1 - 1 from the raw rows (which must hold every position they need)."""
-        r, d = self.ratio, self.dim
+        r = self.ratio
         n = j1 - j0
-        width = self.coff * d
-        cur = raw[j0 * r: j1 * r].view(n, r, 2 * width)
-        if self.coff == 1:
-            a, b = cur[..., :d], cur[..., d:]
-        else:
+        width = 2 * self.coff * self.dim
+        cur = raw[j0 * r: j1 * r].view(n, r, width)
+        prev = None
+        if self.coff == 2:
             if j0 == 0:
                 # entry 0 has no previous block: its candidates are masked, not zero-weighted
-                pad = torch.zeros(1, r, 2 * width, dtype=raw.dtype, device=raw.device)
-                pad[..., width:] = float("-inf")
-                prev = torch.cat((pad, raw[: (j1 - 1) * r].view(n - 1, r, 2 * width)))
+                prev = torch.cat((self._no_previous_block(raw).expand(1, r, width),
+                                  raw[: (j1 - 1) * r].view(n - 1, r, width)))
             else:
-                prev = raw[(j0 - 1) * r: (j1 - 1) * r].view(n, r, 2 * width)
+                prev = raw[(j0 - 1) * r: (j1 - 1) * r].view(n, r, width)
+        positions = torch.arange(j0, j1, device=raw.device) * r
+        return self._pool(cur, prev, positions, rotary, out_dtype, simulate_quant)
+
+    def compress_at(self, raw_pool: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+                    rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool
+                    ) -> torch.Tensor:
+        """Entry ``entries[b]`` of pool slot ``slots[b]``, one per row [K, dim]: what
+        :meth:`compress` gives for that entry of that slot's raw rows (``raw_pool`` [S, L, ...])."""
+        r = self.ratio
+        rows = entries[:, None] * r + torch.arange(r, device=raw_pool.device)  # [K, r]
+        cur = raw_pool[slots[:, None], rows]
+        prev = None
+        if self.coff == 2:
+            prev = raw_pool[slots[:, None], (rows - r).clamp(min=0)]
+            first = (entries == 0)[:, None, None]
+            prev = torch.where(first, self._no_previous_block(raw_pool), prev)
+        return self._pool(cur, prev, entries * r, rotary, out_dtype, simulate_quant)
+
+    def _no_previous_block(self, raw: torch.Tensor) -> torch.Tensor:
+        """The stand-in row [1, 1, raw_width] for entry 0's missing previous block: a = 0 and
+        score -inf, so its candidates get weight 0."""
+        width = self.coff * self.dim
+        pad = torch.zeros(1, 1, 2 * width, dtype=raw.dtype, device=raw.device)
+        pad[..., width:] = float("-inf")
+        return pad
+
+    def _pool(self, cur: torch.Tensor, prev: torch.Tensor | None, positions: torch.Tensor,
+              rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool
+              ) -> torch.Tensor:
+        """Entries from their blocks of raw rows: ``cur`` [n, r, raw_width], ``prev`` the previous
+        blocks (ratio 4) or None; ``positions`` [n] = j * r of each entry."""
+        d = self.dim
+        width = self.coff * d
+        if prev is None:
+            a, b = cur[..., :d], cur[..., d:]
+        else:
             a = torch.cat((prev[..., :d], cur[..., d:width]), dim=1)
             b = torch.cat((prev[..., width: width + d], cur[..., width + d:]), dim=1)
         weights = torch.softmax(b, dim=1)
         pooled = (weights * a).sum(dim=1)
-        acc = raw.dtype
+        acc = cur.dtype
         u = self.norm(pooled, acc_dtype=acc, out_dtype=acc)
-        pos = torch.arange(j0, j1, device=raw.device) * r
-        u = rotary.rotate(u, pos, acc)
+        u = rotary.rotate(u, positions, acc)
         if simulate_quant:
             if self.for_indexer:
                 u = indexer_quant_sim(u)
