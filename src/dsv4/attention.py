@@ -595,7 +595,7 @@ class DeepseekV4Attention(nn.Module):
         from the same pool, and a platform that keeps the base ``forward_mqa`` or overrides
         ``forward_mqa_batched`` as well. None: run sequence by sequence."""
         pool = segments[0].cache.pool
-        if pool is None or len(segments) < 2:
+        if pool is None:
             return None
         if any(seg.end - seg.begin != 1 or seg.cache.pool is not pool for seg in segments):
             return None

@@ -86,7 +86,8 @@ def profile_step(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor, cache
 
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
-             profiles: list[str] | None = None) -> list[dict[str, Any]]:
+             profiles: list[str] | None = None, pooled: bool = False,
+             ) -> list[dict[str, Any]]:
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -95,7 +96,8 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
     rows, base = [], None
     for strategy in STRATEGIES:
         layer = build(cfg, layer_id, strategy, weights, dev)
-        caches = [layer.new_cache(context + 8) for _ in range(m)]
+        caches = (layer.new_caches(m, context + 8) if pooled else
+                  [layer.new_cache(context + 8) for _ in range(m)])
         for i, c in enumerate(caches):
             layer(prompts[i], torch.arange(context), c)
         eager = layer(x, pos, caches)  # warm-up and the eager answer
@@ -136,7 +138,8 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
         floor = step_bytes(layer, m, context) / bw * 1e6
         rows.append({"model": model, "layer_type": layer_type, "M": m, "strategy": strategy,
                      "weights_dtype": "fp8-block", "mode": "graph", "scope": "decode_step",
-                     "context": context, "us": us, "floor_us": floor, "fraction": floor / us,
+                     "context": context, "caches": "pooled" if pooled else "per-sequence",
+                     "us": us, "floor_us": floor, "fraction": floor / us,
                      "rel_err_vs_serial4": err})
         print(f"{model:>5} {layer_type:>4} M={m:>3} {strategy:>12}: {us:8.1f} us "
               f"(floor {floor:6.1f} us, {floor / us:.2f}), err {err:.1e}", flush=True)
@@ -160,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pooled", action="store_true",
+                    help="the M sequences' caches in one pool (the batched decode path)")
     ap.add_argument("--profile", action="store_true",
                     help="also write decode_step_profile.md: the kernel table of one step")
     args = ap.parse_args(argv)
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
             for m in (int(v) for v in args.ms.split(",")):
                 rows += run_case(cfg, model, layer_type, m, args.context, dev, bw, args.reps,
-                                 weights, profiles)
+                                 weights, profiles, args.pooled)
                 partial = {"rows": rows, "copy_bw": bw}
                 (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             + f" | {ours['speedup_vs_best_upstream']:.2f}x |")
     (args.out / "decode_step.md").write_text(
         "Full-layer decode step, CUDA-graph replay, us (context "
-        f"{args.context} tokens per sequence)\n\n" + "\n".join(lines) + "\n")
+        f"{args.context} tokens per sequence, "
+        f"{'one cache pool' if args.pooled else 'a cache per sequence'})\n\n"
+        + "\n".join(lines) + "\n")
     print("\n".join(lines))
     if profiles:
         (args.out / "decode_step_profile.md").write_text("\n".join(profiles))
