@@ -46,11 +46,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("dsv4 bench needs a CUDA GPU (the results of the last H200 run are in "
-              "benchmarks/results/h200/)", file=sys.stderr)
+    if args.suite == "pooled-decode":  # any device
+        from dsv4.bench.pooled_decode import main as run
+    elif not torch.cuda.is_available():
+        print(f"dsv4 bench {args.suite} needs a CUDA GPU (the results of the last H200 run are "
+              "in benchmarks/results/h200/)", file=sys.stderr)
         return 2
-    if args.suite == "input-proj":
+    elif args.suite == "input-proj":
         from dsv4.bench.input_proj import main as run
     else:
         from dsv4.bench.decode_step import main as run
@@ -81,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tokens", type=int, default=300)
     v.add_argument("--seed", type=int, default=0)
     v.set_defaults(func=_cmd_verify)
-    b = sub.add_parser("bench", help="GPU benchmarks: input projections per strategy (JSON, PNG, "
-                       "markdown) or the full-layer decode step")
-    b.add_argument("suite", choices=["input-proj", "decode-step"])
+    b = sub.add_parser("bench", help="benchmarks (JSON, markdown, PNG): input projections per "
+                       "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
+                       "caches in decode (any device)")
+    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode"])
     b.add_argument("--out", type=Path, required=True)
     b.epilog = "Other options go to the suite (python -m dsv4.bench.input_proj --help)."
     b.set_defaults(func=_cmd_bench)
