@@ -569,9 +569,7 @@ class DeepseekV4Attention(nn.Module):
             assert seg.cache.idx_keys is not None
             return self.indexer.select(idx_q, idx_weights, seg.cache.idx_keys[:n], pos,
                                        self.acc_dtype)
-        j = torch.arange(n, device=pos.device)
-        visible = j[None, :] < ((pos + 1) // r)[:, None]
-        return torch.where(visible, j[None, :], -1)
+        return _every_visible_entry(pos, n, r)
 
     def _select_pooled(self, pool: CachePool, slots: torch.Tensor, segments: list[_Segment],
                        pos: torch.Tensor, idx_q: torch.Tensor | None,
@@ -586,9 +584,7 @@ class DeepseekV4Attention(nn.Module):
             assert idx_q is not None and idx_weights is not None and pool.idx_keys is not None
             keys = pool.idx_keys[slots, :n]  # [B, n, index_head_dim]
             return self.indexer.select(idx_q, idx_weights, keys, pos, self.acc_dtype)
-        j = torch.arange(n, device=pos.device)
-        visible = j[None, :] < ((pos + 1) // r)[:, None]
-        return torch.where(visible, j[None, :], -1)
+        return _every_visible_entry(pos, n, r)
 
     def _decode_pool(self, segments: list[_Segment]) -> CachePool | None:
         """The pool of a decode batch that can run batched: one token per sequence, every cache
@@ -692,6 +688,14 @@ def _canonical_state_dict_hook(module: DeepseekV4Attention, state_dict: dict[str
 def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
     assert isinstance(module, DeepseekV4Attention)
     module._after_weights_changed()
+
+
+def _every_visible_entry(pos: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """Selection [T, n] of every entry j < (p + 1) // r for each query position p, -1 padded
+    (ratio-128 layers attend to all visible entries)."""
+    j = torch.arange(n, device=pos.device)
+    visible = j[None, :] < ((pos + 1) // r)[:, None]
+    return torch.where(visible, j[None, :], -1)
 
 
 def _rows(t: torch.Tensor | None, sl: slice) -> Any:
