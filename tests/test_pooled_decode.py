@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4 import DeepseekV4Attention
 from dsv4.probes import spy_methods
@@ -123,3 +125,18 @@ def test_record_selection_sees_pooled_calls(tiny_exact, make_layer):
     with record_selection(layer) as seen:
         layer(x[22:24], torch.tensor([21, 21]), caches)
     assert len(seen) == 1 and seen[0] is not None and seen[0].shape == (2, tiny_exact.index_topk)
+
+
+@settings(max_examples=10, deadline=None)
+@given(prompts=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+       steps=st.integers(1, 6), ratio=st.sampled_from(RATIOS))
+def test_pooled_decode_property(prompts, steps, ratio):
+    """Any prompt lengths and step counts: pooled decode equals per-sequence decode (float64)."""
+    from dsv4 import DSV4Config
+    from dsv4.random_weights import random_layer_weights
+
+    cfg = DSV4Config.preset("tiny").replace(simulate_quant=False)
+    layer = DeepseekV4Attention(cfg, cfg.layer_of_ratio(ratio), dtype=torch.float64)
+    layer.load_weights(random_layer_weights(cfg, layer.layer_id, 0).items())
+    got, want, _, _ = decode_both_ways(layer, cfg, steps=steps, prompts=tuple(prompts))
+    assert rel_err(got, want) < 1e-12
