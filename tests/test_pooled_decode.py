@@ -140,3 +140,27 @@ def test_pooled_decode_property(prompts, steps, ratio):
     layer.load_weights(random_layer_weights(cfg, layer.layer_id, 0).items())
     got, want, _, _ = decode_both_ways(layer, cfg, steps=steps, prompts=tuple(prompts))
     assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_unwritten_rows_are_never_read(tiny, make_layer, monkeypatch, ratio):
+    """The per-position row stores are allocated uninitialised: filled with NaN instead of
+    zeros, prefill, chunked prefill, decode and pooled decode give bitwise the same outputs."""
+    import dsv4.layers.cache as cache_mod
+
+    def run(fill):
+        monkeypatch.setattr(cache_mod, "new_row_store",
+                            lambda shape, dtype, device: torch.full(shape, fill, dtype=dtype,
+                                                                    device=device))
+        layer = make_layer(tiny, ratio, torch.bfloat16)
+        x = random_x(140, tiny.hidden_size, seed=5).bfloat16()
+        outs = [layer(x, torch.arange(140), layer.new_cache(150))]
+        c = layer.new_cache(150)
+        outs += [layer(x[s:s + n], torch.arange(s, s + n), c)
+                 for s, n in ((0, 7), (7, 30), (37, 1), (38, 102))]
+        got, _, _, _ = decode_both_ways(layer, tiny, steps=5)
+        return [*outs, got]
+
+    for a, b in zip(run(float("nan")), run(0.0), strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)

@@ -118,18 +118,35 @@ _State = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Ten
 def _state_tensors(lead: tuple[int, ...], r: int, max_seq_len: int, head_dim: int,
                    index_head_dim: int, dtype: torch.dtype, acc_dtype: torch.dtype,
                    device: torch.device) -> _State:
-    """The zero-filled state tensors of a cache (``lead`` = ()) or a pool (``lead`` = (slots,))."""
+    """The state tensors of a cache (``lead`` = ()) or a pool (``lead`` = (slots,)).
+
+    The per-position row stores (kv, raw, idx_raw) are written before they are read (a forward
+    reads rows up to its last position only), so they are left uninitialised: a pool sized for
+    its longest sequence then commits no memory for rows a shorter one never reaches. The entry
+    stores are zeroed: a -1 selection pad gathers entry 0 (weight 0) before it may exist, and a
+    zero keeps that product finite. ``tests/test_pooled_decode.py`` fills the row stores with NaN
+    to prove the first claim."""
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len={max_seq_len} must be positive")
-    def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-        return torch.zeros(*lead, *shape, dtype=dt, device=device)
+
+    def rows(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return new_row_store((*lead, *shape), dt, device)
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*lead, *shape, dtype=dtype, device=device)
 
     raw = compressed = idx_raw = idx_keys = None
     if r:
         coff = 2 if r == 4 else 1
-        raw = zeros(max_seq_len, 2 * coff * head_dim, dt=acc_dtype)
+        raw = rows(max_seq_len, 2 * coff * head_dim, dt=acc_dtype)
         compressed = zeros(ceil_div(max_seq_len, r), head_dim)
     if r == 4:
-        idx_raw = zeros(max_seq_len, 4 * index_head_dim, dt=acc_dtype)
+        idx_raw = rows(max_seq_len, 4 * index_head_dim, dt=acc_dtype)
         idx_keys = zeros(ceil_div(max_seq_len, 4), index_head_dim)
-    return zeros(max_seq_len, head_dim), raw, compressed, idx_raw, idx_keys
+    return rows(max_seq_len, head_dim), raw, compressed, idx_raw, idx_keys
+
+
+def new_row_store(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                  ) -> torch.Tensor:
+    """Allocation of a per-position row store (uninitialised; see :func:`_state_tensors`)."""
+    return torch.empty(shape, dtype=dtype, device=device)
