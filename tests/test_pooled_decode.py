@@ -48,10 +48,13 @@ def test_pooled_decode_equals_per_sequence_decode_float64(tiny_exact, make_layer
     assert len(calls["forward_mqa"]) == len(PROMPTS) * (STEPS + 2)  # prefills + per-seq steps
     for p, c in zip(pooled, single, strict=True):  # the caches hold bitwise the same state
         assert p.length == c.length
-        for name in ("kv", "raw", "idx_raw"):
+        assert torch.equal(p.kv[:p.length], c.kv[:c.length])
+        for name in ("raw", "idx_raw"):  # rings: the rows of the last positions
             a, b = getattr(p, name), getattr(c, name)
             assert (a is None) == (b is None)
-            assert a is None or torch.equal(a[:p.length], b[:c.length])
+            if a is not None:
+                held = torch.arange(max(0, p.length - a.shape[0]), p.length) % a.shape[0]
+                assert torch.equal(a[held], b[held])
         for name in ("compressed", "idx_keys"):
             a, b = getattr(p, name), getattr(c, name)
             assert a is None or torch.equal(a, b)
@@ -164,3 +167,38 @@ def test_unwritten_rows_are_never_read(tiny, make_layer, monkeypatch, ratio):
     for a, b in zip(run(float("nan")), run(0.0), strict=True):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_a_call_that_fails_late_leaves_the_raw_rings_usable(tiny_exact, make_layer, ratio):
+    """The rings keep only the last positions' raw rows; a call that fails after its cache
+    writes (here: in the attention) must not have replaced rows a retry still needs."""
+    layer = make_layer(tiny_exact, ratio, torch.float64)
+    x = random_x(300, tiny_exact.hidden_size, seed=9).to(torch.float64)
+    chunks = [(0, 7), (7, 6), (13, 130), (143, 1), (144, 100)]
+
+    def run(fail_at: int | None):
+        cache, outs = layer.new_cache(300), []
+        for i, (s, n) in enumerate(chunks):
+            if i == fail_at:
+                def boom(*args, **kwargs):
+                    raise RuntimeError("kernel failed")
+                layer.forward_mqa = boom
+                with pytest.raises(RuntimeError, match="kernel failed"):
+                    layer(x[s:s + n], torch.arange(s, s + n), cache)
+                del layer.forward_mqa
+                assert cache.length == s
+            outs.append(layer(x[s:s + n], torch.arange(s, s + n), cache))
+        return torch.cat(outs)
+
+    want = run(None)
+    for fail_at in range(1, len(chunks)):
+        assert torch.equal(run(fail_at), want)
+
+
+def test_raw_rows_are_rings_whatever_the_context(tiny, make_layer):
+    c4, c128 = make_layer(tiny, 4), make_layer(tiny, 128)
+    a, b = c4.new_cache(500), c128.new_cache(500)
+    assert a.raw.shape[0] == 8 and a.idx_raw.shape[0] == 8 and b.raw.shape[0] == 128
+    pooled = c4.new_caches(3, 500)
+    assert pooled[0].pool.raw.shape[:2] == (3, 8)

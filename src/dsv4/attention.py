@@ -295,6 +295,7 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             idx_q = self.indexer.query(qr, pos, self.rotary, self.acc_dtype,
                                        self.cfg.simulate_quant)
+        rings: list[tuple[Compressor, torch.Tensor, torch.Tensor, int]] = []
         pool = self._decode_pool(segments)
         if pool is not None:  # one token per sequence, all caches in one pool: batched
             slots = pool.slots_of([seg.cache for seg in segments])
@@ -306,11 +307,15 @@ class DeepseekV4Attention(nn.Module):
             o = torch.empty_like(q)
             for seg in segments:
                 sl = slice(seg.begin, seg.end)
-                self._write_cache(seg, kv[sl], _rows(kv_score, sl), _rows(idx_kv_score, sl))
+                rings += self._write_cache(seg, pos[sl], kv[sl], _rows(kv_score, sl),
+                                           _rows(idx_kv_score, sl))
                 selection = self._select_compressed(seg, pos[sl], _rows(idx_q, sl),
                                                     _rows(idx_weights, sl))
                 o[sl] = self.forward_mqa(q[sl], pos[sl], seg.cache, selection)
-        for seg in segments:  # commit last: a failure above leaves every cache as it was
+        # commit last: a failure above leaves every cache as it was
+        for comp, ring, rows, start in rings:
+            comp.store_ring_rows(ring, rows, start)
+        for seg in segments:
             seg.cache.length = seg.end_pos
         return self._o_proj(o, pos)
 
@@ -491,19 +496,32 @@ class DeepseekV4Attention(nn.Module):
             kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
         return kv
 
-    def _write_cache(self, seg: _Segment, kv: torch.Tensor, kv_score: torch.Tensor | None,
-                     idx_kv_score: torch.Tensor | None) -> None:
-        """Window rows, raw compressor rows and every entry completed by this segment."""
+    def _write_cache(self, seg: _Segment, pos: torch.Tensor, kv: torch.Tensor,
+                     kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None,
+                     ) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, int]]:
+        """Window rows and every entry completed by this segment. Returns the raw rows for the
+        compressors' rings, stored when the call commits (a ring row replaced now could be one
+        that a retry of a failed call still needs)."""
         c = seg.cache
-        start, end = seg.start_pos, seg.end_pos
-        c.kv[start:end] = kv
+        c.kv[seg.start_pos:seg.end_pos] = kv
+        jobs = []
         if self.compressor is not None:
-            assert kv_score is not None and c.raw is not None
-            self.compressor.write_raw_rows(kv_score, start, c.raw)
+            assert kv_score is not None and c.raw is not None and c.compressed is not None
+            jobs.append((self.compressor, c.raw, c.compressed, kv_score))
         if self.indexer is not None:
-            assert idx_kv_score is not None and c.idx_raw is not None
-            self.indexer.compressor.write_raw_rows(idx_kv_score, start, c.idx_raw)
-        self._compress_new_entries(seg)
+            assert idx_kv_score is not None and c.idx_raw is not None and c.idx_keys is not None
+            jobs.append((self.indexer.compressor, c.idx_raw, c.idx_keys, idx_kv_score))
+        pending = []
+        for comp, ring, out, score in jobs:
+            rows = comp.raw_rows(score, pos, ring.dtype)
+            j0, j1 = seg.start_pos // comp.ratio, seg.end_pos // comp.ratio
+            if j1 > j0:
+                first = comp.first_row_needed(j0)
+                src = torch.cat((comp.ring_rows_between(ring, first, seg.start_pos), rows))
+                out[j0:j1] = comp.compress(src, first, j0, j1, self.rotary, self.dtype,
+                                           self.cfg.simulate_quant)
+            pending.append((comp, ring, rows, seg.start_pos))
+        return pending
 
     def _write_pooled_rows(self, pool: CachePool, slots: torch.Tensor, pos: torch.Tensor,
                            kv: torch.Tensor, kv_score: torch.Tensor | None,
@@ -535,26 +553,6 @@ class DeepseekV4Attention(nn.Module):
             entries = torch.cat([pos[i:i + 1] for i in done]) // comp.ratio  # (p + 1) / r - 1
             out[slots, entries] = comp.compress_at(raw, slots, entries, self.rotary, self.dtype,
                                                    self.cfg.simulate_quant)
-
-    def _compress_new_entries(self, seg: _Segment) -> None:
-        """The compressed entries (and indexer keys) this segment completes; its raw rows are
-        already written."""
-        c = seg.cache
-        start, end = seg.start_pos, seg.end_pos
-        sim = self.cfg.simulate_quant
-        if self.compressor is not None:
-            assert c.raw is not None and c.compressed is not None
-            r = self.compress_ratio
-            j0, j1 = start // r, end // r
-            if j1 > j0:
-                c.compressed[j0:j1] = self.compressor.compress(c.raw, j0, j1, self.rotary,
-                                                               self.dtype, sim)
-        if self.indexer is not None:
-            assert c.idx_raw is not None and c.idx_keys is not None
-            comp = self.indexer.compressor
-            j0, j1 = start // 4, end // 4
-            if j1 > j0:
-                c.idx_keys[j0:j1] = comp.compress(c.idx_raw, j0, j1, self.rotary, self.dtype, sim)
 
     def _select_compressed(self, seg: _Segment, pos: torch.Tensor, idx_q: torch.Tensor | None,
                            idx_weights: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,10 +1,12 @@
 """Per-sequence attention state of one layer.
 
-Everything is keyed by absolute position and kept for the whole history up to ``max_seq_len``
-(dsv4-attention.md §8.2 allows "the full history"): the window rows, the compressor's raw rows
-[a_p | b_p + ape], the compressed entries and the indexer keys. A forward writes only rows at or
-after ``length`` and advances ``length`` last, so a call that fails half-way leaves the cache
-logically unchanged.
+The window rows, compressed entries and indexer keys are kept for the whole history up to
+``max_seq_len``, keyed by absolute position. The compressors' raw rows [a_p | b_p + ape] are only
+read for the entries of the current and (ratio 4) the previous block, so each is a ring of the
+last ``coff * ratio`` positions (8 rows at ratio 4, 128 at ratio 128; the row of position p at
+p % rows). A forward writes only rows at or after ``length`` (ring rows it replaces are older
+than any entry still to come reads), and advances ``length`` last, so a call that fails
+half-way leaves the cache logically unchanged.
 
 A :class:`CachePool` holds several sequences' caches in shared tensors with a leading slot
 dimension; each of its caches is a view of one slot and behaves like any other cache, and a
@@ -29,11 +31,13 @@ class AttentionCache:
     kv: torch.Tensor
     """[max_seq_len, head_dim]: post-norm, post-RoPE, post-simulation kv row of each position."""
     raw: torch.Tensor | None = None
-    """[max_seq_len, 2 * coff * head_dim] (acc dtype): main compressor per-token partial rows."""
+    """[coff * r, 2 * coff * head_dim] (acc dtype): main compressor per-token partial rows, the
+    last coff * r positions (a ring)."""
     compressed: torch.Tensor | None = None
     """[ceil(max_seq_len / r), head_dim]: main compressed entries."""
     idx_raw: torch.Tensor | None = None
-    """[max_seq_len, 4 * index_head_dim] (acc dtype): indexer compressor partial rows."""
+    """[8, 4 * index_head_dim] (acc dtype): indexer compressor partial rows, the last 8
+    positions (a ring)."""
     idx_keys: torch.Tensor | None = None
     """[ceil(max_seq_len / 4), index_head_dim]: indexer key entries."""
     length: int = 0
@@ -120,7 +124,7 @@ def _state_tensors(lead: tuple[int, ...], r: int, max_seq_len: int, head_dim: in
                    device: torch.device) -> _State:
     """The state tensors of a cache (``lead`` = ()) or a pool (``lead`` = (slots,)).
 
-    The per-position row stores (kv, raw, idx_raw) are written before they are read (a forward
+    The row stores (kv, and the raw-row rings) are written before they are read (a forward
     reads rows up to its last position only), so they are left uninitialised: a pool sized for
     its longest sequence then commits no memory for rows a shorter one never reaches. The entry
     stores are zeroed: a -1 selection pad gathers entry 0 (weight 0) before it may exist, and a
@@ -138,10 +142,10 @@ def _state_tensors(lead: tuple[int, ...], r: int, max_seq_len: int, head_dim: in
     raw = compressed = idx_raw = idx_keys = None
     if r:
         coff = 2 if r == 4 else 1
-        raw = rows(max_seq_len, 2 * coff * head_dim, dt=acc_dtype)
+        raw = rows(coff * r, 2 * coff * head_dim, dt=acc_dtype)
         compressed = zeros(ceil_div(max_seq_len, r), head_dim)
     if r == 4:
-        idx_raw = rows(max_seq_len, 4 * index_head_dim, dt=acc_dtype)
+        idx_raw = rows(2 * 4, 4 * index_head_dim, dt=acc_dtype)
         idx_keys = zeros(ceil_div(max_seq_len, 4), index_head_dim)
     return rows(max_seq_len, head_dim), raw, compressed, idx_raw, idx_keys
 

@@ -42,56 +42,79 @@ class Compressor(nn.Module):
     def raw_width(self) -> int:
         return 2 * self.coff * self.dim
 
-    def write_raw_rows(self, kv_score: torch.Tensor, start: int, raw: torch.Tensor) -> None:
-        """Record [a_p | s_p + ape[p mod r]] for positions start .. start + T - 1.
+    @property
+    def ring_rows(self) -> int:
+        """Raw rows a cache keeps: the last ``coff * ratio`` positions (row of position p at
+        p % ring_rows). An entry needs its own block and, at ratio 4, the previous one."""
+        return self.coff * self.ratio
+
+    def raw_rows(self, kv_score: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> torch.Tensor:
+        """[a_p | s_p + ape[p mod r]] for the tokens at ``positions`` [T, raw_width], in ``dtype``.
 
         ``kv_score`` may be a row-strided view (the fused GEMM's split); it is read, never kept.
         """
-        t = kv_score.shape[0]
         width = self.coff * self.dim
-        pos = torch.arange(start, start + t, device=kv_score.device)
-        rows = raw[start:start + t]
-        rows[:, :width] = kv_score[:, :width]
-        rows[:, width:] = kv_score[:, width:] + self.ape.to(raw.dtype)[pos % self.ratio]
+        ape = self.ape.to(dtype)[positions % self.ratio]
+        return torch.cat((kv_score[:, :width].to(dtype), kv_score[:, width:] + ape), dim=-1)
+
+    def first_row_needed(self, j0: int) -> int:
+        """The earliest position whose raw row entries j0, j0 + 1, ... read."""
+        return max(0, (j0 - self.coff + 1) * self.ratio)
+
+    def ring_rows_between(self, ring: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Rows of positions first .. end - 1 from a cache's ring (all within its last
+        ``ring_rows`` positions), in position order."""
+        if end <= first:
+            return ring[:0]
+        return ring[torch.arange(first, end, device=ring.device) % self.ring_rows]
+
+    def store_ring_rows(self, ring: torch.Tensor, rows: torch.Tensor, start: int) -> None:
+        """Keep the rows of positions start .. start + T - 1 that the ring holds: the last
+        ``ring_rows`` of them."""
+        end = start + rows.shape[0]
+        first = max(start, end - self.ring_rows)
+        ring[torch.arange(first, end, device=ring.device) % self.ring_rows] = rows[first - start:]
 
     def write_raw_rows_at(self, kv_score: torch.Tensor, slots: torch.Tensor,
-                          positions: torch.Tensor, raw_pool: torch.Tensor) -> None:
-        """As :meth:`write_raw_rows` for one token per slot of a pool: row b goes to
-        ``raw_pool[slots[b], positions[b]]`` (same arithmetic, one indexed write)."""
-        width = self.coff * self.dim
-        ape = self.ape.to(raw_pool.dtype)[positions % self.ratio]
-        raw_pool[slots, positions] = torch.cat(
-            (kv_score[:, :width].to(raw_pool.dtype), kv_score[:, width:] + ape), dim=-1)
+                          positions: torch.Tensor, ring_pool: torch.Tensor) -> None:
+        """One token per slot of a pool: its raw row goes to ``ring_pool[slots[b], positions[b] %
+        ring_rows]`` (one indexed write). The row it replaces is ``ring_rows`` positions older,
+        which no entry from this token's block on reads."""
+        ring_pool[slots, positions % self.ring_rows] = self.raw_rows(kv_score, positions,
+                                                                     ring_pool.dtype)
 
-    def compress(self, raw: torch.Tensor, j0: int, j1: int, rotary: RotaryEmbedding,
+    def compress(self, src: torch.Tensor, base: int, j0: int, j1: int, rotary: RotaryEmbedding,
                  out_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
-        """Entries j0 .. j1 - 1 from the raw rows (which must hold every position they need)."""
+        """Entries j0 .. j1 - 1 from raw rows ``src``, whose row i is position ``base + i`` and
+        which hold every position from :meth:`first_row_needed` (j0) to j1 * ratio - 1."""
         r = self.ratio
         n = j1 - j0
         width = 2 * self.coff * self.dim
-        cur = raw[j0 * r: j1 * r].view(n, r, width)
+        cur = src[j0 * r - base: j1 * r - base].view(n, r, width)
         prev = None
         if self.coff == 2:
             if j0 == 0:
                 # entry 0 has no previous block: its candidates are masked, not zero-weighted
-                prev = torch.cat((self._no_previous_block(raw).expand(1, r, width),
-                                  raw[: (j1 - 1) * r].view(n - 1, r, width)))
+                prev = torch.cat((self._no_previous_block(src).expand(1, r, width),
+                                  src[: (j1 - 1) * r - base].view(n - 1, r, width)))
             else:
-                prev = raw[(j0 - 1) * r: (j1 - 1) * r].view(n, r, width)
-        positions = torch.arange(j0, j1, device=raw.device) * r
+                prev = src[(j0 - 1) * r - base: (j1 - 1) * r - base].view(n, r, width)
+        positions = torch.arange(j0, j1, device=src.device) * r
         return self._pool(cur, prev, positions, rotary, out_dtype, simulate_quant)
 
     def compress_at(self, raw_pool: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
                     rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool
                     ) -> torch.Tensor:
         """Entry ``entries[b]`` of pool slot ``slots[b]``, one per row [K, dim]: what
-        :meth:`compress` gives for that entry of that slot's raw rows (``raw_pool`` [S, L, ...])."""
-        r = self.ratio
+        :meth:`compress` gives for that entry of that slot's raw-row ring (``raw_pool``
+        [S, ring_rows, raw_width]); the entry's rows must be the ring's latest."""
+        r, ring = self.ratio, self.ring_rows
         rows = entries[:, None] * r + torch.arange(r, device=raw_pool.device)  # [K, r]
-        cur = raw_pool[slots[:, None], rows]
+        cur = raw_pool[slots[:, None], rows % ring]
         prev = None
         if self.coff == 2:
-            prev = raw_pool[slots[:, None], (rows - r).clamp(min=0)]
+            prev = raw_pool[slots[:, None], (rows - r).clamp(min=0) % ring]
             first = (entries == 0)[:, None, None]
             prev = torch.where(first, self._no_previous_block(raw_pool), prev)
         return self._pool(cur, prev, entries * r, rotary, out_dtype, simulate_quant)
