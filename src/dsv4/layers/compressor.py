@@ -56,7 +56,8 @@ class Compressor(nn.Module):
         """
         width = self.coff * self.dim
         ape = self.ape.to(dtype)[positions % self.ratio]
-        return torch.cat((kv_score[:, :width].to(dtype), kv_score[:, width:] + ape), dim=-1)
+        return torch.cat((kv_score[:, :width].to(dtype), (kv_score[:, width:] + ape).to(dtype)),
+                         dim=-1)
 
     def first_row_needed(self, j0: int) -> int:
         """The earliest position whose raw row entries j0, j0 + 1, ... read."""
