@@ -299,8 +299,7 @@ class DeepseekV4Attention(nn.Module):
         pool = self._decode_pool(segments)
         if pool is not None:  # one token per sequence, all caches in one pool: batched
             slots = pool.slots_of([seg.cache for seg in segments])
-            self._write_pooled_rows(pool, slots, pos, kv, kv_score, idx_kv_score)
-            self._compress_pooled(pool, segments, pos)
+            self._write_pooled(pool, slots, segments, pos, kv, kv_score, idx_kv_score)
             selection = self._select_pooled(pool, slots, segments, pos, idx_q, idx_weights)
             o = self.forward_mqa_batched(q, pos, pool, slots, selection)
         else:
@@ -496,6 +495,22 @@ class DeepseekV4Attention(nn.Module):
             kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
         return kv
 
+    def _compressor_stores(self, store: AttentionCache | CachePool,
+                           kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None,
+                           ) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(compressor, its raw-row ring, its entry store, this call's score rows) for the main
+        and the indexer compressor of this layer type, in a cache or a pool."""
+        jobs = []
+        if self.compressor is not None:
+            assert kv_score is not None and store.raw is not None
+            assert store.compressed is not None
+            jobs.append((self.compressor, store.raw, store.compressed, kv_score))
+        if self.indexer is not None:
+            assert idx_kv_score is not None and store.idx_raw is not None
+            assert store.idx_keys is not None
+            jobs.append((self.indexer.compressor, store.idx_raw, store.idx_keys, idx_kv_score))
+        return jobs
+
     def _write_cache(self, seg: _Segment, pos: torch.Tensor, kv: torch.Tensor,
                      kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None,
                      ) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, int]]:
@@ -504,15 +519,8 @@ class DeepseekV4Attention(nn.Module):
         that a retry of a failed call still needs)."""
         c = seg.cache
         c.kv[seg.start_pos:seg.end_pos] = kv
-        jobs = []
-        if self.compressor is not None:
-            assert kv_score is not None and c.raw is not None and c.compressed is not None
-            jobs.append((self.compressor, c.raw, c.compressed, kv_score))
-        if self.indexer is not None:
-            assert idx_kv_score is not None and c.idx_raw is not None and c.idx_keys is not None
-            jobs.append((self.indexer.compressor, c.idx_raw, c.idx_keys, idx_kv_score))
         pending = []
-        for comp, ring, out, score in jobs:
+        for comp, ring, out, score in self._compressor_stores(c, kv_score, idx_kv_score):
             rows = comp.raw_rows(score, pos, ring.dtype)
             j0, j1 = seg.start_pos // comp.ratio, seg.end_pos // comp.ratio
             if j1 > j0:
@@ -523,36 +531,22 @@ class DeepseekV4Attention(nn.Module):
             pending.append((comp, ring, rows, seg.start_pos))
         return pending
 
-    def _write_pooled_rows(self, pool: CachePool, slots: torch.Tensor, pos: torch.Tensor,
-                           kv: torch.Tensor, kv_score: torch.Tensor | None,
-                           idx_kv_score: torch.Tensor | None) -> None:
-        """The rows of a pooled decode batch (one token per slot), one indexed write each."""
+    def _write_pooled(self, pool: CachePool, slots: torch.Tensor, segments: list[_Segment],
+                      pos: torch.Tensor, kv: torch.Tensor, kv_score: torch.Tensor | None,
+                      idx_kv_score: torch.Tensor | None) -> None:
+        """A pooled decode batch (one token per slot): one indexed write per row store, then the
+        entries it completes (the sequences whose token ends a block), one batched compress per
+        compressor."""
         pool.kv[slots, pos] = kv
-        if self.compressor is not None:
-            assert kv_score is not None and pool.raw is not None
-            self.compressor.write_raw_rows_at(kv_score, slots, pos, pool.raw)
-        if self.indexer is not None:
-            assert idx_kv_score is not None and pool.idx_raw is not None
-            self.indexer.compressor.write_raw_rows_at(idx_kv_score, slots, pos, pool.idx_raw)
-
-    def _compress_pooled(self, pool: CachePool, segments: list[_Segment],
-                         pos: torch.Tensor) -> None:
-        """The entries a pooled decode batch completes (the sequences whose token ends a block),
-        all of one compressor in one batched call."""
-        jobs = []
-        if self.compressor is not None:
-            jobs.append((self.compressor, pool.raw, pool.compressed))
-        if self.indexer is not None:
-            jobs.append((self.indexer.compressor, pool.idx_raw, pool.idx_keys))
-        for comp, raw, out in jobs:
-            assert raw is not None and out is not None
+        for comp, ring, out, score in self._compressor_stores(pool, kv_score, idx_kv_score):
+            comp.write_raw_rows_at(score, slots, pos, ring)
             done = [i for i, seg in enumerate(segments) if seg.end_pos % comp.ratio == 0]
             if not done:
                 continue
-            slots = pool.slots_of([segments[i].cache for i in done])
+            done_slots = pool.slots_of([segments[i].cache for i in done])
             entries = torch.cat([pos[i:i + 1] for i in done]) // comp.ratio  # (p + 1) / r - 1
-            out[slots, entries] = comp.compress_at(raw, slots, entries, self.rotary, self.dtype,
-                                                   self.cfg.simulate_quant)
+            out[done_slots, entries] = comp.compress_at(ring, done_slots, entries, self.rotary,
+                                                        self.dtype, self.cfg.simulate_quant)
 
     def _select_compressed(self, seg: _Segment, pos: torch.Tensor, idx_q: torch.Tensor | None,
                            idx_weights: torch.Tensor | None) -> torch.Tensor | None:
