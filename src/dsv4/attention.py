@@ -8,19 +8,19 @@ platform may change and what it must keep. Shared code never asks which platform
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from dsv4.cache.pool import AttentionCache, CachePool
+from dsv4.cache.step import CacheStep, CallTransaction
 from dsv4.config import DSV4Config
-from dsv4.layers.cache import AttentionCache, CachePool
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.linear import Linear, MergedLinear
-from dsv4.layers.mqa import sparse_mqa_batched, sparse_mqa_with_sink
+from dsv4.layers.mqa import sparse_mqa_paged
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.rotary import RotaryEmbedding
@@ -36,23 +36,6 @@ class AttentionInputError(ValueError):
     """A forward call's inputs are invalid; nothing was computed and no cache was touched."""
 
 
-@dataclass
-class _Segment:
-    """The tokens of one sequence inside a call: x[begin:end] continues ``cache`` at its length."""
-
-    cache: AttentionCache
-    begin: int
-    end: int
-
-    @property
-    def start_pos(self) -> int:
-        return self.cache.length
-
-    @property
-    def end_pos(self) -> int:
-        return self.cache.length + self.end - self.begin
-
-
 class DeepseekV4Attention(nn.Module):
     """One DSV4 attention layer (SWA-only, C4A with indexer, or C128A), any device and dtype."""
 
@@ -65,7 +48,6 @@ class DeepseekV4Attention(nn.Module):
         "_fused_compressor_score_gemm",
         "_fused_input_projections_gemm",
         "forward_mqa",
-        "forward_mqa_batched",
         "_o_proj",
     )
     platform_name: ClassVar[str] = "reference"
@@ -171,27 +153,30 @@ class DeepseekV4Attention(nn.Module):
         load_layer_weights(self, weights)
         self._after_weights_changed()
 
-    def new_cache(self, max_seq_len: int = 4096) -> AttentionCache:
-        if not 0 < max_seq_len <= self.cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len={max_seq_len} must be in 1 .. max_position_embeddings"
-                             f"={self.cfg.max_position_embeddings}")
-        return AttentionCache.allocate(
-            layer_id=self.layer_id, compress_ratio=self.compress_ratio, max_seq_len=max_seq_len,
-            head_dim=self.head_dim, index_head_dim=self.cfg.index_head_dim, dtype=self.dtype,
-            acc_dtype=self.acc_dtype, device=self.device)
+    def new_cache_pool(self, max_seqs: int, max_seq_len: int = 4096, *,
+                       capacity_tokens: int | None = None, step_tokens: int | None = None,
+                       kv_cache_dtype: str | None = None, index_cache_dtype: str | None = None
+                       ) -> CachePool:
+        """An empty paged cache pool of this layer for up to ``max_seqs`` sequences of at most
+        ``max_seq_len`` positions (:class:`~dsv4.cache.pool.CachePool`): ``pool.add_sequence()``,
+        ``cache.fork()``, ``cache.free()``. ``capacity_tokens`` (default ``max_seqs *
+        max_seq_len``) sizes the compressed-entry stores; the formats default to the config's
+        ``kv_cache_dtype`` / ``index_cache_dtype``."""
+        return CachePool(self.cfg, self.layer_id, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                         dtype=self.dtype, acc_dtype=self.acc_dtype, device=self.device,
+                         capacity_tokens=capacity_tokens, step_tokens=step_tokens,
+                         kv_format_name=kv_cache_dtype, index_format_name=index_cache_dtype)
 
-    def new_caches(self, n: int, max_seq_len: int = 4096) -> list[AttentionCache]:
-        """``n`` caches in one :class:`~dsv4.layers.cache.CachePool`: a decode batch of them runs
-        every sequence's cache reads and writes and the attention as single batched operations
-        (:meth:`forward_mqa_batched`) instead of a loop over sequences."""
-        if not 0 < max_seq_len <= self.cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len={max_seq_len} must be in 1 .. max_position_embeddings"
-                             f"={self.cfg.max_position_embeddings}")
-        return CachePool.allocate(
-            n, layer_id=self.layer_id, compress_ratio=self.compress_ratio,
-            max_seq_len=max_seq_len, head_dim=self.head_dim,
-            index_head_dim=self.cfg.index_head_dim, dtype=self.dtype, acc_dtype=self.acc_dtype,
-            device=self.device).caches
+    def new_cache(self, max_seq_len: int = 4096, **pool_kwargs: Any) -> AttentionCache:
+        """One sequence's cache (a pool of one; see :meth:`new_cache_pool`)."""
+        return self.new_cache_pool(1, max_seq_len, **pool_kwargs).add_sequence()
+
+    def new_caches(self, n: int, max_seq_len: int = 4096, **pool_kwargs: Any
+                   ) -> list[AttentionCache]:
+        """``n`` sequences' caches in one pool, so that a call over them runs every cache read
+        and write and the attention as single batched operations."""
+        pool = self.new_cache_pool(n, max_seq_len, **pool_kwargs)
+        return [pool.add_sequence() for _ in range(n)]
 
     # ------------------------------------------------------------------ post-load state
     def default_passes(self) -> tuple[str, ...]:
@@ -274,19 +259,49 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: AttentionCache | Sequence[AttentionCache],
                 seq_lens: Sequence[int] | None = None) -> torch.Tensor:
-        """Prefill, a prefill chunk, or decode of one or several sequences.
+        """Prefill, a prefill chunk, decode, or any mix of them for one or several sequences.
 
         x: [T, hidden] in the layer dtype; positions: [T] ascending from each cache's length
-        (a CPU tensor is checked without a device sync; the call is CUDA-graph capturable).
-        ``cache`` is one cache, or one cache per sequence with ``seq_lens`` giving how many
-        consecutive tokens of x belong to each (default: one token each, a decode batch).
+        (a CPU tensor is checked without a device sync). ``cache`` is one cache, or one cache per
+        sequence with ``seq_lens`` giving how many consecutive tokens of x belong to each
+        (default: one token each, a decode batch). Every call runs one batched path: the caches
+        of one pool are written, selected from and attended to for all sequences at once (caches
+        of several pools: once per pool). A call longer than the pool's ``step_tokens`` runs as
+        several steps, all or nothing: if one fails, every cache is left as it was.
         """
-        segments = self._plan_call(x, positions, cache, seq_lens)
-        # positions are validated to be arange(length, length + n) per sequence: rebuild them on
-        # the device from those ints (no host-to-device copy, nothing read back)
-        pos = torch.cat([torch.arange(s.start_pos, s.end_pos, device=x.device)
-                         for s in segments]) if len(segments) > 1 else torch.arange(
-            segments[0].start_pos, segments[0].end_pos, device=x.device)
+        groups = self._plan_call(x, positions, cache, seq_lens)
+        if len(groups) == 1 and groups[0][1] is None:
+            pool, _, caches, counts = groups[0]
+            return self._run_pool(x, pool, caches, counts)
+        out = torch.empty(x.shape[0], self.cfg.hidden_size, dtype=x.dtype, device=x.device)
+        for pool, rows, caches, counts in groups:  # one pass per pool, not per sequence
+            assert rows is not None
+            out[rows] = self._run_pool(x[rows], pool, caches, counts)
+        return out
+
+    def _run_pool(self, x: torch.Tensor, pool: CachePool, caches: list[AttentionCache],
+                  counts: list[int]) -> torch.Tensor:
+        """The tokens of one pool's sequences, in steps of at most ``pool.step_tokens``."""
+        pieces = _split_steps(counts, pool.step_tokens)
+        txn = CallTransaction(pool, caches, snapshot_rings=len(pieces) > 1)
+        outs = []
+        try:
+            for begin, end, part in pieces:
+                idx = [i for i, n in enumerate(part) if n]
+                step = pool.begin_step([caches[i] for i in idx], [part[i] for i in idx])
+                release = None if len(pieces) == 1 else [txn.window_release_from()[i] for i in idx]
+                outs.append(self._step(x[begin:end], step, release))
+        except BaseException:
+            txn.rollback()
+            raise
+        if len(pieces) > 1:
+            txn.finish()
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _step(self, x: torch.Tensor, step: CacheStep, release_from: list[int] | None
+              ) -> torch.Tensor:
+        """One step (dsv4-attention.md §8.3) for every sequence of ``step`` at once."""
+        pos = step.pos
         qr_kv, kv_score, idx_kv_score, idx_weights = self._run_parallel_input_projections(x)
         qr, kv = self._latent_norms(qr_kv)
         q = self._query_heads(qr, pos)
@@ -294,29 +309,15 @@ class DeepseekV4Attention(nn.Module):
         idx_q = None
         if self.indexer is not None:
             idx_q = self.indexer.query(qr, pos, self.rotary, self.acc_dtype,
-                                       self.cfg.simulate_quant)
-        rings: list[tuple[Compressor, torch.Tensor, torch.Tensor, int]] = []
-        pool = self._decode_pool(segments)
-        if pool is not None:  # one token per sequence, all caches in one pool: batched
-            slots = pool.slots_of([seg.cache for seg in segments])
-            self._write_pooled(pool, slots, segments, pos, kv, kv_score, idx_kv_score)
-            selection = self._select_pooled(pool, slots, segments, pos, idx_q, idx_weights)
-            o = self.forward_mqa_batched(q, pos, pool, slots, selection)
-        else:
-            o = torch.empty_like(q)
-            for seg in segments:
-                sl = slice(seg.begin, seg.end)
-                rings += self._write_cache(seg, pos[sl], kv[sl], _rows(kv_score, sl),
-                                           _rows(idx_kv_score, sl))
-                selection = self._select_compressed(seg, pos[sl], _rows(idx_q, sl),
-                                                    _rows(idx_weights, sl))
-                o[sl] = self.forward_mqa(q[sl], pos[sl], seg.cache, selection)
-        # commit last: a failure above leaves every cache as it was
-        for comp, ring, rows, start in rings:
-            comp.store_ring_rows(ring, rows, start)
-        for seg in segments:
-            seg.cache.length = seg.end_pos
-        return self._o_proj(o, pos)
+                                       self.cfg.index_numerics if self.cfg.simulate_quant
+                                       else None)
+        step.write_window(kv)
+        raw = self._write_entries(step, kv_score, idx_kv_score)
+        entries = self._select_compressed(step, idx_q, idx_weights)
+        selection = None if entries is None else step.entry_rows("compressed", entries)
+        y = self._o_proj(self.forward_mqa(q, step, selection), pos)
+        step.commit(raw, release_from)  # last: a failure above leaves every cache as it was
+        return y
 
     # ---- override points ---------------------------------------------------------------
     def _run_parallel_input_projections(
@@ -430,36 +431,25 @@ class DeepseekV4Attention(nn.Module):
         return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
                 outs.get("idx_weights"))
 
-    def forward_mqa(self, q: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                    selection: torch.Tensor | None) -> torch.Tensor:
-        """Sparse MQA with the attention sink for one sequence's queries; o [T, heads, d].
+    def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
 
-        ``cache`` already holds this call's window rows and compressed entries (not yet
-        committed: rows up to positions[-1] are valid). ``selection`` [T, k] indexes
-        ``cache.compressed`` (-1 pads) or is None for SWA-only layers.
+        ``step`` gives the paged cache (``step.pool.stores``: ``kv`` window rows, ``compressed``
+        entries, their formats and block tables) and the queries' positions and sequence slots;
+        the stores already hold this step's window rows and entries (rows up to each query's
+        position are valid). ``step.window_rows(window)`` gives each query's window rows as flat
+        store rows; ``selection`` [T, k] gives its compressed entries as flat rows of the
+        ``compressed`` store (-1 pads), or is None for SWA-only layers.
 
-        May change: the kernel and the cache format.
+        May change: the kernel (a paged kernel can take the stores and flat rows as they are).
         Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
-        accumulation."""
-        return sparse_mqa_with_sink(q, positions, cache.length, cache.kv, self.window,
-                                    cache.compressed, selection, self.attn_sink,
-                                    self.cfg.softmax_scale, self.acc_dtype)
-
-    def forward_mqa_batched(self, q: torch.Tensor, positions: torch.Tensor, pool: CachePool,
-                            slots: torch.Tensor, selection: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`forward_mqa` for a decode batch of pooled caches: query b [heads, d] at
-        ``positions[b]`` attends to slot ``slots[b]`` of ``pool``; o [B, heads, d].
-
-        ``selection`` [B, k] indexes each query's slot of ``pool.compressed`` (-1 pads) or is
-        None for SWA-only layers. The forward takes this path only when the platform's
-        ``forward_mqa`` is the base one or it overrides this method too, so a platform's own
-        attention kernel is never bypassed.
-
-        May change: the kernel and the cache format.
-        Must keep: what :meth:`forward_mqa` computes for each row."""
-        return sparse_mqa_batched(q, positions, pool.kv, slots, self.window, pool.compressed,
-                                  selection, self.attn_sink, self.cfg.softmax_scale,
-                                  self.acc_dtype)
+        accumulation, rows read through the store's format."""
+        stores = step.pool.stores
+        return sparse_mqa_paged(q, stores["kv"], step.window_rows(self.window),
+                                stores.get("compressed"), selection, self.attn_sink,
+                                self.cfg.softmax_scale, self.acc_dtype,
+                                self.cfg.attention_workspace_bytes)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
@@ -495,112 +485,55 @@ class DeepseekV4Attention(nn.Module):
             kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
         return kv
 
-    def _compressor_stores(self, store: AttentionCache | CachePool,
-                           kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None,
-                           ) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(compressor, its raw-row ring, its entry store, this call's score rows) for the main
-        and the indexer compressor of this layer type, in a cache or a pool."""
+    def _compressor_jobs(self, kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None
+                         ) -> list[tuple[Compressor, str, torch.Tensor]]:
+        """(compressor, the store its entries go to, this step's score rows) for the main and
+        the indexer compressor of this layer type."""
         jobs = []
         if self.compressor is not None:
-            assert kv_score is not None and store.raw is not None
-            assert store.compressed is not None
-            jobs.append((self.compressor, store.raw, store.compressed, kv_score))
+            assert kv_score is not None
+            jobs.append((self.compressor, "compressed", kv_score))
         if self.indexer is not None:
-            assert idx_kv_score is not None and store.idx_raw is not None
-            assert store.idx_keys is not None
-            jobs.append((self.indexer.compressor, store.idx_raw, store.idx_keys, idx_kv_score))
+            assert idx_kv_score is not None
+            jobs.append((self.indexer.compressor, "idx_keys", idx_kv_score))
         return jobs
 
-    def _write_cache(self, seg: _Segment, pos: torch.Tensor, kv: torch.Tensor,
-                     kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None,
-                     ) -> list[tuple[Compressor, torch.Tensor, torch.Tensor, int]]:
-        """Window rows and every entry completed by this segment. Returns the raw rows for the
-        compressors' rings, stored when the call commits (a ring row replaced now could be one
-        that a retry of a failed call still needs)."""
-        c = seg.cache
-        c.kv[seg.start_pos:seg.end_pos] = kv
-        pending = []
-        for comp, ring, out, score in self._compressor_stores(c, kv_score, idx_kv_score):
-            rows = comp.raw_rows(score, pos, ring.dtype)
-            j0, j1 = seg.start_pos // comp.ratio, seg.end_pos // comp.ratio
-            if j1 > j0:
-                first = comp.first_row_needed(j0)
-                src = torch.cat((comp.ring_rows_between(ring, first, seg.start_pos), rows))
-                out[j0:j1] = comp.compress(src, first, j0, j1, self.rotary, self.dtype,
-                                           self.cfg.simulate_quant)
-            pending.append((comp, ring, rows, seg.start_pos))
-        return pending
+    def _write_entries(self, step: CacheStep, kv_score: torch.Tensor | None,
+                       idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Every entry the step completes, one batched compress per compressor. Returns the raw
+        rows the rings keep when the step commits (a ring row replaced now could be one that a
+        retry of a failed call still needs)."""
+        raw = {}
+        for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score):
+            rows = comp.raw_rows(score, step.pos, self.acc_dtype)
+            job = step.jobs[name]
+            if job.count:
+                step.write_entries(name, comp.compress_jobs(
+                    step.ring(name), rows, job.ring_src, job.call_src, job.entries, self.rotary,
+                    self.dtype, self.cfg.simulate_quant, self.cfg.index_numerics))
+            raw[name] = rows
+        return raw
 
-    def _write_pooled(self, pool: CachePool, slots: torch.Tensor, segments: list[_Segment],
-                      pos: torch.Tensor, kv: torch.Tensor, kv_score: torch.Tensor | None,
-                      idx_kv_score: torch.Tensor | None) -> None:
-        """A pooled decode batch (one token per slot): one indexed write per row store, then the
-        entries it completes (the sequences whose token ends a block), one batched compress per
-        compressor."""
-        pool.kv[slots, pos] = kv
-        for comp, ring, out, score in self._compressor_stores(pool, kv_score, idx_kv_score):
-            comp.write_raw_rows_at(score, slots, pos, ring)
-            done = [i for i, seg in enumerate(segments) if seg.end_pos % comp.ratio == 0]
-            if not done:
-                continue
-            done_slots = pool.slots_of([segments[i].cache for i in done])
-            entries = torch.cat([pos[i:i + 1] for i in done]) // comp.ratio  # (p + 1) / r - 1
-            out[done_slots, entries] = comp.compress_at(ring, done_slots, entries, self.rotary,
-                                                        self.dtype, self.cfg.simulate_quant)
-
-    def _select_compressed(self, seg: _Segment, pos: torch.Tensor, idx_q: torch.Tensor | None,
+    def _select_compressed(self, step: CacheStep, idx_q: torch.Tensor | None,
                            idx_weights: torch.Tensor | None) -> torch.Tensor | None:
-        """Compressed entries each query attends to: the indexer's top-k (ratio 4) or every
+        """Entry indices [T, k] each query attends to: the indexer's top-k (ratio 4) or every
         visible entry (ratio 128), -1 padded; None for SWA-only layers."""
         r = self.compress_ratio
         if r == 0:
             return None
-        n = seg.end_pos // r
-        if self.indexer is not None:
-            assert idx_q is not None and idx_weights is not None
-            assert seg.cache.idx_keys is not None
-            return self.indexer.select(idx_q, idx_weights, seg.cache.idx_keys[:n], pos,
-                                       self.acc_dtype)
-        return _every_visible_entry(pos, n, r)
-
-    def _select_pooled(self, pool: CachePool, slots: torch.Tensor, segments: list[_Segment],
-                       pos: torch.Tensor, idx_q: torch.Tensor | None,
-                       idx_weights: torch.Tensor | None) -> torch.Tensor | None:
-        """:meth:`_select_compressed` for a pooled decode batch: entries of each query's own
-        slot, as wide as the longest sequence needs (-1 where a query sees fewer)."""
-        r = self.compress_ratio
-        if r == 0:
-            return None
-        n = max(seg.end_pos for seg in segments) // r
-        if self.indexer is not None:
-            assert idx_q is not None and idx_weights is not None and pool.idx_keys is not None
-            keys = pool.idx_keys[slots, :n]  # [B, n, index_head_dim]
-            return self.indexer.select(idx_q, idx_weights, keys, pos, self.acc_dtype)
-        return _every_visible_entry(pos, n, r)
-
-    def _decode_pool(self, segments: list[_Segment]) -> CachePool | None:
-        """The pool of a decode batch that can run batched: one token per sequence, every cache
-        from the same pool, and a platform that keeps the base ``forward_mqa`` or overrides
-        ``forward_mqa_batched`` as well. None: run sequence by sequence."""
-        pool = segments[0].cache.pool
-        if pool is None:
-            return None
-        if any(seg.end - seg.begin != 1 or seg.cache.pool is not pool for seg in segments):
-            return None
-        return pool if self.batches_pooled_decode() else None
-
-    @classmethod
-    def batches_pooled_decode(cls) -> bool:
-        """Whether a decode batch of pooled caches runs :meth:`forward_mqa_batched`: only when
-        the platform keeps the base :meth:`forward_mqa` or overrides both (a platform's own
-        attention kernel is never bypassed)."""
-        return (cls.forward_mqa is DeepseekV4Attention.forward_mqa
-                or cls.forward_mqa_batched is not DeepseekV4Attention.forward_mqa_batched)
+        if self.indexer is None:
+            return _every_visible_entry(step.pos, step.max_visible(r), r)
+        assert idx_q is not None and idx_weights is not None
+        return self.indexer.select_paged(step, idx_q, idx_weights, self.acc_dtype,
+                                         self.cfg.attention_workspace_bytes)
 
     # ---- validation ---------------------------------------------------------------------
-    def _plan_call(self, x: Any, positions: Any, cache: Any,
-                   seq_lens: Sequence[int] | None) -> list[_Segment]:
-        """Validate a forward call completely before anything is computed or written."""
+    def _plan_call(self, x: Any, positions: Any, cache: Any, seq_lens: Sequence[int] | None
+                   ) -> list[tuple[CachePool, torch.Tensor | None, list[AttentionCache],
+                                   list[int]]]:
+        """Validate a forward call completely before anything is computed or written; group
+        the sequences by pool: (pool, the rows of x for it or None when it is all of x, caches,
+        token counts)."""
         if not isinstance(x, torch.Tensor):
             raise AttentionInputError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or x.shape[0] == 0:
@@ -624,7 +557,8 @@ class DeepseekV4Attention(nn.Module):
             lens = [t] if seq_lens is None else list(seq_lens)
         else:
             lens = [1] * len(caches) if seq_lens is None else list(seq_lens)
-        if len(lens) != len(caches) or any(n <= 0 for n in lens) or sum(lens) != t:
+        if (len(lens) != len(caches) or any(isinstance(n, bool) or not isinstance(n, int)
+                                            or n <= 0 for n in lens) or sum(lens) != t):
             raise AttentionInputError(f"seq_lens={lens} must give a positive token count for each "
                                       f"of the {len(caches)} cache(s) and sum to T={t}")
         if len({id(c) for c in caches}) != len(caches):
@@ -634,8 +568,8 @@ class DeepseekV4Attention(nn.Module):
         check = positions.device.type == "cpu" or not (
             positions.is_cuda and torch.cuda.is_current_stream_capturing())
         pos_host = positions.detach().to("cpu", torch.long) if check else None
-        segments = []
         begin = 0
+        by_pool: dict[int, tuple[CachePool, list[int], list[AttentionCache], list[int]]] = {}
         for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
             self._check_cache(c, i)
             expect = torch.arange(c.length, c.length + n)
@@ -648,14 +582,23 @@ class DeepseekV4Attention(nn.Module):
                 raise AttentionInputError(
                     f"sequence {i}: {c.length} cached + {n} new tokens exceed the cache's "
                     f"max_seq_len={c.max_seq_len}")
-            segments.append(_Segment(c, begin, begin + n))
+            group = by_pool.setdefault(id(c.pool), (c.pool, [], [], []))
+            group[1].extend(range(begin, begin + n))
+            group[2].append(c)
+            group[3].append(n)
             begin += n
-        return segments
+        if len(by_pool) == 1:
+            pool, _, cs, ns = next(iter(by_pool.values()))
+            return [(pool, None, cs, ns)]
+        return [(pool, torch.tensor(rows, device=x.device), cs, ns)
+                for pool, rows, cs, ns in by_pool.values()]
 
     def _check_cache(self, c: Any, i: int) -> None:
         if not isinstance(c, AttentionCache):
             raise AttentionInputError(f"cache {i} is a {type(c).__name__}, not an AttentionCache "
                                       "(use layer.new_cache())")
+        if not c.alive:
+            raise AttentionInputError(f"cache {i} was freed")
         if c.layer_id != self.layer_id or c.compress_ratio != self.compress_ratio:
             raise AttentionInputError(f"cache {i} belongs to layer {c.layer_id} (ratio "
                                       f"{c.compress_ratio}), not to layer {self.layer_id}")
@@ -690,11 +633,29 @@ def _every_visible_entry(pos: torch.Tensor, n: int, r: int) -> torch.Tensor:
     return torch.where(visible, j[None, :], -1)
 
 
-def _rows(t: torch.Tensor | None, sl: slice) -> Any:
-    return None if t is None else t[sl]
+def _split_steps(counts: list[int], step_tokens: int) -> list[tuple[int, int, list[int]]]:
+    """Cut a call's tokens (sequence 0's, then 1's, ...) into steps of at most ``step_tokens``:
+    (first token, end token, tokens of each sequence in the step)."""
+    if sum(counts) <= step_tokens:
+        return [(0, sum(counts), list(counts))]
+    pieces = []
+    left = list(counts)
+    begin = 0
+    while any(left):
+        room = step_tokens
+        part = [0] * len(counts)
+        for i, n in enumerate(left):
+            take = min(n, room)
+            part[i] = take
+            left[i] -= take
+            room -= take
+            if not room:
+                break
+        pieces.append((begin, begin + sum(part), part))
+        begin += sum(part)
+    return pieces
 
 
 def _short(t: torch.Tensor) -> str:
     v = t.tolist()
     return str(v) if len(v) <= 6 else f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)} tokens)"
-

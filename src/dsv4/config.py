@@ -15,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
+INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
+RUNTIME_OPTIONS = ("simulate_quant", "multi_stream_token_threshold", "kv_cache_dtype",
+                   "index_cache_dtype", "index_numerics", "max_step_tokens",
+                   "attention_workspace_bytes")
+"""Options of this package (not model keys) that a config dict may carry."""
+
+
 class ConfigError(ValueError):
     """A configuration value or combination is invalid; the message names the field."""
 
@@ -66,6 +74,20 @@ class DSV4Config:
     """Run the official FP8 (kv nope) and Hadamard+FP4 (indexer) quantisation simulations."""
     multi_stream_token_threshold: int = 1024
     """Input-GEMM stream overlap is enabled only for calls with at most this many tokens."""
+    kv_cache_dtype: str = "auto"
+    """Stored format of window rows and compressed entries: ``auto`` (the layer dtype, exact),
+    ``bf16``, or ``fp8_ds_mla`` (FlashMLA's 584-byte DeepSeek-V4 layout)."""
+    index_cache_dtype: str = "auto"
+    """Stored format of the indexer keys: ``auto`` (the layer dtype), ``bf16``, ``fp8`` (132 B a
+    key) or ``fp4`` (MXFP4, 68 B a key)."""
+    index_numerics: str = "hadamard_fp4"
+    """The indexer's simulated numerics when ``simulate_quant`` is on: ``hadamard_fp4`` (the
+    official Hadamard rotation + FP4) or ``fp8`` (the engines': fp8 with a power-of-two scale
+    per 128-vector, no Hadamard)."""
+    max_step_tokens: int = 8192
+    """A forward call with more tokens runs as steps of at most this many (all or nothing)."""
+    attention_workspace_bytes: int = 256 << 20
+    """Budget for the reference path's per-chunk workspace (gathered rows, indexer scores)."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -144,6 +166,16 @@ class DSV4Config:
         need(self.rope_theta > 0, "rope_theta", "must be > 0")
         need(self.compress_rope_theta > 0, "compress_rope_theta", "must be > 0")
         need(self.multi_stream_token_threshold >= 0, "multi_stream_token_threshold", "must be >= 0")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+             f"must be one of {list(KV_CACHE_DTYPES)}")
+        need(self.index_cache_dtype in INDEX_CACHE_DTYPES, "index_cache_dtype",
+             f"must be one of {list(INDEX_CACHE_DTYPES)}")
+        need(self.index_numerics in ("hadamard_fp4", "fp8"), "index_numerics",
+             "must be 'hadamard_fp4' or 'fp8'")
+        for name in ("max_step_tokens", "attention_workspace_bytes"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                 "must be a positive integer")
         need(len(self.compress_ratios) >= self.num_hidden_layers, "compress_ratios",
              f"needs at least num_hidden_layers={self.num_hidden_layers} entries "
              f"(one per layer, plus one per MTP layer), got {len(self.compress_ratios)}")
@@ -193,7 +225,7 @@ class DSV4Config:
                 kw[k] = d[k]
         kw["rope_scaling"] = _parse_rope_scaling(d.get("rope_scaling"))
         kw.update(_parse_quantization(d.get("quantization_config")))
-        for k in ("simulate_quant", "multi_stream_token_threshold"):
+        for k in RUNTIME_OPTIONS:
             if k in d:
                 kw[k] = d[k]
         kw.update(overrides)

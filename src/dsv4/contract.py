@@ -74,9 +74,7 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None)
 
 def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
     """Run one prefill of ``x`` with spies on every override point and check the path; then a
-    decode batch of two pooled caches must pass through the attention point the layer's class
-    promises (``forward_mqa_batched``, or ``forward_mqa`` for a platform with only its own
-    per-sequence kernel)."""
+    mixed batch of two sequences must reach ``forward_mqa`` once."""
     order: list[tuple[str, str]] = []
     points = list(type(layer).OVERRIDE_POINTS)
     originals = {n: getattr(layer, n) for n in points}
@@ -113,15 +111,16 @@ def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
 
 
 def pooled_decode_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
-    n = max(1, x.shape[0] // 2)
-    caches = layer.new_caches(2, n + 1)
-    for c, rows in zip(caches, (x[:n], x[-n:]), strict=True):
-        layer(rows, torch.arange(n, device=x.device), c)
-    want = "forward_mqa_batched" if layer.batches_pooled_decode() else "forward_mqa"
-    with spy_methods(layer, ["forward_mqa", "forward_mqa_batched"]) as calls:
-        layer(x[:2], torch.full((2,), n, dtype=torch.long), caches)
-    if not calls[want]:
-        return [f"a pooled decode batch never called {want}"]
+    """A call over several sequences of one pool (here a decode token and a prefill chunk mixed)
+    must reach ``forward_mqa`` once for all of them: one batched path, no loop per sequence."""
+    n = max(2, x.shape[0] // 2)
+    caches = layer.new_caches(2, n + 2)
+    layer(x[:n], torch.arange(n, device=x.device), caches[0])
+    with spy_methods(layer, ["forward_mqa"]) as calls:
+        layer(x[:3], torch.tensor([n, 0, 1]), caches, seq_lens=[1, 2])
+    if len(calls["forward_mqa"]) != 1:
+        return [f"a mixed batch of two sequences called forward_mqa "
+                f"{len(calls['forward_mqa'])} times (expected once)"]
     return []
 
 

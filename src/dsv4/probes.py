@@ -34,28 +34,26 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
     try:
         yield calls
     finally:
-        for name in names:
-            layer.__dict__.pop(name, None)
+        layer.__dict__.pop("_select_compressed", None)
 
 
 @contextmanager
 def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor | None]]:
-    """Collect the compressed selection ``forward_mqa`` (or, for a pooled decode batch,
-    ``forward_mqa_batched``) receives, call by call, in call order."""
+    """Collect the compressed entries each query of each forward step attends to (the entry
+    indices ``_select_compressed`` returns, [T, k], -1 padded), step by step."""
     seen: list[torch.Tensor | None] = []
-    for name, index in (("forward_mqa", 3), ("forward_mqa_batched", 4)):
-        bound = getattr(layer, name)
+    bound = layer._select_compressed
 
-        def spy(*args: Any, _bound: Any = bound, _index: int = index, **kw: Any) -> Any:
-            seen.append(args[_index])
-            return _bound(*args, **kw)
+    def spy(*args: Any, **kw: Any) -> Any:
+        result = bound(*args, **kw)
+        seen.append(result)
+        return result
 
-        setattr(layer, name, spy)
+    layer._select_compressed = spy  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        layer.__dict__.pop("forward_mqa", None)
-        layer.__dict__.pop("forward_mqa_batched", None)
+        layer.__dict__.pop("_select_compressed", None)
 
 
 def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -74,19 +72,16 @@ def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | N
     of its own indexer's (the indexer still runs, so caches fill as usual). Used to compare two
     platforms whose indexers may break near ties differently."""
     queue = list(recorded)
-    names = ("_select_compressed", "_select_pooled")  # per sequence / pooled decode batch
-    for name in names:
-        original = getattr(layer, name)
+    original = layer._select_compressed
 
-        def replay(*args: Any, _original: Any = original, **kw: Any) -> torch.Tensor | None:
-            _original(*args, **kw)
-            if not queue:
-                raise RuntimeError("replay_selection: more calls than recorded selections")
-            return queue.pop(0)
+    def replay(*args: Any, **kw: Any) -> torch.Tensor | None:
+        original(*args, **kw)
+        if not queue:
+            raise RuntimeError("replay_selection: more calls than recorded selections")
+        return queue.pop(0)
 
-        setattr(layer, name, replay)
+    layer._select_compressed = replay  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for name in names:
-            layer.__dict__.pop(name, None)
+        layer.__dict__.pop("_select_compressed", None)

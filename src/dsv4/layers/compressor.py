@@ -15,7 +15,7 @@ from torch import nn
 from dsv4.config import DSV4Config
 from dsv4.layers.linear import MergedLinear
 from dsv4.layers.norm import RMSNorm
-from dsv4.layers.quant_sim import fp8_block_sim, indexer_quant_sim
+from dsv4.layers.quant_sim import fp8_block_sim, index_numerics_sim
 from dsv4.layers.rotary import RotaryEmbedding
 
 
@@ -59,66 +59,25 @@ class Compressor(nn.Module):
         return torch.cat((kv_score[:, :width].to(dtype), (kv_score[:, width:] + ape).to(dtype)),
                          dim=-1)
 
-    def first_row_needed(self, j0: int) -> int:
-        """The earliest position whose raw row entries j0, j0 + 1, ... read."""
-        return max(0, (j0 - self.coff + 1) * self.ratio)
-
-    def ring_rows_between(self, ring: torch.Tensor, first: int, end: int) -> torch.Tensor:
-        """Rows of positions first .. end - 1 from a cache's ring (all within its last
-        ``ring_rows`` positions), in position order."""
-        if end <= first:
-            return ring[:0]
-        return ring[torch.arange(first, end, device=ring.device) % self.ring_rows]
-
-    def store_ring_rows(self, ring: torch.Tensor, rows: torch.Tensor, start: int) -> None:
-        """Keep the rows of positions start .. start + T - 1 that the ring holds: the last
-        ``ring_rows`` of them."""
-        end = start + rows.shape[0]
-        first = max(start, end - self.ring_rows)
-        ring[torch.arange(first, end, device=ring.device) % self.ring_rows] = rows[first - start:]
-
-    def write_raw_rows_at(self, kv_score: torch.Tensor, slots: torch.Tensor,
-                          positions: torch.Tensor, ring_pool: torch.Tensor) -> None:
-        """One token per slot of a pool: its raw row goes to ``ring_pool[slots[b], positions[b] %
-        ring_rows]`` (one indexed write). The row it replaces is ``ring_rows`` positions older,
-        which no entry from this token's block on reads."""
-        ring_pool[slots, positions % self.ring_rows] = self.raw_rows(kv_score, positions,
-                                                                     ring_pool.dtype)
-
-    def compress(self, src: torch.Tensor, base: int, j0: int, j1: int, rotary: RotaryEmbedding,
-                 out_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
-        """Entries j0 .. j1 - 1 from raw rows ``src``, whose row i is position ``base + i`` and
-        which hold every position from :meth:`first_row_needed` (j0) to j1 * ratio - 1."""
-        r = self.ratio
-        n = j1 - j0
-        width = 2 * self.coff * self.dim
-        cur = src[j0 * r - base: j1 * r - base].view(n, r, width)
-        prev = None
-        if self.coff == 2:
-            if j0 == 0:
-                # entry 0 has no previous block: its candidates are masked, not zero-weighted
-                prev = torch.cat((self._no_previous_block(src).expand(1, r, width),
-                                  src[: (j1 - 1) * r - base].view(n - 1, r, width)))
-            else:
-                prev = src[(j0 - 1) * r - base: (j1 - 1) * r - base].view(n, r, width)
-        positions = torch.arange(j0, j1, device=src.device) * r
-        return self._pool(cur, prev, positions, rotary, out_dtype, simulate_quant)
-
-    def compress_at(self, raw_pool: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
-                    rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool
-                    ) -> torch.Tensor:
-        """Entry ``entries[b]`` of pool slot ``slots[b]``, one per row [K, dim]: what
-        :meth:`compress` gives for that entry of that slot's raw-row ring (``raw_pool``
-        [S, ring_rows, raw_width]); the entry's rows must be the ring's latest."""
-        r, ring = self.ratio, self.ring_rows
-        rows = entries[:, None] * r + torch.arange(r, device=raw_pool.device)  # [K, r]
-        cur = raw_pool[slots[:, None], rows % ring]
-        prev = None
-        if self.coff == 2:
-            prev = raw_pool[slots[:, None], (rows - r).clamp(min=0) % ring]
-            first = (entries == 0)[:, None, None]
-            prev = torch.where(first, self._no_previous_block(raw_pool), prev)
-        return self._pool(cur, prev, entries * r, rotary, out_dtype, simulate_quant)
+    def compress_jobs(self, ring: torch.Tensor, rows: torch.Tensor, ring_src: torch.Tensor,
+                      call_src: torch.Tensor, entries: torch.Tensor, rotary: RotaryEmbedding,
+                      out_dtype: torch.dtype, simulate_quant: bool, index_numerics: str
+                      ) -> torch.Tensor:
+        """Entries ``entries`` [E] of several sequences at once [E, dim]. Source position i of
+        entry e (its ``coff * ratio`` raw rows, oldest first) is ring row ``ring_src[e, i]`` of
+        ``ring.view(-1, raw_width)`` or this call's row ``rows[call_src[e, i]]``; where both are
+        -1 the position does not exist (entry 0's previous block): a = 0 and score -inf, so
+        its candidates get weight 0 (masked, not zero-weighted)."""
+        r, width = self.ratio, self.raw_width
+        from_ring = ring.view(-1, width)[ring_src.clamp(min=0)]
+        from_call = rows[call_src.clamp(min=0)].to(from_ring.dtype)
+        src = torch.where((call_src >= 0)[..., None], from_call, from_ring)
+        missing = ((ring_src < 0) & (call_src < 0))[..., None]
+        src = torch.where(missing, self._no_previous_block(src), src)
+        cur = src[:, -r:]
+        prev = src[:, :r] if self.coff == 2 else None
+        return self._pool(cur, prev, entries * r, rotary, out_dtype, simulate_quant,
+                          index_numerics)
 
     def _no_previous_block(self, raw: torch.Tensor) -> torch.Tensor:
         """The stand-in row [1, 1, raw_width] for entry 0's missing previous block: a = 0 and
@@ -129,8 +88,8 @@ class Compressor(nn.Module):
         return pad
 
     def _pool(self, cur: torch.Tensor, prev: torch.Tensor | None, positions: torch.Tensor,
-              rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool
-              ) -> torch.Tensor:
+              rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
+              index_numerics: str) -> torch.Tensor:
         """Entries from their blocks of raw rows: ``cur`` [n, r, raw_width], ``prev`` the previous
         blocks (ratio 4) or None; ``positions`` [n] = j * r of each entry."""
         d = self.dim
@@ -147,7 +106,7 @@ class Compressor(nn.Module):
         u = rotary.rotate(u, positions, acc)
         if simulate_quant:
             if self.for_indexer:
-                u = indexer_quant_sim(u)
+                u = index_numerics_sim(u, index_numerics)
             else:
                 u = torch.cat((fp8_block_sim(u[:, : d - self.rope_dim]), u[:, d - self.rope_dim:]),
                               dim=-1)

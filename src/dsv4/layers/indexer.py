@@ -8,14 +8,19 @@ visible entries j < (p + 1) // 4 (dsv4-attention.md §5.7).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from dsv4.config import DSV4Config
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
-from dsv4.layers.quant_sim import indexer_quant_sim
+from dsv4.layers.quant_sim import index_numerics_sim
 from dsv4.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from dsv4.cache.step import CacheStep
 
 
 class Indexer(nn.Module):
@@ -34,13 +39,13 @@ class Indexer(nn.Module):
                                      dtype=dtype, f32_dtype=f32_dtype, device=device)
 
     def query(self, qr: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-              acc_dtype: torch.dtype, simulate_quant: bool) -> torch.Tensor:
-        """q_I [T, n_heads, head_dim]: wq_b of the normalised latent, RoPE, (Hadamard + FP4)."""
+              acc_dtype: torch.dtype, numerics: str | None) -> torch.Tensor:
+        """q_I [T, n_heads, head_dim]: wq_b of the normalised latent, RoPE, then the indexer
+        numerics' simulation (``hadamard_fp4``: the official Hadamard + FP4; ``fp8``: the
+        engines' fp8 with a power-of-two scale per vector; None: none)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = rotary.rotate(q, positions, acc_dtype)
-        if simulate_quant:
-            q = indexer_quant_sim(q)
-        return q
+        return index_numerics_sim(q, numerics)
 
     def select(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
                positions: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
@@ -69,3 +74,28 @@ class Indexer(nn.Module):
         values, idx = scores.sort(dim=-1, descending=True, stable=True)
         out[:, :k] = idx[:, :k].masked_fill(values[:, :k] == float("-inf"), -1)
         return out
+
+    def select_paged(self, step: CacheStep, q: torch.Tensor, head_weights: torch.Tensor,
+                     acc_dtype: torch.dtype, workspace_bytes: int) -> torch.Tensor:
+        """:meth:`select` for every query of a cache step, keys read from the step's paged
+        ``idx_keys`` store, in chunks of queries sized from ``workspace_bytes`` (never a full
+        queries x entries score matrix). A chunk of one sequence's queries reads its keys
+        once; a chunk spanning sequences reads each query's own sequence's keys."""
+        store = step.pool.stores["idx_keys"]
+        t = step.num_tokens
+        n_all = step.max_visible(4)
+        item = torch.finfo(acc_dtype).bits // 8
+        per_query = max(1, n_all) * (self.n_heads + self.head_dim + 4) * item
+        chunk = max(1, min(t, workspace_bytes // per_query))
+        out = []
+        for a in range(0, t, chunk):
+            b = min(t, a + chunk)
+            n = step.max_visible(4, a, b)
+            ents = torch.arange(n, device=q.device)[None, :]
+            if step.single_sequence(a, b) is not None:
+                keys = store.read(store.flat_rows(step.tok_slot[a:a + 1, None], ents),
+                                  acc_dtype)[0]
+            else:
+                keys = store.read(store.flat_rows(step.tok_slot[a:b, None], ents), acc_dtype)
+            out.append(self.select(q[a:b], head_weights[a:b], keys, step.pos[a:b], acc_dtype))
+        return out[0] if len(out) == 1 else torch.cat(out)

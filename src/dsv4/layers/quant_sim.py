@@ -103,3 +103,26 @@ def hadamard_rotate(x: Tensor) -> Tensor:
 def indexer_quant_sim(x: Tensor) -> Tensor:
     """The indexer's simulation: Hadamard rotation (result in x's dtype), then FP4 block-32."""
     return fp4_block_sim(hadamard_rotate(x))
+
+
+def index_fp8_sim(x: Tensor, block: int = 128) -> Tensor:
+    """The engines' indexer numerics: FP8 E4M3 quant-dequant with a power-of-two scale per
+    ``block``-vector, no Hadamard (what the ``fp8`` indexer-key format stores)."""
+    return fp8_block_sim(x, block)
+
+
+INDEX_NUMERICS = ("hadamard_fp4", "fp8")
+"""The indexer's simulated numerics: the official Hadamard + FP4, or the engines' fp8 (e4m3 with
+a power-of-two scale per 128-vector, no Hadamard)."""
+
+
+def index_numerics_sim(x: Tensor, numerics: str | None) -> Tensor:
+    """Apply the indexer numerics ``numerics`` (one of :data:`INDEX_NUMERICS`, or None: none)
+    to indexer queries or keys."""
+    if numerics is None:
+        return x
+    if numerics == "hadamard_fp4":
+        return indexer_quant_sim(x)
+    if numerics == "fp8":
+        return index_fp8_sim(x)
+    raise ValueError(f"unknown indexer numerics {numerics!r}; valid: {list(INDEX_NUMERICS)}")

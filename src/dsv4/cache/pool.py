@@ -1,0 +1,328 @@
+"""One layer's paged cache: sequences, their block tables, and the stores their rows live in.
+
+A :class:`CachePool` holds, for up to ``max_seqs`` sequences of one layer:
+
+* ``kv``: window rows (post-norm, post-RoPE kv of each position), kept only as far back as
+  attention can read them: after a call, blocks whose rows all lie before ``length - window + 1``
+  go back to the free list;
+* ``compressed`` (ratio 4 and 128): the compressed entries, ``ratio`` positions each;
+* ``idx_keys`` (ratio 4): the indexer's keys, one per entry;
+* the compressors' raw rows ``[a_p | s_p + ape]`` (fp32) of the last ``coff * ratio`` positions,
+  as a small ring per sequence slot (``raw``, and ``idx_raw`` at ratio 4).
+
+Each store is paged (:mod:`dsv4.cache.store`): rows live in blocks of ``block_size`` rows handed out
+by one allocator per store, a sequence's block table maps its logical blocks to physical ones,
+and rows are stored in a :mod:`dsv4.cache.formats` format (exact, bf16, or the engines' fp8 /
+fp4 layouts). Sequences are added, grown on demand, forked (full blocks shared, the partial block
+and the rings copied) and freed. A call that would need more blocks than are free raises
+:class:`~dsv4.cache.blocks.CacheCapacityError` before anything is written.
+
+An :class:`AttentionCache` is one sequence's handle; the layer's forward takes a list of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4.cache.blocks import CacheCapacityError
+from dsv4.cache.formats import RowFormat, index_format, kv_format
+from dsv4.cache.store import PagedStore
+from dsv4.config import DSV4Config, ceil_div
+
+if TYPE_CHECKING:
+    from dsv4.cache.step import CacheStep
+
+BLOCK_SIZE = 64
+"""Rows per block in every store (FlashMLA's page size): 64 positions of window rows, 64
+compressed entries (256 positions at ratio 4, 8192 at ratio 128), 64 indexer keys."""
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """A compressor's raw-row ring: the last ``rows`` positions (row of position p at p % rows)."""
+
+    ratio: int
+    coff: int
+    width: int
+
+    @property
+    def rows(self) -> int:
+        return self.coff * self.ratio
+
+
+class AttentionCache:
+    """One sequence's cache in one layer: a slot of a :class:`CachePool`.
+
+    ``length`` is the number of positions processed. ``fork()`` starts a new sequence sharing this
+    one's prefix; ``free()`` gives its blocks back. Pass it (or a list of them) to the layer."""
+
+    __slots__ = ("pool", "slot", "_live")
+
+    def __init__(self, pool: CachePool, slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self._live = True
+
+    @property
+    def length(self) -> int:
+        return self.pool._lengths[self.slot]
+
+    @property
+    def alive(self) -> bool:
+        return self._live
+
+    @property
+    def layer_id(self) -> int:
+        return self.pool.layer_id
+
+    @property
+    def compress_ratio(self) -> int:
+        return self.pool.compress_ratio
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.pool.max_seq_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def num_compressed(self, length: int | None = None) -> int:
+        """Entries complete after ``length`` tokens (default: the current length)."""
+        n = self.length if length is None else length
+        return n // self.compress_ratio if self.compress_ratio else 0
+
+    def fork(self) -> AttentionCache:
+        return self.pool.fork(self)
+
+    def free(self) -> None:
+        self.pool.free(self)
+
+    def reset(self) -> None:
+        """Start a new sequence in this slot: every block goes back, the length is 0."""
+        self.pool.reset(self)
+
+    def truncate(self, length: int) -> None:
+        """Forget the positions from ``length`` on (see :meth:`CachePool.truncate`)."""
+        self.pool.truncate(self, length)
+
+    def held_bytes(self) -> int:
+        """Bytes of storage this sequence holds (blocks in every store, and its rings)."""
+        return self.pool.held_bytes(self)
+
+    def __repr__(self) -> str:
+        state = "" if self._live else ", freed"
+        return (f"AttentionCache(layer={self.layer_id}, ratio={self.compress_ratio}, "
+                f"slot={self.slot}, length={self.length if self._live else '-'}, "
+                f"max_seq_len={self.max_seq_len}{state})")
+
+
+class CachePool:
+    """The paged cache of one layer for up to ``max_seqs`` sequences (see the module docstring).
+
+    ``capacity_tokens`` sizes the entry stores (total positions of all live sequences, default
+    ``max_seqs * max_seq_len``); ``step_tokens`` is the most tokens one forward step writes (the
+    layer splits longer calls), which sizes the window store."""
+
+    def __init__(self, cfg: DSV4Config, layer_id: int, *, max_seqs: int, max_seq_len: int,
+                 dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device | str,
+                 capacity_tokens: int | None = None, step_tokens: int | None = None,
+                 kv_format_name: str | None = None, index_format_name: str | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:
+        for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
+                        ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} must be in 1 .. max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        capacity = max_seqs * max_seq_len if capacity_tokens is None else capacity_tokens
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity_tokens={capacity_tokens!r} must be a positive integer")
+        step = min(cfg.max_step_tokens, max_seqs * max_seq_len) if step_tokens is None \
+            else step_tokens
+        if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+            raise ValueError(f"step_tokens={step_tokens!r} must be a positive integer")
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.compress_ratio = r = cfg.compress_ratio(layer_id)
+        self.max_seqs = max_seqs
+        self.max_seq_len = max_seq_len
+        self.capacity_tokens = capacity
+        self.step_tokens = step
+        self.window = cfg.sliding_window
+        self.block_size = block_size
+        self.dtype = dtype
+        self.acc_dtype = acc_dtype
+        self.device = torch.device(device)
+        self.kv_format: RowFormat = kv_format(kv_format_name or cfg.kv_cache_dtype, cfg.head_dim,
+                                              cfg.qk_rope_head_dim, dtype)
+        self.index_format: RowFormat | None = None
+        b = block_size
+        # window rows: each slot keeps at most window - 1 committed rows (+ one block of
+        # straddle), and one step adds at most step_tokens rows over all sequences
+        per_slot = ceil_div(self.window - 1, b) + 2
+        self.stores: dict[str, PagedStore] = {
+            "kv": PagedStore("kv", self.kv_format, b,
+                             max_seqs * per_slot + ceil_div(step, b), max_seqs,
+                             ceil_div(max_seq_len, b), self.device)}
+        self.rings: dict[str, tuple[RingSpec, torch.Tensor]] = {}
+        if r:
+            coff = 2 if r == 4 else 1
+            n_entries = ceil_div(max_seq_len, r)
+            n_blocks = ceil_div(ceil_div(capacity, r), b) + max_seqs
+            self.stores["compressed"] = PagedStore(
+                "compressed", self.kv_format, b, n_blocks, max_seqs, ceil_div(n_entries, b),
+                self.device)
+            spec = RingSpec(r, coff, 2 * coff * cfg.head_dim)
+            self.rings["compressed"] = (spec, self._ring(spec))
+        if r == 4:
+            self.index_format = index_format(index_format_name or cfg.index_cache_dtype,
+                                             cfg.index_head_dim, dtype)
+            self.stores["idx_keys"] = PagedStore(
+                "idx_keys", self.index_format, b, self.stores["compressed"].alloc.num_blocks,
+                max_seqs, self.stores["compressed"].max_logical, self.device)
+            spec = RingSpec(4, 2, 4 * cfg.index_head_dim)
+            self.rings["idx_keys"] = (spec, self._ring(spec))
+        self._lengths = [0] * max_seqs
+        self._handles: list[AttentionCache | None] = [None] * max_seqs
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+
+    def _ring(self, spec: RingSpec) -> torch.Tensor:
+        # written before read (a compress reads only rows of positions already processed)
+        return torch.empty(self.max_seqs, spec.rows, spec.width, dtype=self.acc_dtype,
+                           device=self.device)
+
+    # ------------------------------------------------------------------ sequences
+    @property
+    def sequences(self) -> list[AttentionCache]:
+        return [h for h in self._handles if h is not None]
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add_sequence(self) -> AttentionCache:
+        """A new, empty sequence (its blocks are taken as it grows)."""
+        if not self._free_slots:
+            raise CacheCapacityError(f"layer {self.layer_id} cache pool: all {self.max_seqs} "
+                                     "sequence slots are in use (free one or make a larger pool)")
+        slot = self._free_slots.pop()
+        handle = AttentionCache(self, slot)
+        self._handles[slot] = handle
+        self._lengths[slot] = 0
+        return handle
+
+    def _own(self, cache: AttentionCache, what: str) -> int:
+        if not isinstance(cache, AttentionCache) or cache.pool is not self:
+            raise ValueError(f"{what}: the cache is not a sequence of this pool")
+        if not cache.alive:
+            raise ValueError(f"{what}: the sequence was freed")
+        return cache.slot
+
+    def free(self, cache: AttentionCache) -> None:
+        """Give a sequence's blocks and slot back; its handle can no longer be used."""
+        slot = self._own(cache, "free")
+        for store in self.stores.values():
+            store.release_all(slot)
+        self._lengths[slot] = 0
+        self._handles[slot] = None
+        cache._live = False
+        self._free_slots.append(slot)
+
+    def reset(self, cache: AttentionCache) -> None:
+        slot = self._own(cache, "reset")
+        for store in self.stores.values():
+            store.release_all(slot)
+        self._lengths[slot] = 0
+
+    def fork(self, cache: AttentionCache) -> AttentionCache:
+        """A new sequence with ``cache``'s prefix: its full blocks are shared (reference-counted
+        and never written: writes go to positions at or after the length, which lie in the
+        partial last block or beyond), the partial last block of each store and the rings are
+        copied. Needs a free slot and one free block per store with a partial block."""
+        src = self._own(cache, "fork")
+        if not self._free_slots:
+            raise CacheCapacityError(f"layer {self.layer_id} cache pool: no free sequence slot "
+                                     "to fork into")
+        length = self._lengths[src]
+        rows = {name: self._rows_held(name, length) for name in self.stores}
+        for name, store in self.stores.items():  # check every store before changing any
+            store.check_fork(src, rows[name])
+        child = self.add_sequence()
+        for name, store in self.stores.items():
+            store.fork(src, child.slot, rows[name])
+        for _, ring in self.rings.values():
+            ring[child.slot] = ring[src]
+        self._lengths[child.slot] = length
+        return child
+
+    def truncate(self, cache: AttentionCache, length: int) -> None:
+        """Forget positions ``length`` .. current length - 1 (e.g. to re-run a decode step).
+
+        Allowed only where the state that position ``length`` needs is still held: the window
+        rows back to ``length - window + 1`` and the compressors' ring rows that the next entry
+        reads (always true for one step back)."""
+        slot = self._own(cache, "truncate")
+        cur = self._lengths[slot]
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= cur:
+            raise ValueError(f"truncate: length={length!r} must be an integer in 0 .. {cur}")
+        if length == cur:
+            return
+        first_window_row = max(0, length - self.window + 1)
+        if not self.stores["kv"].holds_rows(slot, first_window_row, cur):
+            raise ValueError(f"truncate to {length}: the window rows from {first_window_row} were "
+                             "already freed")
+        for spec, _ in self.rings.values():
+            needed_from = max(0, (length // spec.ratio - spec.coff + 1) * spec.ratio)
+            if needed_from < cur - spec.rows:
+                raise ValueError(f"truncate to {length}: the raw rows from position "
+                                 f"{needed_from} were overwritten (at most one step back)")
+        self._lengths[slot] = length
+
+    # ------------------------------------------------------------------ accounting
+    def _rows_held(self, name: str, length: int) -> int:
+        """Rows of store ``name`` that ``length`` positions fill."""
+        if name == "kv":
+            return length
+        return length // self.compress_ratio
+
+    def held_bytes(self, cache: AttentionCache) -> int:
+        slot = self._own(cache, "held_bytes")
+        total = sum(store.held_blocks(slot) * store.block_bytes for store in self.stores.values())
+        for spec, ring in self.rings.values():
+            total += spec.rows * spec.width * ring.element_size()
+        return total
+
+    def storage_bytes(self) -> int:
+        """Bytes the pool allocated (every store and ring, all slots)."""
+        total = sum(s.data.numel() * s.data.element_size() for s in self.stores.values())
+        return total + sum(r.numel() * r.element_size() for _, r in self.rings.values())
+
+    def blocks_in_use(self) -> dict[str, int]:
+        return {name: s.alloc.num_blocks - s.alloc.num_free for name, s in self.stores.items()}
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, caches: list[AttentionCache], counts: list[int]) -> CacheStep:
+        """Plan one forward step: ``counts[i]`` new tokens for ``caches[i]`` (all of this pool).
+        Takes the blocks the step writes (raising before anything changes if too few are
+        free) and returns the step's metadata; the caller commits or aborts it."""
+        from dsv4.cache.step import CacheStep
+
+        return CacheStep.plan(self, caches, counts)
+
+    def __repr__(self) -> str:
+        used = ", ".join(f"{k} {v}/{self.stores[k].alloc.num_blocks}"
+                         for k, v in self.blocks_in_use().items())
+        return (f"CachePool(layer={self.layer_id}, ratio={self.compress_ratio}, "
+                f"sequences={len(self.sequences)}/{self.max_seqs}, max_seq_len={self.max_seq_len}"
+                f", kv={self.kv_format.name}"
+                + (f", index={self.index_format.name}" if self.index_format else "")
+                + f", blocks used: {used})")

@@ -1,0 +1,251 @@
+"""A forward step's view of the cache: where each token's rows go and what it may read.
+
+The layer processes a call as one or more steps of at most ``step_tokens`` tokens. For a step,
+:meth:`CacheStep.plan` (host side) validates nothing more (the layer did), takes the blocks the
+step writes, and builds the step's metadata in one host-to-device copy:
+
+* per token: its position and its sequence's slot;
+* per compressor: the entries the step completes (slot, entry index) and, for each of their
+  ``coff * ratio`` source positions, where that raw row is: in the slot's ring (positions before
+  the step), in this step's rows, or nowhere (entry 0's missing previous block);
+* per compressor: which of this step's raw rows the rings keep.
+
+The device side then writes, selects and attends for every sequence in single batched operations.
+:class:`CallTransaction` makes a multi-step call all-or-nothing: on failure every sequence gets
+back its length, rings and blocks as they were before the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.cache.pool import AttentionCache, CachePool
+
+
+@dataclass
+class EntryJobs:
+    """The entries one step completes for one compressor store."""
+
+    count: int
+    slots: torch.Tensor
+    """[E] slot of each entry's sequence."""
+    entries: torch.Tensor
+    """[E] entry index j (rows j * ratio .. j * ratio + ratio - 1 complete it)."""
+    ring_src: torch.Tensor
+    """[E, coff * ratio] flat row of the ring (``ring.view(-1, width)``) holding each source
+    position, or -1."""
+    call_src: torch.Tensor
+    """[E, coff * ratio] index into this step's raw rows, or -1 (both -1: no such position)."""
+    keep_dst: torch.Tensor
+    """[K] flat ring rows this step's rows go to at commit ..."""
+    keep_src: torch.Tensor
+    """[K] ... from these step rows (the last ``coff * ratio`` positions of each sequence)."""
+
+
+@dataclass
+class CacheStep:
+    pool: CachePool
+    caches: list[AttentionCache]
+    starts: list[int]
+    counts: list[int]
+    pos: torch.Tensor
+    """[T] int64 position of each token (device)."""
+    tok_slot: torch.Tensor
+    """[T] int64 slot of each token's sequence (device)."""
+    pos_host: torch.Tensor
+    tok_seq_host: torch.Tensor
+    """[T] index into ``caches`` of each token (host)."""
+    jobs: dict[str, EntryJobs] = field(default_factory=dict)
+    _keepalive: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.pos_host.shape[0])
+
+    # ------------------------------------------------------------------ planning (host)
+    @classmethod
+    def plan(cls, pool: CachePool, caches: list[AttentionCache], counts: list[int]
+             ) -> CacheStep:
+        slots = [c.slot for c in caches]
+        starts = [pool._lengths[s] for s in slots]
+        ends = [a + n for a, n in zip(starts, counts, strict=True)]
+        r = pool.compress_ratio
+        # blocks first, all checked before any is taken
+        needs: list[tuple[str, int, int]] = []
+        for name, store in pool.stores.items():
+            per_store = 0
+            for s, e in zip(slots, ends, strict=True):
+                rows = e if name == "kv" else e // r
+                k = store.blocks_needed(s, rows)
+                per_store += k
+                if k:
+                    needs.append((name, s, rows))
+            if per_store > store.alloc.num_free:
+                from dsv4.cache.blocks import CacheCapacityError
+
+                raise CacheCapacityError(
+                    f"layer {pool.layer_id} cache pool, {name} store: this call needs "
+                    f"{per_store} more block(s) but {store.alloc.num_free} of "
+                    f"{store.alloc.num_blocks} are free (free finished sequences or make a larger "
+                    "pool)")
+        for name, s, rows in needs:
+            pool.stores[name].grow(s, rows)
+        for store in pool.stores.values():
+            store.sync()
+
+        t = sum(counts)
+        seq_ids = torch.repeat_interleave(torch.arange(len(caches)), torch.tensor(counts))
+        begins = torch.tensor([0, *counts]).cumsum(0)[:-1]
+        start_t = torch.tensor(starts)
+        pos = start_t[seq_ids] + torch.arange(t) - begins[seq_ids]
+        slot_t = torch.tensor(slots)
+        parts = [pos, slot_t[seq_ids]]
+        shapes: list[tuple[int, ...]] = [(t,), (t,)]
+        job_meta: list[tuple[str, int, int]] = []
+        for name, (spec, _) in pool.rings.items():
+            e_slots, e_j, ring_src, call_src, keep_dst, keep_src = [], [], [], [], [], []
+            cr, ratio = spec.rows, spec.ratio
+            offs = torch.arange(cr)
+            for i, (s, a, n) in enumerate(zip(slots, starts, counts, strict=True)):
+                tb = int(begins[i])
+                j = torch.arange(a // ratio, (a + n) // ratio)
+                if len(j):
+                    q = (j[:, None] - spec.coff + 1) * ratio + offs[None, :]
+                    ring_src.append(torch.where((q >= 0) & (q < a), s * cr + q % cr, -1))
+                    call_src.append(torch.where(q >= a, tb + q - a, -1))
+                    e_slots.append(torch.full_like(j, s))
+                    e_j.append(j)
+                q = torch.arange(max(a, a + n - cr), a + n)
+                keep_dst.append(s * cr + q % cr)
+                keep_src.append(tb + q - a)
+            e = int(sum(len(x) for x in e_j))
+            empty = torch.zeros(0, dtype=torch.long)
+            parts += [torch.cat(e_slots) if e else empty, torch.cat(e_j) if e else empty,
+                      torch.cat(ring_src).flatten() if e else empty,
+                      torch.cat(call_src).flatten() if e else empty,
+                      torch.cat(keep_dst), torch.cat(keep_src)]
+            k = int(sum(len(x) for x in keep_dst))
+            shapes += [(e,), (e,), (e, cr), (e, cr), (k,), (k,)]
+            job_meta.append((name, e, k))
+        host = torch.cat([p.to(torch.long) for p in parts])
+        dev, keep = _to_device(host, pool.device)
+        views = list(torch.split(dev, [_numel(s) for s in shapes]))
+        views = [v.view(s) for v, s in zip(views, shapes, strict=True)]
+        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos, seq_ids,
+                   _keepalive=keep)
+        for k_job, (name, e, k) in enumerate(job_meta):
+            v = views[2 + 6 * k_job: 8 + 6 * k_job]
+            step.jobs[name] = EntryJobs(e, *v)
+        return step
+
+    # ------------------------------------------------------------------ device side
+    def window_rows(self, window: int) -> torch.Tensor:
+        """[T, window] flat rows of the kv store each query sees (positions p - window + 1 ..
+        p, oldest first); -1 before position 0."""
+        rows = self.pos[:, None] - (window - 1) + torch.arange(window, device=self.pos.device)
+        rows = torch.where(rows >= 0, rows, -1)
+        return self.pool.stores["kv"].flat_rows(self.tok_slot[:, None], rows)
+
+    def entry_rows(self, name: str, entries: torch.Tensor,
+                   token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat rows of store ``name`` for per-query entry indices ``entries`` [T, k] (-1 kept)."""
+        slots = self.tok_slot[:, None] if token_slots is None else token_slots
+        return self.pool.stores[name].flat_rows(slots, entries)
+
+    def write_window(self, kv: torch.Tensor) -> None:
+        store = self.pool.stores["kv"]
+        store.write(store.flat_rows(self.tok_slot, self.pos), kv)
+
+    def write_entries(self, name: str, values: torch.Tensor) -> None:
+        job = self.jobs[name]
+        store = self.pool.stores[name]
+        store.write(store.flat_rows(job.slots, job.entries), values)
+
+    def ring(self, name: str) -> torch.Tensor:
+        return self.pool.rings[name][1]
+
+    def max_visible(self, ratio: int, a: int = 0, b: int | None = None) -> int:
+        """The most entries any query of tokens a .. b - 1 sees (host arithmetic)."""
+        p = self.pos_host[a:b]
+        return int((p.max() + 1) // ratio) if p.numel() else 0
+
+    def single_sequence(self, a: int, b: int) -> int | None:
+        """The index (into ``caches``) of the one sequence tokens a .. b - 1 belong to, or None."""
+        first, last = int(self.tok_seq_host[a]), int(self.tok_seq_host[b - 1])
+        return first if first == last else None
+
+    # ------------------------------------------------------------------ end of step
+    def commit(self, raw_rows: dict[str, torch.Tensor], release_from: list[int] | None = None
+               ) -> None:
+        """Keep the rings' rows, advance the lengths, release window blocks no query can read.
+        ``release_from[i]``: release only among logical blocks from this index (a multi-step
+        call keeps the blocks it started with until it ends)."""
+        for name, rows in raw_rows.items():
+            job = self.jobs[name]
+            spec, ring = self.pool.rings[name]
+            ring.view(-1, spec.width)[job.keep_dst] = rows[job.keep_src].to(ring.dtype)
+        kv = self.pool.stores["kv"]
+        for i, (c, a, n) in enumerate(zip(self.caches, self.starts, self.counts, strict=True)):
+            self.pool._lengths[c.slot] = a + n
+            first = max(0, a + n - self.pool.window + 1)
+            kv.release_before(c.slot, first, 0 if release_from is None else release_from[i])
+        kv.sync()
+
+
+class CallTransaction:
+    """All-or-nothing for a call of several steps over the same sequences: ``rollback`` restores
+    lengths, ring rows and block tables as they were at the start."""
+
+    def __init__(self, pool: CachePool, caches: list[AttentionCache], snapshot_rings: bool
+                 ) -> None:
+        self.pool = pool
+        self.caches = caches
+        self.lengths = [pool._lengths[c.slot] for c in caches]
+        self.logical = {name: [s.num_logical(c.slot) for c in caches]
+                        for name, s in pool.stores.items()}
+        self.rings: dict[str, torch.Tensor] = {}
+        if snapshot_rings:
+            slots = torch.tensor([c.slot for c in caches], device=pool.device)
+            self.rings = {name: ring[slots].clone() for name, (_, ring) in pool.rings.items()}
+
+    def window_release_from(self) -> list[int]:
+        """Blocks a step may release: those taken during this call (rollback restores the rest)."""
+        return self.logical["kv"]
+
+    def finish(self) -> None:
+        """The call succeeded: release every window block no query can read any more."""
+        kv = self.pool.stores["kv"]
+        for c in self.caches:
+            kv.release_before(c.slot, max(0, self.pool._lengths[c.slot] - self.pool.window + 1))
+        kv.sync()
+
+    def rollback(self) -> None:
+        for name, store in self.pool.stores.items():
+            for c, n in zip(self.caches, self.logical[name], strict=True):
+                store.shrink_to(c.slot, n)
+            store.sync()
+        if self.rings:
+            slots = torch.tensor([c.slot for c in self.caches], device=self.pool.device)
+            for name, saved in self.rings.items():
+                self.pool.rings[name][1][slots] = saved
+        for c, n in zip(self.caches, self.lengths, strict=True):
+            self.pool._lengths[c.slot] = n
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _to_device(host: torch.Tensor, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One host-to-device copy of a step's metadata (pinned and asynchronous on CUDA; the pinned
+    buffer is kept with the step so that a CUDA graph that captured the copy can replay it)."""
+    if device.type == "cpu":
+        return host, None
+    pinned = host.pin_memory() if device.type == "cuda" else host
+    return pinned.to(device, non_blocking=True), pinned

@@ -1,0 +1,154 @@
+"""One paged store of a layer's cache: rows in blocks, a block table per sequence slot.
+
+Row i of a sequence (its position for window rows, its entry index for compressed entries and
+indexer keys) lives in logical block i // block_size at offset i % block_size; the slot's block
+table maps the logical block to a physical one (-1: not held). A flat row index
+``physical * block_size + offset`` addresses the storage (what a paged kernel takes).
+
+The table is kept on the host (the allocator's truth) and mirrored on the device, where the
+forward turns (slot, row) into flat rows without a host round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.cache.blocks import BlockAllocator, CacheCapacityError
+from dsv4.cache.formats import RowFormat
+from dsv4.config import ceil_div
+
+
+class PagedStore:
+    def __init__(self, name: str, fmt: RowFormat, block_size: int, num_blocks: int,
+                 max_seqs: int, max_logical: int, device: torch.device) -> None:
+        self.name = name
+        self.fmt = fmt
+        self.block_size = block_size
+        self.max_logical = max_logical
+        self.alloc = BlockAllocator(num_blocks, f"{name} store")
+        self.block_bytes = fmt.block_bytes(block_size)
+        self.data = fmt.allocate(num_blocks, block_size, device)
+        self.table = torch.full((max_seqs, max_logical), -1, dtype=torch.int32)
+        self.table_dev = self.table if device.type == "cpu" else self.table.to(device)
+        self._blocks: list[list[int]] = [[] for _ in range(max_seqs)]
+        """Physical block of each logical block per slot (-1: released), the host's truth."""
+        self._dirty: dict[int, tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ queries
+    def held_blocks(self, slot: int) -> int:
+        return sum(1 for b in self._blocks[slot] if b >= 0)
+
+    def num_logical(self, slot: int) -> int:
+        return len(self._blocks[slot])
+
+    def blocks_needed(self, slot: int, rows: int) -> int:
+        """New blocks slot needs to hold rows 0 .. rows - 1 (the released ones stay released)."""
+        return max(0, ceil_div(rows, self.block_size) - len(self._blocks[slot]))
+
+    def holds_rows(self, slot: int, first: int, end: int) -> bool:
+        if end <= first:
+            return True
+        held = self._blocks[slot]
+        hi = ceil_div(end, self.block_size)
+        return hi <= len(held) and all(b >= 0 for b in held[first // self.block_size: hi])
+
+    # ------------------------------------------------------------------ changes
+    def grow(self, slot: int, rows: int) -> int:
+        """Hold rows 0 .. rows - 1 (allocate the missing blocks); returns how many logical
+        blocks the slot had before (what :meth:`shrink_to` restores)."""
+        held = self._blocks[slot]
+        before = len(held)
+        n = self.blocks_needed(slot, rows)
+        if before + n > self.max_logical:
+            raise CacheCapacityError(f"{self.name} store: {rows} rows exceed the table's "
+                                     f"{self.max_logical * self.block_size} rows per sequence")
+        if n:
+            new = self.alloc.allocate(n)
+            held.extend(new)
+            self.table[slot, before:before + n] = torch.tensor(new, dtype=torch.int32)
+            self._mark(slot, before, before + n)
+        return before
+
+    def shrink_to(self, slot: int, logical: int) -> None:
+        """Undo :meth:`grow`: release the logical blocks from ``logical`` on."""
+        held = self._blocks[slot]
+        if len(held) <= logical:
+            return
+        for b in held[logical:]:
+            if b >= 0:
+                self.alloc.release(b)
+        end = len(held)
+        del held[logical:]
+        self.table[slot, logical:end] = -1
+        self._mark(slot, logical, end)
+
+    def release_before(self, slot: int, first_row: int, from_logical: int = 0) -> None:
+        """Release the slot's blocks whose rows all lie before ``first_row`` (window rows no
+        query can read any more), only among logical blocks ``from_logical`` and later."""
+        held = self._blocks[slot]
+        last = min(first_row // self.block_size, len(held))
+        changed = [i for i in range(from_logical, last) if held[i] >= 0]
+        for i in changed:
+            self.alloc.release(held[i])
+            held[i] = -1
+            self.table[slot, i] = -1
+        if changed:
+            self._mark(slot, changed[0], changed[-1] + 1)
+
+    def release_all(self, slot: int) -> None:
+        self.shrink_to(slot, 0)
+
+    def check_fork(self, src: int, rows: int) -> None:
+        """Raise if forking ``rows`` rows of ``src`` would need more blocks than are free."""
+        if rows % self.block_size and self.alloc.num_free < 1:
+            raise CacheCapacityError(f"{self.name} store: no free block for the forked "
+                                     "sequence's partial block")
+
+    def fork(self, src: int, dst: int, rows: int) -> None:
+        """Give ``dst`` the first ``rows`` rows of ``src``: full blocks shared, the partial last
+        block copied (it is the one the two sequences will write next)."""
+        full = rows // self.block_size
+        held = self._blocks[src]
+        mine = []
+        for i in range(full):
+            if held[i] >= 0:
+                self.alloc.share(held[i])
+            mine.append(held[i])
+        if rows % self.block_size:
+            (copy,) = self.alloc.allocate(1)
+            b = self.block_size
+            offsets = torch.arange(rows % b, device=self.data.device)
+            self.fmt.copy_rows(self.data, held[full] * b + offsets, copy * b + offsets)
+            mine.append(copy)
+        self._blocks[dst] = mine
+        self.table[dst] = -1
+        if mine:
+            self.table[dst, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        self._mark(dst, 0, self.max_logical)
+
+    def _mark(self, slot: int, lo: int, hi: int) -> None:
+        if self.table_dev is self.table:
+            return
+        old = self._dirty.get(slot)
+        self._dirty[slot] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+
+    def sync(self) -> None:
+        """Copy the changed parts of the host table to the device mirror."""
+        for slot, (lo, hi) in self._dirty.items():
+            self.table_dev[slot, lo:hi].copy_(self.table[slot, lo:hi])
+        self._dirty.clear()
+
+    # ------------------------------------------------------------------ device side
+    def flat_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Flat storage row of (slot, row) pairs (broadcast); -1 where ``rows`` < 0 or the row's
+        block is not held. Device ops only."""
+        b = self.block_size
+        logical = (rows.clamp(min=0) // b).clamp(max=self.max_logical - 1)
+        phys = self.table_dev[slots, logical].long()
+        return torch.where((rows >= 0) & (phys >= 0), phys * b + rows % b, -1)
+
+    def read(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.fmt.read(self.data, flat, dtype)
+
+    def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        self.fmt.write(self.data, flat, values)
