@@ -482,7 +482,8 @@ class IndexFp8Format(PackedFormat):
 
     def _decode(self, data: Tensor, scales: Tensor, cdt: torch.dtype) -> Tensor:
         n = data.shape[0]
-        q = data.contiguous().view(torch.float8_e4m3fn).to(cdt).reshape(n, self.blocks, -1)
+        q = data.contiguous().view(torch.float8_e4m3fn).to(cdt)
+        q = q.reshape(n, self.blocks, INDEX_FP8_BLOCK)
         sigma = scales.contiguous().view(torch.float32).to(cdt).reshape(n, self.blocks, 1)
         return (q * sigma).reshape(n, self.dim)
 
