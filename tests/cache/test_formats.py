@@ -441,6 +441,17 @@ def test_copy_rows_copies_bytes(name, dim, rope) -> None:
     assert np.array_equal(after[idx], before[idx])
 
 
+@pytest.mark.parametrize(("name", "dim", "rope"), ALL)
+def test_empty_calls(name, dim, rope) -> None:
+    fmt = make_format(name, dim, rope, torch.float32)
+    store = fmt.allocate(1, 4)
+    empty = torch.zeros(0, dtype=torch.int64)
+    fmt.write(store, empty, torch.zeros(0, dim))
+    fmt.copy_rows(store, empty, empty)
+    assert fmt.read(store, empty.reshape(0, 3), torch.float32).shape == (0, 3, dim)
+    assert fmt.allocate(0, 4).shape[:2] == (0, 4)
+
+
 # ---------------------------------------------------------------- errors
 
 

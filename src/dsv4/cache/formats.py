@@ -49,6 +49,10 @@ Verified against (repository, path @ commit):
   and the odd element in the high nibble (``_fp32x2_to_fp4x2(even, odd)``; its definition in
   ``fused_indexer_q.py`` passes ``(hi, lo)`` to the PTX instruction, whose first source operand
   fills the high nibble).
+* vllm-project/vllm ``vllm/models/deepseek_v4/hw_agnostic/attention/kernels/cache_utils.py``
+  @54cedc2fa48304e72794af12ceca35fa98a387e3 (``quantize_and_insert_k_kernel`` and its gather):
+  the same fp8_ds_mla layout, amax floor 1e-4, pad scale byte (index 7) written 0, block stride
+  taken from the cache tensor (the padded block), dequantisation ``fp8 * 2^(byte - 127)``.
 * vllm-project/vllm ``vllm/models/deepseek_v4/attention.py``
   @0484480bc73081c4a5133b3cb53018323fce632d: 584 bytes per kv token (448 + 128 + 8) with 576-byte
   alignment; indexer key bytes per token 132 (fp8: 128 + 4) or 68 (MXFP4: 64 + 4). vLLM also
