@@ -452,6 +452,19 @@ def test_empty_calls(name, dim, rope) -> None:
     assert fmt.allocate(0, 4).shape[:2] == (0, 4)
 
 
+@pytest.mark.parametrize(("name", "dim", "rope"), ALL)
+def test_strided_values_and_int32_rows(name, dim, rope) -> None:
+    fmt = make_format(name, dim, rope, torch.bfloat16)
+    wide = sample_rows(3, 2 * dim, torch.bfloat16, seed=9)
+    v = wide[:, dim // 2 : dim // 2 + dim]  # a non-contiguous slice, as a caller may pass
+    a, b = fmt.allocate(2, 4), fmt.allocate(2, 4)
+    fmt.write(a, torch.tensor([1, 4, 7], dtype=torch.int32), v)
+    fmt.write(b, torch.tensor([1, 4, 7]), v.contiguous())
+    rows = torch.tensor([7, 1, 4], dtype=torch.int32)
+    got, want = fmt.read(a, rows, torch.bfloat16), fmt.read(b, rows, torch.bfloat16)
+    assert torch.equal(bits(got), bits(want))
+
+
 # ---------------------------------------------------------------- errors
 
 
