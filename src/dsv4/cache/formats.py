@@ -34,8 +34,8 @@ Verified against (repository, path @ commit):
   dtype (bf16) after the nope bytes; dequantisation ``fp8 * scale``.
   **Differs** in its scale rule: that test helper floors ``amax / 448`` (not amax) at 1e-4 and
   uses ``torch.log2``; the engines' writers below floor amax at 1e-4 like the official
-  simulation, and we follow them (with FlashMLA's floor the format would not be lossless on
-  simulated rows whose tile amax is below 448e-4).
+  simulation, and we follow them. (FlashMLA's floor gives a scale of at least 2^-13, which would
+  re-round the small elements of simulated tiles whose amax is below 448 * 2^-14 ~ 0.027.)
 * vllm-project/vllm ``vllm/models/deepseek_v4/common/ops/fused_compress_quant_cache.py``
   @045d7575500e01e0f4a7ff84e039a9f7f7dc3bd0 (the cache writers): fp8_ds_mla token data at
   ``block + pos * 576``, scales at ``block + R * 576 + pos * 8``, 7 scale bytes
@@ -55,9 +55,9 @@ Verified against (repository, path @ commit):
   taken from the cache tensor (the padded block), dequantisation ``fp8 * 2^(byte - 127)``.
 * vllm-project/vllm ``vllm/models/deepseek_v4/attention.py``
   @0484480bc73081c4a5133b3cb53018323fce632d: 584 bytes per kv token (448 + 128 + 8) with 576-byte
-  alignment; indexer key bytes per token 132 (fp8: 128 + 4) or 68 (MXFP4: 64 + 4). vLLM also
-  pads its indexer pages to 576 bytes, because every layer's page shares one allocation; our
-  index formats are not padded (no kernel here needs it).
+  alignment; indexer key bytes per token 132 (fp8: 128 + 4) or 68 (MXFP4: 64 + 4). vLLM gives
+  its indexer cache spec the same 576-byte alignment (with fp8_ds_mla; 512 otherwise), an
+  allocator choice (it packs the layers' pages together); our index formats are not padded.
 
 Indexer key formats (dim 128 in every config; any multiple of the block is accepted):
 
@@ -73,9 +73,11 @@ Indexer key formats (dim 128 in every config; any multiple of the block is accep
   68 bytes per row, 4352 per 64-row block.
 
 Exponents are taken from the float's bits (:func:`dsv4.layers.fp8.ceil_log2`), never from a
-floating ``log2``; the engines use ``log2`` and ``ceil``, which agree except possibly within an ulp
-of a power of two. Scale exponents are clamped to the E8M0 range [-127, 127] (only float64 inputs
-beyond the float32 range reach it; their values then saturate). Non-finite inputs are not
+floating ``log2``. The engines use a floating ``log2`` (on GPUs possibly an approximate
+instruction) and ``ceil``: for an amax a few ulps above ``448 * 2^k`` (or ``6 * 2^k``) they may pick
+the smaller exponent k, and the largest element then saturates; elsewhere they agree. Scale
+exponents are clamped to the E8M0 range [-127, 127] (only float64 inputs beyond the float32 range
+reach it; their values then saturate). Non-finite inputs are not
 supported (their rows read back unspecified values).
 """
 
