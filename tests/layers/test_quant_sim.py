@@ -14,6 +14,7 @@ from dsv4.layers.quant_sim import (
     fp4_block_sim,
     fp8_block_sim,
     hadamard_rotate,
+    index_fp8_sim,
     indexer_quant_sim,
 )
 
@@ -252,3 +253,25 @@ def test_indexer_quant_sim_is_rotation_then_fp4() -> None:
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, fp4_block_sim(hadamard_rotate(xb)))
     assert not torch.equal(y, fp4_block_sim(xb))  # the rotation is applied
+
+
+# ---------------------------------------------------------------- engines' fp8 indexer keys
+
+
+@FAST
+@given(tensors(block=128, max_blocks=3))
+def test_index_fp8_sim_matches_oracle(x: torch.Tensor) -> None:
+    """E4M3 with one power-of-two scale per 128-vector (amax floor 1e-4), no rotation."""
+    got = index_fp8_sim(x)
+    want, sigma = sim_oracle(x, 128, 1e-4, 448.0, e4m3_grid())
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.equal(got.double(), want)
+    assert torch.equal(index_fp8_sim(got), got)  # idempotent
+    assert torch.equal(got, fp8_block_sim(x, block=128))
+
+
+def test_index_fp8_sim_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="index_fp8_sim"):
+        index_fp8_sim(torch.zeros(2, 64))
+    with pytest.raises(TypeError):
+        index_fp8_sim(torch.zeros(128, dtype=torch.int64))

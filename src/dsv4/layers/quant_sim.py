@@ -62,6 +62,24 @@ def fp8_block_sim(x: Tensor, block: int = 64) -> Tensor:
     return (q * sigma).reshape(x.shape).to(x.dtype)
 
 
+INDEX_FP8_BLOCK = 128
+"""Values per scale of the engines' fp8 indexer keys (one scale per 128-vector)."""
+
+
+def index_fp8_sim(x: Tensor) -> Tensor:
+    """The engines' fp8 indexer-key numerics: E4M3 with a power-of-two scale per 128 values.
+
+    Not an official simulation: vLLM's DeepSeek-V4 ``fp8`` indexer cache stores unrotated keys
+    (no Hadamard) as E4M3 with ``scale = 2^ceil(log2(max(amax, 1e-4) * (1/448)))`` per 128-vector,
+    the rule of :func:`fp8_block_sim` at block 128. It is exactly what the ``fp8`` index row
+    format (:mod:`dsv4.cache.formats`) stores, so a row written and read back equals this.
+    """
+    v = _blocks(x, INDEX_FP8_BLOCK, "index_fp8_sim")
+    sigma = _block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+    q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    return (q * sigma).reshape(x.shape).to(x.dtype)
+
+
 def round_e2m1(y: Tensor) -> Tensor:
     """Round to the FP4 E2M1 grid ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to even; no saturation."""
     return round_minifloat(y, E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP)
@@ -103,12 +121,6 @@ def hadamard_rotate(x: Tensor) -> Tensor:
 def indexer_quant_sim(x: Tensor) -> Tensor:
     """The indexer's simulation: Hadamard rotation (result in x's dtype), then FP4 block-32."""
     return fp4_block_sim(hadamard_rotate(x))
-
-
-def index_fp8_sim(x: Tensor, block: int = 128) -> Tensor:
-    """The engines' indexer numerics: FP8 E4M3 quant-dequant with a power-of-two scale per
-    ``block``-vector, no Hadamard (what the ``fp8`` indexer-key format stores)."""
-    return fp8_block_sim(x, block)
 
 
 INDEX_NUMERICS = ("hadamard_fp4", "fp8")
