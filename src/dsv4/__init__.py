@@ -2,10 +2,10 @@
 
 from dsv4 import platforms
 from dsv4.attention import AttentionInputError, DeepseekV4Attention
-from dsv4.checkpoint import AttentionStack, CheckpointError, load_checkpoint, save_checkpoint
-from dsv4.config import ConfigError, DSV4Config
 from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.pool import AttentionCache, CachePool
+from dsv4.checkpoint import AttentionStack, CheckpointError, load_checkpoint, save_checkpoint
+from dsv4.config import ConfigError, DSV4Config
 from dsv4.passes import PassReport, process_weights_after_loading
 from dsv4.weights import WeightLoadError
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
 RUNTIME_OPTIONS = ("simulate_quant", "multi_stream_token_threshold", "kv_cache_dtype",

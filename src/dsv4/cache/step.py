@@ -135,7 +135,7 @@ class CacheStep:
         views = [v.view(s) for v, s in zip(views, shapes, strict=True)]
         step = cls(pool, caches, starts, list(counts), views[0], views[1], pos, seq_ids,
                    _keepalive=keep)
-        for k_job, (name, e, k) in enumerate(job_meta):
+        for k_job, (name, e, _k) in enumerate(job_meta):
             v = views[2 + 6 * k_job: 8 + 6 * k_job]
             step.jobs[name] = EntryJobs(e, *v)
         return step

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.layers.cache import AttentionCache
+from dsv4.cache.pool import AttentionCache
 from dsv4.layers.norm import RMSNorm
 from dsv4.model.config import TinyLMConfig
 
