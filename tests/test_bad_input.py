@@ -38,13 +38,20 @@ def assert_same_state(layer, snap):
 
 
 def snapshot_cache(cache):
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(cache).items()}
+    pool = cache.pool
+    snap = {"length": cache.length, "blocks": pool.blocks_in_use()}
+    for name, store in pool.stores.items():
+        snap[f"{name}.data"] = store.data.clone()
+        snap[f"{name}.table"] = store.table.clone()
+    for name, (_, ring) in pool.rings.items():
+        snap[f"{name}.ring"] = ring.clone()
+    return snap
 
 
 def assert_same_cache(cache, snap):
     """Bitwise: rows never written hold uninitialised memory (possibly NaN)."""
-    for k, v in snap.items():
-        now = getattr(cache, k)
+    for k, v in snapshot_cache(cache).items():
+        now = snap[k]
         if isinstance(v, torch.Tensor):
             assert torch.equal(now.view(torch.uint8), v.view(torch.uint8)), k
         else:

@@ -113,6 +113,12 @@ class AttentionCache:
         """Forget the positions from ``length`` on (see :meth:`CachePool.truncate`)."""
         self.pool.truncate(self, length)
 
+    def rows(self, store: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start .. end - 1`` of this sequence in ``store`` (``kv``: window rows by
+        position, only those still held; ``compressed``, ``idx_keys``: entries), read back
+        through the store's format in the layer dtype."""
+        return self.pool.read_rows(self, store, start, end)
+
     def held_bytes(self) -> int:
         """Bytes of storage this sequence holds (blocks in every store, and its rings)."""
         return self.pool.held_bytes(self)
@@ -286,6 +292,23 @@ class CachePool:
                 raise ValueError(f"truncate to {length}: the raw rows from position "
                                  f"{needed_from} were overwritten (at most one step back)")
         self._lengths[slot] = length
+
+    def read_rows(self, cache: AttentionCache, name: str, start: int = 0,
+                  end: int | None = None) -> torch.Tensor:
+        slot = self._own(cache, "rows")
+        if name not in self.stores:
+            raise ValueError(f"store {name!r}: this layer's stores are {list(self.stores)}")
+        n = self._rows_held(name, self._lengths[slot])
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"rows {start} .. {end}: the sequence has {n} rows in {name!r}")
+        store = self.stores[name]
+        if not store.holds_rows(slot, start, end):
+            raise ValueError(f"rows {start} .. {end} of {name!r} are no longer held (window rows "
+                             "before the window are freed)")
+        rows = torch.arange(start, end, device=self.device)
+        slots = torch.full_like(rows, slot)
+        return store.read(store.flat_rows(slots, rows), self.dtype)
 
     # ------------------------------------------------------------------ accounting
     def _rows_held(self, name: str, length: int) -> int:
