@@ -78,7 +78,7 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
     """A full-layer decode step of 3 sequences captured as one CUDA graph (CPU positions: no
     host syncs) replays exactly what eager execution computes."""
     layer = cuda_layer(tiny, ratio)
-    caches = [layer.new_cache(64) for _ in range(3)]
+    caches = layer.new_caches(3, 64)
     for i, c in enumerate(caches):
         n = 20 + 9 * i
         layer(random_x(n, tiny.hidden_size).to("cuda", torch.bfloat16), torch.arange(n), c)
@@ -87,14 +87,14 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
     lengths = [c.length for c in caches]
     eager = layer(x, pos, caches)
     for c, n in zip(caches, lengths, strict=True):
-        c.length = n
+        c.truncate(n)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         layer(x, pos, caches)
     torch.cuda.current_stream().wait_stream(side)
     for c, n in zip(caches, lengths, strict=True):
-        c.length = n
+        c.truncate(n)
     graph = torch.cuda.CUDAGraph()
     with capture_graph(graph):
         out = layer(x, pos, caches)

@@ -107,19 +107,19 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
             layer(prompts[i], torch.arange(context), c)
         eager = layer(x, pos, caches)  # warm-up and the eager answer
         for c in caches:
-            c.length = context
+            c.truncate(context)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             layer(x, pos, caches)
             for c in caches:
-                c.length = context
+                c.truncate(context)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with capture_graph(graph):
             out = layer(x, pos, caches)
         for c in caches:
-            c.length = context
+            c.truncate(context)
         graph.replay()
         torch.cuda.synchronize()
         if not torch.equal(out, eager):

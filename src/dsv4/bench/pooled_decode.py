@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.config import DSV4Config
 from dsv4.cache.pool import AttentionCache
+from dsv4.config import DSV4Config
 from dsv4.random_weights import random_layer_weights
 
 
