@@ -33,8 +33,9 @@ class YarnScaling:
 class DSV4Config:
     """Everything one DSV4 attention layer needs to know about the model.
 
-    Field names follow the HF ``config.json`` keys. ``simulate_quant`` and
-    ``multi_stream_token_threshold`` are runtime options of this package, not model keys.
+    Field names follow the HF ``config.json`` keys. ``simulate_quant``,
+    ``multi_stream_token_threshold`` and ``check_finite_inputs`` are runtime options of this
+    package, not model keys.
     """
 
     hidden_size: int
@@ -66,6 +67,10 @@ class DSV4Config:
     """Run the official FP8 (kv nope) and Hadamard+FP4 (indexer) quantisation simulations."""
     multi_stream_token_threshold: int = 1024
     """Input-GEMM stream overlap is enabled only for calls with at most this many tokens."""
+    check_finite_inputs: bool = False
+    """Reject NaN / Inf in ``x`` on a GPU too (CPU inputs are always checked). Off by default:
+    the check reads a flag back from the device (a sync), which decode steps and CUDA-graph
+    capture avoid. A runtime option: never written to ``config.json``."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -193,7 +198,7 @@ class DSV4Config:
                 kw[k] = d[k]
         kw["rope_scaling"] = _parse_rope_scaling(d.get("rope_scaling"))
         kw.update(_parse_quantization(d.get("quantization_config")))
-        for k in ("simulate_quant", "multi_stream_token_threshold"):
+        for k in ("simulate_quant", "multi_stream_token_threshold", "check_finite_inputs"):
             if k in d:
                 kw[k] = d[k]
         kw.update(overrides)
@@ -214,7 +219,8 @@ class DSV4Config:
         """HF-style dict; ``from_dict(to_dict())`` round-trips."""
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("rope_scaling", "fp8_weights", "weight_block_size"):
+            if f.name in ("rope_scaling", "fp8_weights", "weight_block_size",
+                          "check_finite_inputs"):
                 continue
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, tuple) else v
