@@ -8,9 +8,9 @@ import torch
 
 from dsv4 import AttentionInputError, DeepseekV4Attention, DSV4Config
 from dsv4.random_weights import random_layer_weights
+from test_bad_input import assert_same_cache, snapshot_cache
 
 from conftest import random_x
-from test_bad_input import assert_same_cache, snapshot_cache
 
 
 def test_forward_on_unloaded_layer_names_what_is_missing(tiny):

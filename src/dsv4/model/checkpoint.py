@@ -15,6 +15,7 @@ Layout (what ``save_tiny_lm`` writes)::
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,10 @@ def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: st
         layers[i] = layer
     for stale in (folder / "model.safetensors", folder / INDEX_FILE):
         stale.unlink(missing_ok=True)
-    save_checkpoint(AttentionStack(cfg.attn, layers), folder)
-    (folder / "model.safetensors").replace(folder / ATTN_SHARD)
+    # save_checkpoint owns the folder it writes: write the attention there, move its shard here
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        save_checkpoint(AttentionStack(cfg.attn, layers), Path(tmp) / "attention")
+        (Path(tmp) / "attention" / "model.safetensors").replace(folder / ATTN_SHARD)
     shapes = lm_tensor_shapes(cfg)
     lm = {name: tensors[name].to(torch.bfloat16).contiguous() for name in shapes}
     save_file(lm, str(folder / LM_SHARD), metadata={"format": "pt"})
