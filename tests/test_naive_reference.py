@@ -201,7 +201,7 @@ def test_two_tokens_rope_by_hand() -> None:
     ckpt, W = random_weights(cfg, layer, seed=5)
     x = _x(cfg, 2, seed=6)
     d_r = cfg.qk_rope_head_dim
-    f = (cfg.rope_theta ** (-torch.arange(0, d_r, 2, dtype=F64) / d_r)).float()
+    f = 1.0 / cfg.rope_theta ** (torch.arange(0, d_r, 2, dtype=torch.float32) / d_r)  # float32
     q, kv = _q_kv_by_hand(cfg, W, x)
     q1, k0, k1 = _rotate(q[1], f), kv[0], _rotate(kv[1], f)
     keys = torch.stack([k0, k1])
@@ -217,11 +217,10 @@ def test_two_tokens_rope_by_hand() -> None:
 def _yarn_freqs(cfg: DSV4Config) -> torch.Tensor:
     """§4 for the compressed layers: with base 160000 pairs 0..15 keep f_i, 25.. use f_i/16."""
     d_r, base = cfg.qk_rope_head_dim, cfg.compress_rope_theta
-    i = torch.arange(d_r // 2, dtype=F64)
-    f = base ** (-2 * i / d_r)
+    f = 1.0 / base ** (torch.arange(0, d_r, 2, dtype=torch.float32) / d_r)  # float32 throughout
     low, high = 15, 25  # from the worked example in §4 (Flash/tiny YaRN settings)
-    ramp = ((i - low) / (high - low)).clamp(0, 1)
-    return (f / 16 * ramp + f * (1 - ramp)).float()
+    smooth = 1 - ((torch.arange(d_r // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return f / 16 * (1 - smooth) + f * smooth
 
 
 def test_first_c4a_entry_by_hand() -> None:

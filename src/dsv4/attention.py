@@ -73,6 +73,8 @@ class DeepseekV4Attention(nn.Module):
         self.offloader: BaseOffloader = resolve_offloader(offloader)
         self._offload_done = False
         self._weight_layouts: dict[str, WeightLayout] = {}
+        self._weights_loaded = False
+        """Set by ``load_weights`` / ``load_state_dict``; forward refuses to run before."""
 
         fp8 = cfg.fp8_weights
         h = cfg.hidden_size
@@ -151,6 +153,7 @@ class DeepseekV4Attention(nn.Module):
         non-finite tensors are errors naming the tensor); nothing is assigned unless all pass.
         """
         load_layer_weights(self, weights)
+        self._weights_loaded = True
         self._after_weights_changed()
 
     def new_cache_pool(self, max_seqs: int, max_seq_len: int = 4096, *,
@@ -269,6 +272,8 @@ class DeepseekV4Attention(nn.Module):
         of several pools: once per pool). A call longer than the pool's ``step_tokens`` runs as
         several steps, all or nothing: if one fails, every cache is left as it was.
         """
+        self._check_weights_loaded()
+        self._check_finite_input(x)
         groups = self._plan_call(x, positions, cache, seq_lens)
         if len(groups) == 1 and groups[0][1] is None:
             pool, _, caches, counts = groups[0]
@@ -528,6 +533,40 @@ class DeepseekV4Attention(nn.Module):
                                          self.cfg.attention_workspace_bytes)
 
     # ---- validation ---------------------------------------------------------------------
+    def _check_weights_loaded(self) -> None:
+        """A layer built but never loaded holds placeholder weights (its outputs would be NaN):
+        refuse to run it. One bool test per call."""
+        if self._weights_loaded:
+            return
+        names = self.official_weight_names()
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
+        raise AttentionInputError(
+            f"layer {self.layer_id} (ratio {self.compress_ratio}) was built but its weights were "
+            f"never loaded ({shown}): call load_weights(...) or load_state_dict(...) first, or "
+            "use dsv4.load_checkpoint")
+
+    def _check_finite_input(self, x: Any) -> None:
+        """Reject NaN / Inf in x before anything is written. Free of device syncs: CPU inputs
+        are always checked; on another device only with ``cfg.check_finite_inputs`` (the check
+        reads a flag back, so it is off by default and skipped during CUDA-graph capture)."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return  # _plan_call names the problem
+        if x.device.type == "meta":
+            return
+        if x.device.type != "cpu":
+            if not self.cfg.check_finite_inputs:
+                return
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return
+        finite = torch.isfinite(x)
+        if bool(finite.all()):
+            return
+        flat = finite.reshape(x.shape[0], -1) if x.dim() >= 1 else finite.reshape(1, -1)
+        rows = (~flat.all(dim=1)).nonzero().flatten().tolist()
+        raise AttentionInputError(
+            f"x holds NaN or Inf in token row(s) {_short(torch.tensor(rows))}; nothing was "
+            "written to the cache")
+
     def _plan_call(self, x: Any, positions: Any, cache: Any, seq_lens: Sequence[int] | None
                    ) -> list[tuple[CachePool, torch.Tensor | None, list[AttentionCache],
                                    list[int]]]:
@@ -622,6 +661,8 @@ def _canonical_state_dict_hook(module: DeepseekV4Attention, state_dict: dict[str
 
 def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
     assert isinstance(module, DeepseekV4Attention)
+    if not incompatible.missing_keys:
+        module._weights_loaded = True
     module._after_weights_changed()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.config import ConfigError, DSV4Config
+from dsv4.config import ConfigError, DSV4Config, read_config_json
+from dsv4.folder_swap import FolderOwnershipError, replace_folder
 from dsv4.weights import WeightLoadError, export_official_weights
 
 log = logging.getLogger(__name__)
@@ -115,27 +118,63 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
     return out
 
 
+def _requested_layers(folder: Path, cfg: DSV4Config, layers: Sequence[int] | None
+                     ) -> list[int]:
+    """The layer ids to load: ``layers``, else the ones the folder records (a folder written by
+    ``save_checkpoint`` from a partial stack), else every layer of the model."""
+    if layers is None:
+        saved = None
+        if (folder / "config.json").is_file():
+            saved = read_config_json(folder).get(SAVED_LAYERS_KEY)
+        if saved is None:
+            return list(range(cfg.num_layers_with_mtp))
+        if not isinstance(saved, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in saved):
+            raise CheckpointError(f"{folder}/config.json: {SAVED_LAYERS_KEY} must be a list of "
+                                  f"layer ids, got {saved!r}")
+        layers = saved
+    try:
+        if isinstance(layers, (str, bytes)):
+            raise TypeError
+        ids = list(layers)
+    except TypeError:
+        raise CheckpointError(f"layers={layers!r}: give a list of layer ids") from None
+    if not ids:
+        raise CheckpointError("layers=[]: give at least one layer id (or None for all layers)")
+    bad = [i for i in ids if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+    if bad:
+        raise CheckpointError(f"layers={ids!r}: layer ids must be integers, got {bad!r}")
+    dups = sorted({i for i in ids if ids.count(i) > 1})
+    if dups:
+        raise CheckpointError(f"layers={ids!r}: duplicate layer id(s) {dups}")
+    for i in ids:
+        cfg.compress_ratio(i)  # range check with a clear message
+    return [int(i) for i in ids]
+
+
 def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
                     platform: str = "reference", device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, process: bool = True,
                     cfg: DSV4Config | None = None, passes: Sequence[str] | None = None,
                     **build_kwargs: Any) -> AttentionStack:
-    """Build and load the attention layers ``layers`` (default: all) of a checkpoint folder.
+    """Build and load the attention layers ``layers`` of a checkpoint folder (default: the layers
+    a ``save_checkpoint`` folder records, else all).
 
     Each layer is built, loaded and (with ``process``) run through the platform's post-load
     passes (or ``passes``) and its offloader before the next is read. Any error (config,
     missing or corrupt shard, bad tensor) is raised before a layer is returned.
     """
     folder = Path(folder)
+    if folder.is_file():
+        raise CheckpointError(f"{folder} is a file, not a checkpoint folder (give the folder "
+                              "that holds config.json and the *.safetensors shards)")
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder} does not exist")
     try:
         cfg = cfg or DSV4Config.from_pretrained(folder)
+        ids = _requested_layers(folder, cfg, layers)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from e
-    ids = list(range(cfg.num_layers_with_mtp)) if layers is None else list(layers)
-    for i in ids:
-        cfg.compress_ratio(i)  # range check with a clear message
     tensors = read_layer_tensors(folder, cfg, ids)
     from dsv4.passes import process_weights_after_loading
     from dsv4.platforms import get_platform
@@ -163,19 +202,33 @@ def attention_layers(module: nn.Module) -> list[DeepseekV4Attention]:
     return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]
 
 
+SAVED_LAYERS_KEY = "dsv4_saved_layers"
+"""config.json key (ignored by other readers) listing the layer ids a ``save_checkpoint`` folder
+holds, so that ``load_checkpoint(folder)`` loads exactly those by default."""
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Files ``save_checkpoint`` writes (and may replace): config.json, model*.safetensors and
+    the shard index."""
+    return name in ("config.json", INDEX_FILE) or (
+        name.startswith("model") and name.endswith(".safetensors"))
+
+
 def save_checkpoint(module: nn.Module, folder: str | Path,
                     max_shard_bytes: int = 4 << 30) -> list[Path]:
     """Write every attention layer in ``module`` with official names and canonical layouts.
 
     Shards are ``model-0000k-of-0000n.safetensors`` with an index when more than one is needed,
-    else ``model.safetensors``. Returns the files written.
+    else ``model.safetensors``; ``config.json`` records which layers the folder holds. The files
+    are written into a temporary sibling folder that then replaces ``folder``: afterwards it
+    holds exactly this checkpoint (no file of an earlier save survives) or, if anything failed,
+    exactly what it held before. A folder holding other files than checkpoint files is refused
+    (:class:`CheckpointError` naming them). Returns the files written.
     """
     layers = attention_layers(module)
     if not layers:
         raise ValueError("save_checkpoint: the module holds no DeepseekV4Attention layer")
     cfg = layers[0].cfg
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers:
         prefix = layer_prefix(cfg, layer.layer_id)
@@ -190,21 +243,32 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
             size = 0
         shards[-1][name] = t
         size += nbytes
-    written = []
-    if len(shards) == 1:
-        path = folder / "model.safetensors"
-        save_file(shards[0], str(path), metadata={"format": "pt"})
-        written.append(path)
-    else:
-        weight_map = {}
-        for k, shard in enumerate(shards, 1):
-            fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-            written.append(folder / fname)
-        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                    indent=1))
-        written.append(folder / INDEX_FILE)
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    written.append(folder / "config.json")
-    return written
+    config = {**cfg.to_dict(), SAVED_LAYERS_KEY: sorted(layer.layer_id for layer in layers)}
+
+    def write(tmp: Path) -> list[Path]:
+        # config.json first: an ordinary file, so its mode is what the user's umask gives; the
+        # shards get the same mode (the safetensors writer may create private temp files)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        mode = (tmp / "config.json").stat().st_mode & 0o7777
+        written = []
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            written.append(tmp / "model.safetensors")
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards, 1):
+                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({n: fname for n in shard})
+                written.append(tmp / fname)
+            (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                     indent=1))
+            written.append(tmp / INDEX_FILE)
+        for path in written:
+            os.chmod(path, mode)
+        return [*written, tmp / "config.json"]
+
+    try:
+        return replace_folder(folder, write, is_checkpoint_file, what="checkpoint files")
+    except FolderOwnershipError as e:
+        raise CheckpointError(f"save_checkpoint: {e}") from e

@@ -1,18 +1,34 @@
-"""The ``dsv4`` command (also ``python -m dsv4``)."""
+"""The dsv4 command (also python -m dsv4): the DeepSeek-V4 attention layer's demo, conformance
+check, benchmarks and the tiny LM. Every subcommand has its own --help."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import time
 from pathlib import Path
 
-from dsv4.model.checkpoint import default_model_dir
 from dsv4.model.commands import add_commands as add_model_commands
+from dsv4.model.commands import check_problems, progress
+from dsv4.model.paths import default_model_dir
+from dsv4.usage import check_at_least, resolve_device, user_error_message
+
+VERIFY_MIN_TOKENS = 16
+"""The pooled mode of ``dsv4 verify`` splits the tokens over 4 sequences of at least 4 each."""
+
+BENCH_SUITES = {
+    "input-proj": "dsv4.bench.input_proj",
+    "decode-step": "dsv4.bench.decode_step",
+    "pooled-decode": "dsv4.bench.pooled_decode",
+}
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    check_at_least("--tokens", args.tokens, 1)
+    check_at_least("--chunk", args.chunk, 1)
+    check_problems(args.problems)
     from dsv4.demo import format_demo, run_demo
     from dsv4.model.commands import run_model_eval
 
@@ -25,7 +41,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     t0 = time.perf_counter()
     rows = run_demo(tokens=args.tokens, chunk=args.chunk, seed=args.seed,
-                    checkpoint=args.checkpoint)
+                    checkpoint=args.checkpoint, log=progress)
     print(format_demo(rows, args.tokens))
     worst64 = max(r.err_f64 for r in rows)
     worst16 = max(r.err_bf16 for r in rows)
@@ -36,27 +52,41 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    check_at_least("--tokens", args.tokens, VERIFY_MIN_TOKENS,
+                   "the pooled mode decodes 4 sequences of at least 4 tokens")
+    device = resolve_device(args.device)
+    from dsv4.platforms import get_platform
     from dsv4.verify import run_verify
 
-    ok, report = run_verify(args.platform or None, args.device, args.tokens, args.seed)
+    for name in args.platform or []:
+        get_platform(name, device)  # unknown / unavailable: one line, before any work
+    ok, report = run_verify(args.platform or None, device, args.tokens, args.seed, log=progress)
     print(report)
     return 0 if ok else 1
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import torch
+    if args.help or args.suite is None:
+        if args.suite is None:
+            args.bench_parser.print_help()
+            return 0 if args.help else 2
+        try:  # the suite's own argparse help (it exits)
+            _suite_main(args.suite)(["--help"], prog=f"dsv4 bench {args.suite}")
+        except SystemExit as e:
+            return int(e.code or 0)
+        return 0
+    if args.suite != "pooled-decode":  # the GPU suites
+        import torch
 
-    if args.suite == "pooled-decode":  # any device
-        from dsv4.bench.pooled_decode import main as run
-    elif not torch.cuda.is_available():
-        print(f"dsv4 bench {args.suite} needs a CUDA GPU (the results of the last H200 run are "
-              "in benchmarks/results/h200/)", file=sys.stderr)
-        return 2
-    elif args.suite == "input-proj":
-        from dsv4.bench.input_proj import main as run
-    else:
-        from dsv4.bench.decode_step import main as run
-    return int(run(["--out", str(args.out), *args.extra]) or 0)
+        if not torch.cuda.is_available():
+            print(f"dsv4 bench {args.suite} needs a CUDA GPU (the results of the last H200 run "
+                  "are in benchmarks/results/h200/)", file=sys.stderr)
+            return 2
+    return int(_suite_main(args.suite)(args.extra, prog=f"dsv4 bench {args.suite}") or 0)
+
+
+def _suite_main(suite: str):  # type: ignore[no-untyped-def]
+    return importlib.import_module(BENCH_SUITES[suite]).main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,31 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the tiny LM's accuracy on every CPU platform, then every "
                        "layer type: prefill, chunked prefill and decode against a float64 "
-                       "evaluation")
-    d.add_argument("--tokens", type=int, default=300)
-    d.add_argument("--chunk", type=int, default=37)
-    d.add_argument("--seed", type=int, default=0)
+                       "evaluation",
+                       description="The end-to-end check (the shipped tiny LM on every CPU "
+                       "platform x compressor fusion), then every layer type of the tiny preset "
+                       "against the naive float64 evaluation, with timings.")
+    d.add_argument("--tokens", type=int, default=300,
+                   help="tokens per layer-type run (default 300)")
+    d.add_argument("--chunk", type=int, default=37,
+                   help="chunk size of the chunked prefill (default 37)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     d.add_argument("--checkpoint", type=Path, default=None,
                    help="a checkpoint folder (config.json + safetensors) instead of random weights")
     d.add_argument("--model", type=Path, default=default_model_dir(),
                    help="the tiny LM folder evaluated first (default: models/tiny-arith)")
-    d.add_argument("--problems", type=int, default=400, help="held-out problems it answers")
+    d.add_argument("--problems", type=int, default=400,
+                   help="held-out problems it answers (1..400, default 400)")
     d.set_defaults(func=_cmd_demo)
     v = sub.add_parser("verify", help="conformance of every platform against reference, and the "
-                       "override contract; exits non-zero on any failure")
-    v.add_argument("--platform", action="append", help="platform(s) to check (default: all "
-                   "available here)")
-    v.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    v.add_argument("--tokens", type=int, default=300)
-    v.add_argument("--seed", type=int, default=0)
+                       "override contract; exits non-zero on any failure",
+                       description="Conformance of every platform x compressor fusion x layer "
+                       "type x prefill / decode / pooled decode against reference, and the "
+                       "override contract; prints a table, exits 1 on any failure.")
+    v.add_argument("--platform", action="append", help="platform to check, repeatable "
+                   "(default: all available here)")
+    v.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    v.add_argument("--tokens", type=int, default=300,
+                   help=f"tokens per run (at least {VERIFY_MIN_TOKENS}; default 300)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     v.set_defaults(func=_cmd_verify)
-    b = sub.add_parser("bench", help="benchmarks (JSON, markdown, PNG): input projections per "
+    b = sub.add_parser("bench", add_help=False,
+                       help="benchmarks (JSON, markdown, PNG): input projections per "
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
-                       "caches in decode (any device)")
-    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode"])
-    b.add_argument("--out", type=Path, required=True)
-    b.epilog = "Other options go to the suite (python -m dsv4.bench.input_proj --help)."
-    b.set_defaults(func=_cmd_bench)
+                       "caches in decode (any device)",
+                       description="Benchmarks. 'dsv4 bench SUITE --help' lists the suite's "
+                       "own options (--out DIR is required by every suite).")
+    b.add_argument("-h", "--help", action="store_true",
+                   help="show this help, or with a SUITE the suite's options, and exit")
+    b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
+                   help="input-proj, decode-step (CUDA GPU) or pooled-decode (any device)")
+    b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p
 
@@ -102,7 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except Exception as e:
+        message = user_error_message(e)
+        if message is None:
+            raise  # an internal error keeps its traceback
+        print(f"dsv4: error: {' '.join(message.split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

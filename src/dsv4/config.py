@@ -18,7 +18,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
 RUNTIME_OPTIONS = ("simulate_quant", "multi_stream_token_threshold", "kv_cache_dtype",
                    "index_cache_dtype", "index_numerics", "max_step_tokens",
-                   "attention_workspace_bytes")
+                   "attention_workspace_bytes", "check_finite_inputs")
 """Options of this package (not model keys) that a config dict may carry."""
 
 
@@ -40,8 +40,9 @@ class YarnScaling:
 class DSV4Config:
     """Everything one DSV4 attention layer needs to know about the model.
 
-    Field names follow the HF ``config.json`` keys. ``simulate_quant`` and
-    ``multi_stream_token_threshold`` are runtime options of this package, not model keys.
+    Field names follow the HF ``config.json`` keys. ``simulate_quant``,
+    ``multi_stream_token_threshold`` and ``check_finite_inputs`` are runtime options of this
+    package, not model keys.
     """
 
     hidden_size: int
@@ -87,6 +88,10 @@ class DSV4Config:
     """A forward call with more tokens runs as steps of at most this many (all or nothing)."""
     attention_workspace_bytes: int = 256 << 20
     """Budget for the reference path's per-chunk workspace (gathered rows, indexer scores)."""
+    check_finite_inputs: bool = False
+    """Reject NaN / Inf in ``x`` on a GPU too (CPU inputs are always checked). Off by default:
+    the check reads a flag back from the device (a sync), which decode steps and CUDA-graph
+    capture avoid. A runtime option: never written to ``config.json``."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -245,7 +250,8 @@ class DSV4Config:
         """HF-style dict; ``from_dict(to_dict())`` round-trips."""
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in ("rope_scaling", "fp8_weights", "weight_block_size"):
+            if f.name in ("rope_scaling", "fp8_weights", "weight_block_size",
+                          "check_finite_inputs"):
                 continue
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, tuple) else v

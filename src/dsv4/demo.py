@@ -4,6 +4,7 @@ against the naive float64 evaluation, with decode-vs-prefill agreement and timin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,9 @@ class DemoRow:
 
 
 def run_demo(tokens: int = 300, chunk: int = 37, seed: int = 0,
-             checkpoint: Path | None = None) -> list[DemoRow]:
+             checkpoint: Path | None = None,
+             log: Callable[[str], None] | None = None) -> list[DemoRow]:
+    """Rows per layer type x mode; ``log`` gets one line per row as it completes (progress)."""
     if checkpoint is not None:
         from dsv4.checkpoint import read_layer_tensors
 
@@ -106,6 +109,10 @@ def run_demo(tokens: int = 300, chunk: int = 37, seed: int = 0,
                 agree_sim=rel_err(results["sim"][mode].y, sim_prefill),
                 ms_per_token=1e3 * results["sim"][mode].seconds / tokens,
             ))
+            if log is not None:
+                r = rows[-1]
+                log(f"[demo {len(rows)}/9] layer {layer_id} ratio {ratio} {mode}: err float64 "
+                    f"{r.err_f64:.2e}, bf16 {r.err_bf16:.2e}")
     return rows
 
 

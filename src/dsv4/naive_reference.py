@@ -7,7 +7,7 @@ softmax. Everything runs in float64 with the quantisation simulations OFF (no FP
 simulation, no Hadamard, no FP4, no activation quantisation), whatever ``cfg.simulate_quant`` says.
 
 The only shared convention is the rotary table (so that the oracle and the real layer rotate by
-bit-identical angles): inverse frequencies in float64 rounded to float32, angle =
+bit-identical angles): inverse frequencies computed in float32 as the model defines them, angle =
 float32(position) * float32(frequency) in float32, cos/sin in float64 of that float32 angle.
 """
 
@@ -140,11 +140,15 @@ def rms_norm(v: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def rope_inverse_frequencies(cfg: DSV4Config, ratio: int) -> torch.Tensor:
-    """Per-pair f_i (float32): base^(-2i/d_r), blended by YaRN on compressed layers only (§4)."""
+    """Per-pair f_i (float32): base^(-2i/d_r), blended by YaRN on compressed layers only (§4).
+
+    The model defines this table in float32 arithmetic (DeepSeek's reference), so it is the one
+    place this oracle does not run in float64: every step below is a float32 tensor operation.
+    """
     d_r = cfg.qk_rope_head_dim
-    i = torch.arange(d_r // 2, dtype=F64)
     base = cfg.rope_theta if ratio == 0 else cfg.compress_rope_theta
-    f = base ** (-2.0 * i / d_r)
+    two_i = torch.arange(0, d_r, 2, dtype=torch.float32)
+    f = 1.0 / (base ** (two_i / d_r))
     yarn = cfg.rope_scaling if ratio > 0 else None
     if yarn is not None:
 
@@ -152,13 +156,14 @@ def rope_inverse_frequencies(cfg: DSV4Config, ratio: int) -> torch.Tensor:
             return d_r * math.log(yarn.original_max_position_embeddings / (2 * math.pi * rot)) / (
                 2 * math.log(base))
 
-        low = max(0.0, math.floor(corr(yarn.beta_fast)))
-        high = min(d_r - 1.0, math.ceil(corr(yarn.beta_slow)))
-        if low == high:
-            high += 0.001
-        ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
-        f = f / yarn.factor * ramp + f * (1.0 - ramp)
-    return f.to(torch.float32)
+        low = max(0, math.floor(corr(yarn.beta_fast)))
+        high = min(d_r - 1, math.ceil(corr(yarn.beta_slow)))
+        span = (high + 0.001 - low) if low == high else (high - low)
+        i = torch.arange(d_r // 2, dtype=torch.float32)
+        ramp = torch.clamp((i - low) / span, 0, 1)
+        keep = 1 - ramp
+        f = f / yarn.factor * (1 - keep) + f * keep
+    return f
 
 
 def rope(v: torch.Tensor, position: int, inv_freq: torch.Tensor, inverse: bool = False

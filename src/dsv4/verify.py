@@ -10,7 +10,7 @@ override contract (structure and spied path) is checked for every platform and l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,9 +114,11 @@ def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
 
 
 def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
-                tokens: int = 300, seed: int = 0,
-                cfg: DSV4Config | None = None) -> list[ConformanceRow]:
+                tokens: int = 300, seed: int = 0, cfg: DSV4Config | None = None,
+                log: Callable[[str], None] | None = None) -> list[ConformanceRow]:
+    """``log`` gets one line per row as it completes (progress)."""
     cfg = cfg or DSV4Config.preset("tiny")
+    total = len(platforms) * 2 * 3 * 3
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for platform in platforms:
@@ -139,12 +141,20 @@ def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
                     except Exception as e:  # a failing platform is a row, not a crash
                         rows.append(ConformanceRow(platform, fusion, ratio, mode, float("nan"),
                                                    tol, changed, f"{type(e).__name__}: {e}"))
+                    if log is not None:
+                        r = rows[-1]
+                        log(f"[verify conformance {len(rows)}/{total}] {platform} fusion "
+                            f"{'on' if fusion else 'off'} ratio {ratio} {mode}: rel err "
+                            f"{r.rel_err:.2e} {'ok' if r.ok else 'FAIL'}")
     return rows
 
 
 def contract(platforms: Sequence[str], device: torch.device | str = "cpu",
-             cfg: DSV4Config | None = None) -> list[ContractRow]:
+             cfg: DSV4Config | None = None,
+             log: Callable[[str], None] | None = None) -> list[ContractRow]:
+    """``log`` gets one line per row as it completes (progress)."""
     cfg = cfg or DSV4Config.preset("tiny")
+    total = len(platforms) * 3 * 2
     rows = []
     for platform in platforms:
         cls = get_platform(platform, device).attention_cls
@@ -158,6 +168,10 @@ def contract(platforms: Sequence[str], device: torch.device | str = "cpu",
                 except Exception as e:
                     path = [f"forward failed: {type(e).__name__}: {e}"]
                 rows.append(ContractRow(platform, fusion, ratio, structure + path))
+                if log is not None:
+                    log(f"[verify contract {len(rows)}/{total}] {platform} fusion "
+                        f"{'on' if fusion else 'off'} ratio {ratio}: "
+                        f"{'ok' if rows[-1].ok else 'FAIL'}")
     return rows
 
 
@@ -180,13 +194,14 @@ def format_report(conf: list[ConformanceRow], cont: list[ContractRow]) -> str:
 
 
 def run_verify(platforms: Sequence[str] | None = None, device: str | None = None,
-               tokens: int = 300, seed: int = 0) -> tuple[bool, str]:
+               tokens: int = 300, seed: int = 0,
+               log: Callable[[str], None] | None = None) -> tuple[bool, str]:
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     names = list(platforms) if platforms else available(dev)
     for n in names:
         get_platform(n, dev)  # unknown / unavailable: a clear error before any work
-    conf = conformance(names, dev, tokens, seed)
-    cont = contract(names, dev)
+    conf = conformance(names, dev, tokens, seed, log=log)
+    cont = contract(names, dev, log=log)
     ok = all(r.ok for r in conf) and all(c.ok for c in cont)
     report = format_report(conf, cont)
     return ok, report + f"\n\n{'PASS' if ok else 'FAIL'}: platforms {names} on {dev}"

@@ -186,14 +186,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--models", default="flash,pro")
-    ap.add_argument("--layers", default="C4")
-    ap.add_argument("--ms", default="1,4,16,64")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=7)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path,
+                    help="folder for the JSON and markdown results")
+    ap.add_argument("--models", default="flash,pro",
+                    help="comma-separated model presets (default flash,pro)")
+    ap.add_argument("--layers", default="C4", help="comma-separated layer types (default C4)")
+    ap.add_argument("--ms", default="1,4,16,64",
+                    help="comma-separated sequences per decode step (default 1,4,16,64)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="cached tokens per sequence (default 1024)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     ap.add_argument("--pooled", action="store_true",
                     help="the M sequences' caches in one pool (the batched decode path)")
     ap.add_argument("--profile", action="store_true",

@@ -507,14 +507,17 @@ def summarize(res, out_dir):
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+def main(argv=None, prog=None):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for the JSON, markdown and PNG results")
     ap.add_argument("--quick", action="store_true", help="fewer M and layer types")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--layers", default=",".join(LAYERS))
-    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"comma-separated model presets (default {','.join(MODELS)})")
+    ap.add_argument("--layers", default=",".join(LAYERS),
+                    help=f"comma-separated layer types (default {','.join(LAYERS)})")
+    ap.add_argument("--ms", default=",".join(map(str, MS)),
+                    help="comma-separated token counts M per call")
     ap.add_argument("--pdl", action="store_true", help="also time fused4_dsv4_pdl")
     ap.add_argument("--calibrate", action="store_true",
                     help="copy-of-same-bytes calibration and fp8 tile probes instead")

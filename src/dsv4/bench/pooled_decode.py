@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,15 +62,18 @@ def measure(layer: DeepseekV4Attention, m: int, context: int, steps: int, reps: 
     return statistics.median(times), first
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--ms", default="1,4,16,64,128")
-    ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path,
+                    help="folder for pooled_decode.json, .md and .png (created if needed)")
+    ap.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    ap.add_argument("--device", default="cpu", help="device to time on (default cpu)")
+    ap.add_argument("--ms", default="1,4,16,64,128",
+                    help="comma-separated sequences per decode step (default 1,4,16,64,128)")
+    ap.add_argument("--context", type=int, default=200,
+                    help="prompt tokens per sequence before decoding (default 200)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per run (default 8)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions, median taken (default 3)")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     cfg = DSV4Config.preset(args.preset)
@@ -105,18 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['ratio']} | {r['M']} | {r['per_sequence_ms']:.2f} | {r['pooled_ms']:.2f} | "
               f"{r['speedup']:.1f}x |" for r in rows]
     (args.out / "pooled_decode.md").write_text("\n".join(lines) + "\n")
-    _plot(rows, args.out / "pooled_decode.png")
+    written = [args.out / "pooled_decode.json", args.out / "pooled_decode.md"]
+    png = args.out / "pooled_decode.png"
+    if _plot(rows, png):
+        written.append(png)
+    else:
+        print(f"no plot: matplotlib is not installed (pip install matplotlib), so {png.name} "
+              "was not written", file=sys.stderr, flush=True)
+    print("wrote " + ", ".join(str(p) for p in written), flush=True)
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Write the plot; False when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for ratio in sorted({r["ratio"] for r in rows}):
         sel = [r for r in rows if r["ratio"] == ratio]
@@ -131,6 +143,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 * ratio-0 layers: base ``rope_theta``, no YaRN;
 * compressed layers: base ``compress_rope_theta`` with the YaRN frequency blend, unconditionally.
 
-Angles are built as upstream does: frequencies in float64 rounded to float32, angle =
-float32(position) * float32(frequency) in float32. cos/sin are evaluated in the compute dtype
+Angles are built as upstream does: frequencies computed in float32 (DeepSeek's reference
+``precompute_freqs_cis``, which vLLM follows), angle = float32(position) * float32(frequency) in
+float32. cos/sin are evaluated in the compute dtype
 (fp32, or fp64 of the same fp32 angle when the layer runs in float64), so a float64 evaluation and
 the bf16 path rotate by the same angles.
 """
@@ -20,14 +21,20 @@ from dsv4.config import DSV4Config, YarnScaling, yarn_ramp_bounds
 
 
 def rope_inv_freq(rope_dim: int, base: float, yarn: YarnScaling | None) -> torch.Tensor:
-    """Per-pair inverse frequencies (float32), with the YaRN blend when ``yarn`` is given."""
-    i = torch.arange(rope_dim // 2, dtype=torch.float64)
-    freq = base ** (-2.0 * i / rope_dim)
+    """Per-pair inverse frequencies (float32), with the YaRN blend when ``yarn`` is given.
+
+    Computed in float32 exactly as DeepSeek's reference ``precompute_freqs_cis`` does:
+    ``1 / base ** (arange(0, d, 2) / d)``, then ``f / factor * (1 - smooth) + f * smooth`` with
+    ``smooth = 1 - clamp((arange(d / 2) - low) / (high - low), 0, 1)``, all float32 tensors.
+    """
+    exponent = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    freq = 1.0 / (base ** exponent)
     if yarn is not None:
         low, high = yarn_ramp_bounds(rope_dim, base, yarn)
-        ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
-        freq = freq / yarn.factor * ramp + freq * (1.0 - ramp)
-    return freq.to(torch.float32)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low))
+        smooth = 1 - ramp.clamp(0, 1)
+        freq = freq / yarn.factor * (1 - smooth) + freq * smooth
+    return freq
 
 
 class RotaryEmbedding(nn.Module):

@@ -15,6 +15,7 @@ Layout (what ``save_tiny_lm`` writes)::
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,11 @@ from dsv4.checkpoint import (
 from dsv4.config import ConfigError
 from dsv4.model.config import TinyLMConfig
 from dsv4.model.lm import TinyLM
+from dsv4.model.paths import default_model_dir
 
 ATTN_SHARD = "model-00001-of-00002.safetensors"
 LM_SHARD = "model-00002-of-00002.safetensors"
+__all__ = ["default_model_dir", "load_tiny_lm", "save_tiny_lm"]
 
 
 def lm_tensor_shapes(cfg: TinyLMConfig) -> dict[str, tuple[int, ...]]:
@@ -72,8 +75,10 @@ def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: st
         layers[i] = layer
     for stale in (folder / "model.safetensors", folder / INDEX_FILE):
         stale.unlink(missing_ok=True)
-    save_checkpoint(AttentionStack(cfg.attn, layers), folder)
-    (folder / "model.safetensors").replace(folder / ATTN_SHARD)
+    # save_checkpoint owns the folder it writes: write the attention there, move its shard here
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        save_checkpoint(AttentionStack(cfg.attn, layers), Path(tmp) / "attention")
+        (Path(tmp) / "attention" / "model.safetensors").replace(folder / ATTN_SHARD)
     shapes = lm_tensor_shapes(cfg)
     lm = {name: tensors[name].to(torch.bfloat16).contiguous() for name in shapes}
     save_file(lm, str(folder / LM_SHARD), metadata={"format": "pt"})
@@ -142,14 +147,3 @@ def load_tiny_lm(folder: str | Path, platform: str = "reference",
     model = TinyLM(cfg, [stack[i] for i in range(cfg.num_layers)])
     model.load_lm_tensors(read_lm_tensors(folder, cfg))
     return model
-
-
-def default_model_dir() -> Path:
-    """The shipped model: ``models/tiny-arith`` of the repository (or of the installed package's
-    source tree)."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "models" / "tiny-arith"
-        if (candidate / "config.json").is_file():
-            return candidate
-    return here.parents[3] / "models" / "tiny-arith"

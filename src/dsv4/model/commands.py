@@ -1,5 +1,5 @@
 """The tiny-LM subcommands of ``dsv4``: ``eval``, ``generate``, ``train-tiny``, and the model part
-of ``demo``. Registered by :mod:`dsv4.cli`."""
+of ``demo``. Registered by :mod:`dsv4.cli`. Imports torch only when a command runs."""
 
 from __future__ import annotations
 
@@ -10,15 +10,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from dsv4.model.paths import default_model_dir
+from dsv4.model.task import HELDOUT_SIZE, describe_format, format_problem
+from dsv4.usage import UsageError, check_at_least, resolve_device
 
-from dsv4.model.checkpoint import default_model_dir
+DTYPE_NAMES = ("bf16", "fp32", "fp64")
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[name]
 
 
 def _device(arg: str | None) -> str:
-    return arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(arg)
+
+
+def _one_line(table_row: str) -> str:
+    return " ".join(table_row.replace("|", " ").split())
+
+
+def progress(line: str) -> None:
+    """A progress line on stderr, flushed (visible on a terminal and in logs as it happens)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 # The end-to-end check that sets the exit code of `dsv4 eval` / `dsv4 demo`: the shipped model's
@@ -49,6 +64,8 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
 
 def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int,
                    dtype: str, json_path: Path | None, decode_batch: int | None = -1) -> int:
+    import torch
+
     from dsv4.model.evaluate import default_decode_batch, evaluate, format_table, runs_to_json
 
     if decode_batch == -1:
@@ -57,7 +74,11 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
     print(f"tiny-arith model {model}: {n} held-out problems (a=..;<filler>b=..;<filler>a+b=), "
           f"greedy batched decoding through the caches ({decode_batch or 'all'} sequences per "
           f"decode forward), {dtype} on {device}", flush=True)
-    runs = evaluate(model, platforms, device, n, dtype=DTYPES[dtype], decode_batch=decode_batch)
+    runs = evaluate(model, platforms, device, n, dtype=torch_dtype(dtype),
+                    decode_batch=decode_batch, on_start=lambda k, total, name: progress(
+                        f"[eval {k}/{total}] {name}: answering {n} problems ..."),
+                    log=lambda row: progress(f"[eval] done: {_one_line(row)} "
+                                             f"({time.perf_counter() - t0:.0f} s so far)"))
     seconds = time.perf_counter() - t0
     print(format_table(runs))
     ok, verdict = eval_verdict(runs)
@@ -75,29 +96,46 @@ def _user_errors(fn: Any) -> Any:
         try:
             return int(fn(args))
         except (ValueError, RuntimeError) as e:  # CheckpointError, PromptError, ConfigError, ...
-            print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
+            print(f"dsv4: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
 
     return run
 
 
+def check_problems(n: int) -> None:
+    check_at_least("--problems", n, 1)
+    if n > HELDOUT_SIZE:
+        raise UsageError(f"--problems {n}: the held-out set has {HELDOUT_SIZE} problems")
+
+
 @_user_errors
 def _cmd_eval(args: argparse.Namespace) -> int:
     if args.decode_batch is not None and args.decode_batch < 0:
-        raise ValueError(f"--decode-batch {args.decode_batch}: give a positive number, or 0 for "
+        raise UsageError(f"--decode-batch {args.decode_batch}: give a positive number, or 0 for "
                          "all sequences in one forward")
+    check_problems(args.problems)
+    device = _device(args.device)
     batch = -1 if args.decode_batch is None else (args.decode_batch or None)
-    return run_model_eval(args.model, args.platform, _device(args.device), args.problems,
-                          args.dtype, args.json, batch)
+    return run_model_eval(args.model, args.platform, device, args.problems, args.dtype,
+                          args.json, batch)
 
 
 @_user_errors
 def _cmd_generate(args: argparse.Namespace) -> int:
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    device = _device(args.device)
     from dsv4.model.checkpoint import load_tiny_lm
     from dsv4.model.generate import generate
 
-    model = load_tiny_lm(args.model, platform=args.platform, device=_device(args.device),
-                         dtype=DTYPES[args.dtype])
+    model = load_tiny_lm(args.model, platform=args.platform, device=device,
+                         dtype=torch_dtype(args.dtype))
+    spec = model.cfg.task
+    for i, prompt in enumerate(args.prompt):
+        problem = format_problem(prompt, spec)
+        if problem is not None:
+            print(f"dsv4 generate: warning: prompt {i} is outside the format the model was "
+                  f"trained on ({problem}); expect a wrong answer. Trained format: "
+                  f"{describe_format(spec)}", file=sys.stderr, flush=True)
     for prompt, out in zip(args.prompt, generate(model, args.prompt, args.max_new_tokens),
                            strict=True):
         print(f"{prompt}{out}" if not args.only_answer else out)
@@ -108,6 +146,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from dsv4.model.checkpoint import save_tiny_lm
     from dsv4.model.train import TrainSettings, save_report, train_tiny
 
+    check_at_least("--batch", args.batch, 1)
+    check_at_least("--max-steps", args.max_steps, 0)
     settings = TrainSettings(seconds=args.seconds, batch=args.batch, lr=args.lr, seed=args.seed,
                              device=_device(args.device), max_steps=args.max_steps)
     model, report = train_tiny(settings, log=lambda s: print(s, flush=True))
@@ -120,35 +160,55 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
+MODEL_HELP = "the tiny LM folder (default: the shipped models/tiny-arith)"
+
+
 def add_commands(sub: Any) -> None:
     e = sub.add_parser("eval", help="the shipped tiny LM answers the 400 held-out problems on "
-                       "every platform x compressor fusion; accuracy and token agreement")
-    e.add_argument("--model", type=Path, default=default_model_dir())
-    e.add_argument("--platform", action="append", help="platform(s) (default: all available)")
-    e.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    e.add_argument("--problems", type=int, default=400, help="the first N held-out problems")
-    e.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+                       "every platform x compressor fusion; accuracy and token agreement",
+                       description="The shipped tiny LM answers held-out problems on every "
+                       "platform x compressor fusion (x CUDA graphs on / off on a GPU); prints "
+                       "accuracy and token agreement with reference, exits 1 if the check fails.")
+    e.add_argument("--model", type=Path, default=default_model_dir(), help=MODEL_HELP)
+    e.add_argument("--platform", action="append", help="platform to evaluate, repeatable "
+                   "(default: all available here)")
+    e.add_argument("--device", default=None, help=DEVICE_HELP)
+    e.add_argument("--problems", type=int, default=HELDOUT_SIZE,
+                   help=f"the first N held-out problems (1..{HELDOUT_SIZE}, default "
+                        f"{HELDOUT_SIZE})")
+    e.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
+                   help="activation dtype (default bf16)")
     e.add_argument("--json", type=Path, default=None, help="also write the results here")
     e.add_argument("--decode-batch", type=int, default=None,
                    help="sequences per decode forward (0: all at once; default: 16 on a GPU, "
                         "all on the CPU)")
     e.set_defaults(func=_cmd_eval)
-    g = sub.add_parser("generate", help="greedy decoding with the tiny LM")
-    g.add_argument("--prompt", action="append", required=True, help="repeatable")
-    g.add_argument("--model", type=Path, default=default_model_dir())
-    g.add_argument("--platform", default="reference")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    g.add_argument("--max-new-tokens", type=int, default=4)
+    fmt = describe_format()
+    g = sub.add_parser("generate", help="greedy decoding with the tiny LM (prompts in its "
+                       "trained format: a=<n>;<filler>b=<n>;<filler>a+b=)",
+                       description="Greedy decoding with the tiny LM. The shipped model was "
+                       f"trained only on prompts of this format: {fmt}. It answers other "
+                       "prompts confidently and wrongly; such prompts get a warning on stderr.")
+    g.add_argument("--prompt", action="append", required=True,
+                   help=f"a prompt, repeatable; trained format: {fmt}".replace("%", "%%"))
+    g.add_argument("--model", type=Path, default=default_model_dir(), help=MODEL_HELP)
+    g.add_argument("--platform", default="reference", help="platform (default: reference)")
+    g.add_argument("--device", default=None, help=DEVICE_HELP)
+    g.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
+                   help="activation dtype (default bf16)")
+    g.add_argument("--max-new-tokens", type=int, default=4,
+                   help="most tokens generated per prompt (default 4: 3 digits + <eos>)")
     g.add_argument("--only-answer", action="store_true", help="print the continuation only")
     g.set_defaults(func=_cmd_generate)
-    t = sub.add_parser("train-tiny", help="train the tiny arithmetic LM (a GPU: a few minutes)")
-    t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--seconds", type=float, default=200.0)
-    t.add_argument("--batch", type=int, default=256)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default=None)
-    t.add_argument("--max-steps", type=int, default=0)
+    t = sub.add_parser("train-tiny", help="train the tiny arithmetic LM (a GPU: a few minutes)",
+                       description="Train the tiny arithmetic LM and write its folder.")
+    t.add_argument("--out", type=Path, required=True, help="folder to write the model into")
+    t.add_argument("--seconds", type=float, default=200.0, help="training time budget")
+    t.add_argument("--batch", type=int, default=256, help="sequences per step")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    t.add_argument("--seed", type=int, default=0, help="random seed")
+    t.add_argument("--device", default=None, help=DEVICE_HELP)
+    t.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
     t.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_train)

@@ -106,11 +106,12 @@ def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform
 def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
              device: str = "cpu", n: int = 400, fusions: Sequence[bool] = (False, True),
              dtype: torch.dtype = torch.bfloat16, log: Any = None,
-             decode_batch: int | None = -1) -> list[EvalRun]:
+             decode_batch: int | None = -1, on_start: Any = None) -> list[EvalRun]:
     """Every platform x fusion setting (x CUDA graphs on / off where the platform has them);
     token agreement against ``reference`` without fusion (always run first). A run that raises
     is reported with its error, never aborts the rest. ``decode_batch``: sequences per decode
-    forward (-1: :func:`default_decode_batch`, None: all at once)."""
+    forward (-1: :func:`default_decode_batch`, None: all at once). ``on_start(k, total, name)``
+    and ``log(row)`` are called before and after each run (progress)."""
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
     names = list(platforms) if platforms else available(device)
@@ -128,7 +129,9 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
         if (p, f) != ("reference", False)]
     runs: list[EvalRun] = []
     base: list[list[int]] | None = None
-    for platform, fusion, mode in combos:
+    for k, (platform, fusion, mode) in enumerate(combos, 1):
+        if on_start is not None:
+            on_start(k, len(combos), f"{platform} fusion {'on' if fusion else 'off'} {mode}")
         try:
             run = answer_problems(model_dir, problems, platform, fusion, device, dtype, mode,
                                   decode_batch)

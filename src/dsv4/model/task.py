@@ -10,6 +10,7 @@ picks; ratio 128: every complete 128-token entry). Filler never holds digits, ``
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 FILLER_CHARS = "cdefghijklmnopqrstuvwxyz "
@@ -68,3 +69,30 @@ def heldout_problems(n: int = HELDOUT_SIZE, spec: TaskSpec = TaskSpec()) -> list
     if not 0 < n <= HELDOUT_SIZE:
         raise ValueError(f"the held-out set has {HELDOUT_SIZE} problems; asked for {n}")
     return make_problems(HELDOUT_SIZE, HELDOUT_SEED, spec)[:n]
+
+
+def describe_format(spec: TaskSpec = TaskSpec()) -> str:
+    """The prompt format the model was trained on, in words."""
+    lo1, hi1 = spec.filler1
+    lo2, hi2 = spec.filler2
+    return (f"a=<0..{spec.max_operand}>;<{lo1}-{hi1} filler chars>b=<0..{spec.max_operand}>;"
+            f"<{lo2}-{hi2} filler chars>a+b=  (filler: letters c-z and spaces)")
+
+
+def format_problem(prompt: str, spec: TaskSpec = TaskSpec()) -> str | None:
+    """None when ``prompt`` is in the trained format, else what is outside it."""
+    lo1, hi1 = spec.filler1
+    lo2, hi2 = spec.filler2
+    filler = "[" + re.escape(FILLER_CHARS) + "]"
+    m = re.fullmatch(rf"a=(\d+);({filler}*)b=(\d+);({filler}*)a\+b=", prompt)
+    if m is None:
+        return ("not of the form a=<number>;<filler>b=<number>;<filler>a+b= with filler of "
+                "letters c-z and spaces")
+    a, f1, b, f2 = m.groups()
+    problems = [f"operand {v} is outside 0..{spec.max_operand}" for v in (a, b)
+                if int(v) > spec.max_operand or (len(v) > 1 and v.startswith("0"))]
+    if not lo1 <= len(f1) <= hi1:
+        problems.append(f"the first filler has {len(f1)} chars, trained on {lo1}-{hi1}")
+    if not lo2 <= len(f2) <= hi2:
+        problems.append(f"the second filler has {len(f2)} chars, trained on {lo2}-{hi2}")
+    return "; ".join(problems) or None

@@ -1,0 +1,128 @@
+"""The dsv4 command: bad arguments are one line on stderr with exit code 2, long steps show
+progress, every option has help, --help does not import torch."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4.cli import build_parser, main
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+def one_error_line(capsys, rc, match):
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsv4: error: "), err
+    assert match in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["verify", "--platform", "int8"], "unknown platform 'int8'; valid platforms:"),
+    (["verify", "--tokens", "0"], "--tokens 0: must be at least 16"),
+    (["verify", "--tokens", "-3"], "--tokens -3: must be at least 16"),
+    (["verify", "--tokens", "15"], "pooled mode"),
+    (["eval", "--problems", "0"], "--problems 0: must be at least 1"),
+    (["eval", "--problems", "401"], "the held-out set has 400 problems"),
+    (["demo", "--chunk", "0"], "--chunk 0: must be at least 1"),
+    (["generate", "--prompt", "a=1;", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["verify", "--device", "nonsense"], "--device nonsense: not a device name"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, match):
+    one_error_line(capsys, main(argv), match)
+
+
+@no_cuda
+@pytest.mark.parametrize("command", [["verify"], ["eval"], ["generate", "--prompt", "a=1;"]])
+def test_cuda_without_cuda_is_one_line(capsys, command):
+    one_error_line(capsys, main([*command, "--device", "cuda"]),
+                   "--device cuda: CUDA is not available on this machine")
+
+
+def test_verify_shows_progress_per_row(capfd):
+    assert main(["verify", "--platform", "reference", "--tokens", "16"]) == 0
+    out, err = capfd.readouterr()
+    conf = [ln for ln in err.splitlines() if ln.startswith("[verify conformance ")]
+    cont = [ln for ln in err.splitlines() if ln.startswith("[verify contract ")]
+    assert len(conf) == 18 and conf[-1].startswith("[verify conformance 18/18] reference")
+    assert len(cont) == 6 and cont[0].endswith(": ok")
+    assert "PASS" in out
+
+
+def test_demo_rows_show_progress():
+    from dsv4.demo import run_demo
+
+    lines: list[str] = []
+    rows = run_demo(tokens=20, chunk=7, log=lines.append)
+    assert len(lines) == len(rows) == 9
+    assert lines[0].startswith("[demo 1/9] layer 0 ratio 0 prefill: err float64")
+
+
+def test_eval_shows_progress_per_run(capfd):
+    assert main(["eval", "--platform", "reference", "--problems", "2"]) in (0, 1)
+    err = capfd.readouterr().err
+    assert "[eval 1/2] reference fusion off eager: answering 2 problems" in err
+    assert "[eval 2/2] reference fusion on eager" in err
+    assert err.count("[eval] done: reference") == 2
+
+
+def test_bench_suite_help_is_the_suites_own(capsys):
+    assert main(["bench", "pooled-decode", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dsv4 bench pooled-decode") and "--context CONTEXT" in out
+    assert main(["bench", "--help"]) == 0
+    assert "pooled-decode" in capsys.readouterr().out
+
+
+def test_pooled_decode_bench_says_what_it_wrote_and_why_no_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["bench", "pooled-decode", "--out", str(tmp_path), "--ms", "2", "--context",
+                 "8", "--steps", "2", "--reps", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "matplotlib is not installed" in err and "pooled_decode.png was not written" in err
+    assert f"wrote {tmp_path / 'pooled_decode.json'}, {tmp_path / 'pooled_decode.md'}" in out
+    assert not (tmp_path / "pooled_decode.png").exists()
+
+
+def _options(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        else:
+            yield parser.prog, action
+
+
+def test_every_option_has_help_and_the_description_is_plain():
+    parser = build_parser()
+    missing = [f"{prog} {a.dest}" for prog, a in _options(parser) if not a.help]
+    assert not missing
+    assert "``" not in (parser.description or "")
+
+
+def test_help_does_not_import_torch():
+    code = "import dsv4.cli, sys; dsv4.cli.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_generate_states_and_checks_the_trained_format(capsys):
+    parser = build_parser()
+    gen = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert "a=<0..99>;<4-90 filler chars>b=<0..99>" in gen.choices["generate"].format_help()
+    good = "a=12;qwerty uiop zxcv b=30;lkjh gfds mnxv cxzq a+b="
+    assert main(["generate", "--prompt", good, "--prompt", "a=12;b=30;a+b=",
+                 "--only-answer"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "42"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 1 is outside")
+    assert "the first filler has 0 chars, trained on 4-90" in lines[0]
