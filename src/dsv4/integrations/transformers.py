@@ -46,7 +46,8 @@ from dsv4.dialects.transformers_names import (
     official_to_transformers_rel,
     transformers_to_official_rel,
 )
-from dsv4.weights import export_official_weights, official_weight_specs
+from dsv4.layers.weight_layout import canonical
+from dsv4.weights import official_weight_specs
 
 __all__ = ["DSV4AttentionAdapter", "DSV4AttentionHandle", "DSV4Cache", "dsv4_config_of",
            "use_dsv4_attention"]
@@ -242,7 +243,7 @@ def _swap_one(decoder: nn.Module, layer_idx: int, cfg: DSV4Config, platform: str
                        for n, t in weights.items())
     process_weights_after_loading(layer)
     swapped = _Swapped(decoder, orig, DSV4AttentionAdapter(layer, layer_idx, context))
-    exported = export_official_weights(layer)
+    exported = _canonical_weights(layer)
     params = dict(orig.named_parameters())
     for official, t in weights.items():
         name = official_to_transformers_rel(official)
@@ -256,13 +257,22 @@ def _swap_one(decoder: nn.Module, layer_idx: int, cfg: DSV4Config, platform: str
     return swapped
 
 
+def _canonical_weights(layer: DeepseekV4Attention) -> dict[str, torch.Tensor]:
+    """The layer's weights by official name, canonical layout, in the layer's own dtypes and on
+    its device (``export_official_weights`` rounds to the checkpoint dtypes, e.g. bf16)."""
+    out = {}
+    for spec in official_weight_specs(layer):
+        value = canonical(spec.param).detach()
+        out[spec.name] = value if spec.rows is None else value[spec.rows]
+    return out
+
+
 def _unswap_one(s: _Swapped) -> None:
     if s.freed:
-        exported = export_official_weights(s.adapter.dsv4)
+        weights = _canonical_weights(s.adapter.dsv4)
         params = dict(s.original.named_parameters())
-        device = s.adapter.dsv4.device
         for name, (official, dtype) in s.freed.items():
-            params[name].data = exported[official].to(device=device, dtype=dtype)
+            params[name].data = weights[official].to(dtype=dtype, copy=True)
     s.decoder.self_attn = s.original
 
 
