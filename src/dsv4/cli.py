@@ -48,6 +48,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.suite == "pooled-decode":  # any device
         from dsv4.bench.pooled_decode import main as run
+    elif args.suite == "transformers-decode":  # any device (--device, default cuda)
+        from dsv4.bench.transformers_decode import main as run
     elif not torch.cuda.is_available():
         print(f"dsv4 bench {args.suite} needs a CUDA GPU (the results of the last H200 run are "
               "in benchmarks/results/h200/)", file=sys.stderr)
@@ -86,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (JSON, markdown, PNG): input projections per "
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
                        "caches in decode (any device)")
-    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode"])
+    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode",
+                                     "transformers-decode"])
     b.add_argument("--out", type=Path, required=True)
     b.epilog = "Other options go to the suite (python -m dsv4.bench.input_proj --help)."
     b.set_defaults(func=_cmd_bench)
