@@ -231,7 +231,7 @@ def _swap_one(decoder: nn.Module, layer_idx: int, cfg: DSV4Config, platform: str
               context: _CallContext, build_kwargs: dict[str, Any]) -> _Swapped:
     from dsv4.passes import process_weights_after_loading
 
-    orig = decoder.self_attn
+    orig: Any = decoder.self_attn
     if isinstance(orig, DSV4AttentionAdapter):
         raise BridgeError(f"layer {layer_idx} already runs dsv4's attention")
     weights = _official_weights(orig, layer_idx)
@@ -290,6 +290,7 @@ class DSV4AttentionHandle:
         self.swapped: list[_Swapped] = []
         self._hooks: list[Any] = []
         self._patched_prepare = False
+        self._pending: tuple[DSV4Cache, int, int] | None = None
         self.active = False
 
     @property
@@ -360,41 +361,37 @@ class DSV4AttentionHandle:
             if cache.real_lengths is not None and len(cache.real_lengths) != batch:
                 raise BridgeError(f"the cache holds {len(cache.real_lengths)} sequences but the "
                                   f"call has a batch of {batch}")
-            self._pending = (cache, q)
+            self._pending = (cache, batch, q)
         else:
             self._pending = None
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        pending = getattr(self, "_pending", None)
-        self._pending = None
+        """Commit the call: every layer ran, so the cache advances by this call's tokens."""
+        pending, self._pending = self._pending, None
         if pending is None:
             return
-        cache, q = pending
-        batch = len(cache.real_lengths) if cache.real_lengths is not None else (
-            self.context.real.shape[0] if self.context.real is not None else
-            len(next(iter(cache.layer_caches.values()), [])))
-        added = (self.context.real.sum(dim=1).tolist() if self.context.real is not None
-                 else [q] * batch)
-        old = cache.real_lengths or [0] * len(added)
+        cache, batch, q = pending
+        real = self.context.real
+        added = real.sum(dim=1).tolist() if real is not None else [q] * batch
+        old = cache.real_lengths or [0] * batch
         cache.real_lengths = [a + b for a, b in zip(old, added, strict=True)]
         cache.seen += q
 
     def _patch_generate(self) -> None:
-        original = self.model._prepare_cache_for_generation
+        original: Any = self.model._prepare_cache_for_generation
         sig = inspect.signature(original)
         handle = self
 
         def prepare(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            bound = sig.bind(*args, **kwargs)
-            model_kwargs = bound.arguments["model_kwargs"]
+            bound = sig.bind(*args, **kwargs).arguments
+            model_kwargs = bound["model_kwargs"]
             cache = model_kwargs.get("cache")
             if cache is not None and not isinstance(cache, DSV4Cache) and \
                     not getattr(cache, "_is_user_defined", False):
-                model_kwargs["cache"] = DSV4Cache(max(int(bound.arguments["max_cache_length"]),
-                                                      1) if "max_cache_length" in
-                                                  bound.arguments else handle.max_seq_len)
+                size = int(bound.get("max_cache_length") or handle.max_seq_len)
+                model_kwargs["cache"] = DSV4Cache(size)
             return result
 
         self.model.__dict__["_prepare_cache_for_generation"] = prepare
