@@ -195,3 +195,28 @@ def test_name_translation_errors_name_the_tensor() -> None:
         save_checkpoint(torch.nn.Module(), "/nonexistent", dialect="vllm")
     with pytest.raises(ConfigError, match="dialect"):
         DSV4Config.preset("tiny").to_dict(dialect="vllm")
+
+
+def test_a_bf16_save_pretrained_folder_with_float32_norms_loads_in_bf16(tmp_path: Path) -> None:
+    """transformers keeps norm weights in float32 in a bf16 model; they load into a bf16 layer
+    when their values are exactly bf16 (and are refused, naming the tensor, when not)."""
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+    from tiny_hf import tiny_model
+
+    model = tiny_model(dtype=torch.bfloat16)  # sinks / position_bias stay bf16: widened
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):  # as transformers keeps them
+            p.data = p.data.float()
+    model.save_pretrained(tmp_path)
+    assert _tensors(tmp_path)["model.layers.1.attn.q_norm.weight"].dtype == torch.float32
+    stack = load_checkpoint(tmp_path, layers=[0, 1, 2], dtype=torch.bfloat16)
+    expect = model.model.layers[1].self_attn.q_a_norm.weight
+    assert torch.equal(stack[1].q_norm.weight.float(), expect)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_a_norm.weight.add_(1e-4)  # no longer bf16-exact
+    model.save_pretrained(tmp_path / "inexact")
+    with pytest.raises(CheckpointError, match="q_norm.weight"):
+        load_checkpoint(tmp_path / "inexact", layers=[1], dtype=torch.bfloat16)

@@ -112,6 +112,8 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
             for i, full, rel in entries:
                 try:
                     out[i][rel] = f.get_tensor(full)
+                    if transformers_names.classify(full) != "official":
+                        out[i][rel] = transformers_names.as_checkpoint_dtype(rel, out[i][rel])
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"cannot read tensor {full!r} from {shard}: {e}") from e
     for i, tensors in out.items():

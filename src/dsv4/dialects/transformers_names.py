@@ -20,6 +20,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 DIALECTS = ("official", "transformers")
@@ -149,3 +151,20 @@ def from_official(tensors: Mapping[str, T], dialect: str) -> dict[str, T]:
         prefix = "model." + prefix if prefix.startswith("layers.") else prefix
         out[f"{prefix}.self_attn.{official_to_transformers_rel(m.group(2))}"] = t
     return out
+
+
+def as_checkpoint_dtype(rel: str, t: torch.Tensor) -> torch.Tensor:
+    """A transformers-saved tensor in the official checkpoint dtype where that is exact.
+
+    transformers keeps RMSNorm weights in float32 (``_keep_in_fp32_modules_strict``) where the
+    official checkpoint stores bf16: a float32 norm weight whose values are exactly bf16 is
+    returned as bf16. A model cast wholesale with ``.to(bfloat16)`` stores ``sinks`` and
+    ``position_bias`` (official float32) in bf16: they are widened, exactly. Anything else is
+    returned unchanged (and the loader names it if its dtype does not fit)."""
+    if rel.endswith("norm.weight") and t.dtype == torch.float32:
+        b = t.to(torch.bfloat16)
+        if torch.equal(b.to(torch.float32), t):
+            return b
+    if (rel == "attn_sink" or rel.endswith(".ape")) and t.dtype == torch.bfloat16:
+        return t.to(torch.float32)
+    return t
