@@ -27,6 +27,15 @@ NEW = 32
 PROMPT = 100
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny matrices: one intra-op thread is ~20x faster than two on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -89,7 +98,7 @@ def test_left_padded_batch_equals_each_row_alone(model: Any, reference: Any) -> 
         handle.restore()
     assert torch.equal(out[0, -NEW:], reference["gen_a"][0, -NEW:])
     assert torch.equal(out[1, -NEW:], reference["gen_b"][0, -NEW:])
-    assert (padded - alone).abs().max().item() < 1e-5
+    assert (padded - alone).abs().max().item() < 1e-5 * alone.abs().max().item()
 
 
 def test_sampling_matches_transformers_with_the_same_seed(model: Any, reference: Any) -> None:
@@ -117,7 +126,7 @@ def test_cached_forward_continues_like_one_call(model: Any, reference: Any) -> N
             whole = model(ids, use_cache=False).logits[:, 45:]
     finally:
         handle.restore()
-    assert (second - whole).abs().max().item() < 1e-5
+    assert (second - whole).abs().max().item() < 1e-5 * whole.abs().max().item()
 
 
 def test_bf16_model_runs_close_to_transformers() -> None:
