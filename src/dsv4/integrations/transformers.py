@@ -350,10 +350,10 @@ class DSV4AttentionHandle:
         if use_cache is None:
             use_cache = getattr(self.inner.config, "use_cache", False)
         if cache is None and use_cache:
-            kwargs[key] = cache = DSV4Cache(self.max_seq_len)
+            kwargs[key] = cache = DSV4Cache(max(self.max_seq_len, q))
         elif cache is not None and not isinstance(cache, DSV4Cache):
             if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-                kwargs[key] = cache = DSV4Cache(self.max_seq_len)
+                kwargs[key] = cache = DSV4Cache(max(self.max_seq_len, q))
             else:
                 raise BridgeError(f"a {type(cache).__name__} holding tokens cannot be continued "
                                   "by dsv4's attention; pass a DSV4Cache (handle.new_cache())")
