@@ -23,6 +23,7 @@ from torch import nn
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import ConfigError, DSV4Config, read_config_json
+from dsv4.dialects import transformers_names
 from dsv4.folder_swap import FolderOwnershipError, replace_folder
 from dsv4.weights import WeightLoadError, export_official_weights
 
@@ -98,18 +99,24 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
     """Official-name tensors (relative to each layer) of the requested layers' attention."""
     folder = Path(folder)
     mapping = _shard_map(folder)
+    try:  # official name -> stored name (official or one of transformers' spellings)
+        stored = transformers_names.official_view(mapping)
+    except transformers_names.NameDialectError as e:
+        raise CheckpointError(f"{folder}: {e}") from e
     wanted = {i: layer_prefix(cfg, i) for i in layer_ids}
     by_shard: dict[Path, list[tuple[int, str, str]]] = {}
-    for name, shard in mapping.items():
+    for name, full in stored.items():
         for i, prefix in wanted.items():
             if name.startswith(prefix):
-                by_shard.setdefault(shard, []).append((i, name, name[len(prefix):]))
+                by_shard.setdefault(mapping[full], []).append((i, full, name[len(prefix):]))
     out: dict[int, dict[str, torch.Tensor]] = {i: {} for i in wanted}
     for shard, entries in by_shard.items():
         with _open(shard) as f:
             for i, full, rel in entries:
                 try:
                     out[i][rel] = f.get_tensor(full)
+                    if transformers_names.classify(full) != "official":
+                        out[i][rel] = transformers_names.as_checkpoint_dtype(rel, out[i][rel])
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"cannot read tensor {full!r} from {shard}: {e}") from e
     for i, tensors in out.items():
@@ -215,8 +222,9 @@ def is_checkpoint_file(name: str) -> bool:
 
 
 def save_checkpoint(module: nn.Module, folder: str | Path,
-                    max_shard_bytes: int = 4 << 30) -> list[Path]:
-    """Write every attention layer in ``module`` with official names and canonical layouts.
+                    max_shard_bytes: int = 4 << 30, dialect: str = "official") -> list[Path]:
+    """Write every attention layer in ``module`` with official names and canonical layouts
+    (``dialect="transformers"``: transformers' DeepseekV4 tensor names and config keys).
 
     Shards are ``model-0000k-of-0000n.safetensors`` with an index when more than one is needed,
     else ``model.safetensors``; ``config.json`` records which layers the folder holds. The files
@@ -225,6 +233,9 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
     exactly what it held before. A folder holding other files than checkpoint files is refused
     (:class:`CheckpointError` naming them). Returns the files written.
     """
+    if dialect not in transformers_names.DIALECTS:
+        raise ValueError(f"save_checkpoint: dialect={dialect!r}, expected one of "
+                         f"{list(transformers_names.DIALECTS)}")
     layers = attention_layers(module)
     if not layers:
         raise ValueError("save_checkpoint: the module holds no DeepseekV4Attention layer")
@@ -234,6 +245,10 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
         prefix = layer_prefix(cfg, layer.layer_id)
         for name, t in export_official_weights(layer).items():
             tensors[prefix + name] = t
+    try:
+        tensors = transformers_names.from_official(tensors, dialect)
+    except transformers_names.NameDialectError as e:
+        raise ValueError(f"save_checkpoint: {e}") from e
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -243,7 +258,7 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
             size = 0
         shards[-1][name] = t
         size += nbytes
-    config = {**cfg.to_dict(), SAVED_LAYERS_KEY: sorted(layer.layer_id for layer in layers)}
+    config = {**cfg.to_dict(dialect=dialect), SAVED_LAYERS_KEY: sorted(layer.layer_id for layer in layers)}
 
     def write(tmp: Path) -> list[Path]:
         # config.json first: an ordinary file, so its mode is what the user's umask gives; the

@@ -22,7 +22,10 @@ BENCH_SUITES = {
     "input-proj": "dsv4.bench.input_proj",
     "decode-step": "dsv4.bench.decode_step",
     "pooled-decode": "dsv4.bench.pooled_decode",
+    "transformers-decode": "dsv4.bench.transformers_decode",
 }
+CPU_SUITES = ("pooled-decode", "transformers-decode")
+"""Suites that run on any device (the others need a CUDA GPU)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -75,7 +78,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         except SystemExit as e:
             return int(e.code or 0)
         return 0
-    if args.suite != "pooled-decode":  # the GPU suites
+    if args.suite not in CPU_SUITES:  # the GPU suites
         import torch
 
         if not torch.cuda.is_available():
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
-                   help="input-proj, decode-step (CUDA GPU) or pooled-decode (any device)")
+                   help="input-proj, decode-step (CUDA GPU), pooled-decode or "
+                   "transformers-decode (any device)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p

@@ -213,6 +213,10 @@ class DSV4Config:
         """Build from an HF ``config.json`` dict of DeepSeek-V4 (unknown keys are ignored)."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        from dsv4.dialects import transformers_config as tf
+
+        if tf.is_transformers_config(d):
+            d = tf.official_from_transformers(d)
         required = (
             "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
             "qk_rope_head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "sliding_window",
@@ -246,8 +250,11 @@ class DSV4Config:
         """Read a ``config.json`` file, or the ``config.json`` inside a checkpoint folder."""
         return cls.from_dict(read_config_json(path), **overrides)
 
-    def to_dict(self) -> dict[str, Any]:
-        """HF-style dict; ``from_dict(to_dict())`` round-trips."""
+    def to_dict(self, dialect: str = "official") -> dict[str, Any]:
+        """HF-style dict in the ``official`` or ``transformers`` dialect;
+        ``from_dict(to_dict(dialect))`` round-trips."""
+        if dialect not in ("official", "transformers"):
+            raise ConfigError(f"dialect={dialect!r}: expected 'official' or 'transformers'")
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("rope_scaling", "fp8_weights", "weight_block_size",
@@ -267,6 +274,10 @@ class DSV4Config:
                 "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                 "weight_block_size": list(self.weight_block_size), "activation_scheme": "dynamic",
             }
+        if dialect == "transformers":
+            from dsv4.dialects.transformers_config import transformers_from_official
+
+            return transformers_from_official(d)
         return d
 
     def replace(self, **changes: Any) -> DSV4Config:

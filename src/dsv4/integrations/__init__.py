@@ -1,0 +1,1 @@
+"""Bridges to other libraries (imported on demand: each needs its library installed)."""
