@@ -258,7 +258,8 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
             size = 0
         shards[-1][name] = t
         size += nbytes
-    config = {**cfg.to_dict(dialect=dialect), SAVED_LAYERS_KEY: sorted(layer.layer_id for layer in layers)}
+    config = {**cfg.to_dict(dialect=dialect),
+              SAVED_LAYERS_KEY: sorted(layer.layer_id for layer in layers)}
 
     def write(tmp: Path) -> list[Path]:
         # config.json first: an ordinary file, so its mode is what the user's umask gives; the
