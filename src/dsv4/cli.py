@@ -36,11 +36,29 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from dsv4.verify import run_verify
+    from dsv4.tp_launch import under_torchrun
 
-    ok, report = run_verify(args.platform or None, args.device, args.tokens, args.seed)
+    if args.tp > 1 or under_torchrun():
+        from dsv4.verify_tp import run_verify_tp
+
+        ok, report = run_verify_tp(args.tp, args.platform or None, args.device,
+                                   args.tokens if args.tokens is not None else 160, args.seed)
+        if not report_here():
+            return 0 if ok else 1
+    else:
+        from dsv4.verify import run_verify
+
+        ok, report = run_verify(args.platform or None, args.device,
+                                args.tokens if args.tokens is not None else 300, args.seed)
     print(report)
     return 0 if ok else 1
+
+
+def report_here() -> bool:
+    """Under torchrun only rank 0 prints (every rank exits with the verdict)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -57,6 +75,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         from dsv4.bench.decode_step import main as run
     return int(run(["--out", str(args.out), *args.extra]) or 0)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,8 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--platform", action="append", help="platform(s) to check (default: all "
                    "available here)")
     v.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    v.add_argument("--tokens", type=int, default=300)
+    v.add_argument("--tokens", type=int, default=None,
+                   help="tokens per case (default: 300; 160 with --tp)")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor parallelism: spawn N ranks (gloo on the CPU, NCCL on CUDA) or "
+                   "join torchrun's, and compare every rank with the TP=1 layer")
     v.set_defaults(func=_cmd_verify)
     b = sub.add_parser("bench", help="benchmarks (JSON, markdown, PNG): input projections per "
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
