@@ -5,7 +5,8 @@ its group from the same random official weights (loaded whole, each rank keeping
 runs the post-load passes and then prefill, chunked prefill, decode, a mixed batch (several
 caches, ``seq_lens``) and a pooled decode batch. Rank 0 runs the same calls through the TP=1 layer
 of the same platform and passes (replaying the TP layer's top-k picks) and broadcasts its output;
-every rank reports its own relative error. float64 must agree to :data:`TOL_FLOAT64`, bf16 to
+every rank reports its own relative error. float64 must agree to :data:`TOL_FLOAT64` (except
+where a platform accumulates in fp32 by definition, :data:`FLOAT64_TOLERANCE`), bf16 to
 :data:`TOL_BF16` (the reduction adds bf16 partial sums). The processes are spawned here (gloo on
 the CPU, NCCL on CUDA, one GPU a rank) or are the ones ``torchrun`` started.
 """
@@ -32,6 +33,10 @@ from dsv4.verify import _run_pooled, passes_for
 
 TOL_FLOAT64 = 1e-12
 TOL_BF16 = 1e-2
+FLOAT64_TOLERANCE = {"preshuffle": 1e-6}
+"""Platforms whose float64 layer still accumulates a GEMM in fp32 by definition: ``preshuffle``'s
+blockscale GEMM (AITER's kernel, emulated in fp32), where splitting ``wo_b``'s K over the ranks
+changes the fp32 rounding (measured ~5e-8 at TP=2)."""
 MODES = ("prefill", "chunked", "decode", "mixed", "pooled")
 DTYPES = {"float64": torch.float64, "bf16": torch.bfloat16}
 
@@ -129,7 +134,8 @@ def rank_rows(group: Any, cfg: DSV4Config | None = None, platforms: Sequence[str
         for fusion in fusions:
             for dname in dtypes:
                 dtype = DTYPES[dname]
-                tol = TOL_FLOAT64 if dtype == torch.float64 else TOL_BF16
+                tol = (FLOAT64_TOLERANCE.get(platform, TOL_FLOAT64) if dtype == torch.float64
+                       else TOL_BF16)
                 for ratio in ratios:
                     layer = build_layer(cfg, ratio, platform, fusion, dev, dtype, seed, tp)
                     ref = (build_layer(cfg, ratio, platform, fusion, dev, dtype, seed, None)
