@@ -54,11 +54,13 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
     rows = rank_rows(group, platforms=["reference"], tokens=64, dtypes=("float64",),
                      modes=MODES, ratios=(4,), fusions=(False,))
     rows += rank_rows(group, platforms=["reference"], tokens=136, dtypes=("float64",),
-                      modes=("prefill", "decode"), ratios=(128,), fusions=(False,))
+                      modes=("prefill",), ratios=(128,), fusions=(False,))
     rows += rank_rows(group, platforms=["reference"], tokens=40, dtypes=("float64", "bf16"),
                       modes=("mixed",), ratios=(0,), fusions=(False,))
-    rows += rank_rows(group, platforms=available("cpu"), tokens=48, dtypes=("bf16", "float64"),
+    rows += rank_rows(group, platforms=available("cpu"), tokens=40, dtypes=("bf16",),
                       modes=("decode", "pooled"), ratios=(4,), fusions=(True,))
+    rows += rank_rows(group, platforms=["preshuffle"], tokens=40, dtypes=("float64",),
+                      modes=("prefill",), ratios=(4,), fusions=(True,))
     res["rows"] = rows
 
     # the shipped model, loaded straight from its checkpoint (float64: compared in the test)
@@ -93,8 +95,7 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
 
 def _tp4_job(group: Any) -> dict[str, Any]:
     rows = rank_rows(group, platforms=["reference"], tokens=48, dtypes=("float64",),
-                     modes=("prefill", "decode", "mixed", "pooled"), ratios=(4,),
-                     fusions=(False,))
+                     modes=("prefill", "mixed", "pooled"), ratios=(4,), fusions=(False,))
     rows += rank_rows(group, platforms=["reference"], tokens=136, dtypes=("float64",),
                       modes=("chunked",), ratios=(128,), fusions=(True,))
     rows += rank_rows(group, platforms=["preshuffle"], tokens=40, dtypes=("bf16",),
@@ -161,12 +162,12 @@ def test_tp2_shipped_model_matches_tp1_and_holds_only_its_slices(tp2: Any) -> No
                                    "attn_sink": (2,)}
     ref = load_checkpoint(ARITH, platform="reference", dtype=torch.float64)
     x = _arith_x(torch.float64)
-    for rank in range(2):
-        got = torch.load(out / f"arith_rank{rank}.pt")
-        assert set(got) == set(ref.layer_ids)
-        for i, per_mode in got.items():
-            for mode, y in per_mode.items():
-                y_ref = run_mode(ref[i], x, mode)
+    got = [torch.load(out / f"arith_rank{rank}.pt") for rank in range(2)]
+    for i in ref.layer_ids:
+        for mode in ("decode", "mixed"):
+            y_ref = run_mode(ref[i], x, mode)
+            for rank in range(2):
+                y = got[rank][i][mode]
                 err = float((y - y_ref).norm() / y_ref.norm())
                 assert err <= 1e-12, (rank, i, mode, err)
 

@@ -94,7 +94,7 @@ def run_mode(layer: DeepseekV4Attention, x: torch.Tensor, mode: str) -> torch.Te
         return torch.cat([layer(x[i:i + step], pos[i:i + step], cache)
                           for i in range(0, t, step)])
     if mode == "decode":
-        split = t - min(16, t // 4)
+        split = t - min(8, t // 4)
         ys = [layer(x[:split], pos[:split], cache)]
         ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(split, t)]
         return torch.cat(ys)
