@@ -21,6 +21,7 @@ from safetensors import safe_open
 from dsv4 import DeepseekV4Attention, DSV4Config, load_checkpoint, save_checkpoint
 from dsv4.contract import structural_violations
 from dsv4.model.checkpoint import ATTN_SHARD, default_model_dir
+from dsv4.offload import CpuOffloader
 from dsv4.platforms import available
 from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPConfigError, TPInfo, config_key, split_problems
@@ -51,20 +52,28 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
     rank = dist.get_rank(group)
     out = Path(out_dir)
     res: dict[str, Any] = {"env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
+    clock = [time.perf_counter()]
+    times: dict[str, float] = {}
+    res["times"] = times
+
+    def lap(name: str) -> None:
+        times[name] = time.perf_counter() - clock[0]
+        clock[0] = time.perf_counter()
+
     rows = rank_rows(group, platforms=["reference"], tokens=64, dtypes=("float64",),
                      modes=MODES, ratios=(4,), fusions=(False,))
     rows += rank_rows(group, platforms=["reference"], tokens=136, dtypes=("float64",),
-                      modes=("prefill",), ratios=(128,), fusions=(False,))
+                      modes=("prefill", "decode"), ratios=(128,), fusions=(False, True))
     rows += rank_rows(group, platforms=["reference"], tokens=40, dtypes=("float64", "bf16"),
                       modes=("mixed",), ratios=(0,), fusions=(False,))
-    rows += rank_rows(group, platforms=available("cpu"), tokens=40, dtypes=("bf16",),
-                      modes=("decode", "pooled"), ratios=(4,), fusions=(True,))
-    rows += rank_rows(group, platforms=["preshuffle"], tokens=40, dtypes=("float64",),
-                      modes=("prefill",), ratios=(4,), fusions=(True,))
+    rows += rank_rows(group, platforms=available("cpu"), tokens=40, dtypes=("bf16", "float64"),
+                      modes=MODES, ratios=(0, 4), fusions=(False, True))
     res["rows"] = rows
+    lap("layer matrix")
 
     # the shipped model, loaded straight from its checkpoint (float64: compared in the test)
-    stack = load_checkpoint(ARITH, platform="reference", dtype=torch.float64, tp_group=group)
+    stack = load_checkpoint(ARITH, platform="reference", dtype=torch.float64, tp_group=group,
+                            offloader=CpuOffloader("cpu"))
     x = _arith_x(torch.float64)
     torch.save({i: {m: run_mode(stack[i], x, m) for m in ("decode", "mixed")}
                 for i in stack.layer_ids}, out / f"arith_rank{rank}.pt")
@@ -76,11 +85,13 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
     # saved from preshuffled TP layers: canonical, gathered, rank 0 writes
     pre = load_checkpoint(ARITH, platform="preshuffle", tp_group=group)
     res["saved"] = [str(p) for p in save_checkpoint(pre, out / "saved")]
+    lap("shipped model")
 
     from dsv4.bench.decode_step_tp import tp_rows
 
     res["bench"] = tp_rows(group, {"models": ["tiny"], "layers": ["C4"], "ms": [2],
                                    "context": 20, "reps": 1, "pooled": True, "dry": True})
+    lap("bench")
 
     # errors: every rank raises, none hangs
     cfg = DSV4Config.preset("tiny")
@@ -90,16 +101,17 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
         ARITH if rank == 0 else out / "missing", tp_group=group))
     res["fail_read"] = _caught(lambda: load_checkpoint(
         ARITH if rank == 0 else Path(broken), tp_group=group))
+    lap("errors")
     return res
 
 
 def _tp4_job(group: Any) -> dict[str, Any]:
     rows = rank_rows(group, platforms=["reference"], tokens=48, dtypes=("float64",),
-                     modes=("prefill", "mixed", "pooled"), ratios=(4,), fusions=(False,))
+                     modes=MODES, ratios=(0, 4), fusions=(False,))
     rows += rank_rows(group, platforms=["reference"], tokens=136, dtypes=("float64",),
                       modes=("chunked",), ratios=(128,), fusions=(True,))
-    rows += rank_rows(group, platforms=["preshuffle"], tokens=40, dtypes=("bf16",),
-                      modes=("prefill",), ratios=(0,), fusions=(True,))
+    rows += rank_rows(group, platforms=["preshuffle"], tokens=40, dtypes=("bf16", "float64"),
+                      modes=("prefill", "pooled"), ratios=(4,), fusions=(True,))
     tiny = DSV4Config.preset("tiny")
     return {"rows": rows,
             "groups": _caught(lambda: DeepseekV4Attention.build(tiny, 1, tp_group=group)),
@@ -147,7 +159,7 @@ def test_tp2_every_mode_and_platform_matches_tp1(tp2: Any) -> None:
     assert {r.dtype for r in rows} == {"float64", "bf16"}
     assert max(r.rel_err for r in rows if r.dtype == "float64"
                and r.platform == "reference") <= 1e-12
-    print(f"TP=2 job: {seconds:.1f} s")
+    print(f"TP=2 job: {seconds:.1f} s; rank 0: {results[0]['times']}")
 
 
 def test_tp2_children_run_without_nvlink_multicast(tp2: Any) -> None:

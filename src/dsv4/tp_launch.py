@@ -76,6 +76,8 @@ def _init(backend: str, rank: int, world: int, init_method: str, timeout_s: floa
 
 def _entry(rank: int, fn: Worker, world: int, port: int, backend: str, timeout_s: float,
            args: tuple[Any, ...], out_dir: str) -> None:
+    if backend == "gloo":  # CPU ranks share the cores: one thread each, or they spin on each other
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _init(backend, rank, world, f"tcp://127.0.0.1:{port}", timeout_s)
     try:
         result = fn(dist.group.WORLD, *args)
