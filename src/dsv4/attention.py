@@ -27,6 +27,7 @@ from dsv4.layers.rotary import RotaryEmbedding
 from dsv4.layers.weight_layout import WeightLayout, set_layout
 from dsv4.offload import BaseOffloader, resolve_offloader
 from dsv4.parallel import execute_in_parallel
+from dsv4.tensor_parallel import TPInfo, local_sizes, resolve_tp
 from dsv4.weights import load_layer_weights, official_weight_specs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -55,10 +56,13 @@ class DeepseekV4Attention(nn.Module):
     # ------------------------------------------------------------------ construction
     def __init__(self, cfg: DSV4Config, layer_id: int, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, offloader: Any = None,
-                 aux_streams: Sequence[Any] | None = None) -> None:
+                 aux_streams: Sequence[Any] | None = None, tp_group: Any = None) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype}: supported dtypes are {list(SUPPORTED_DTYPES)}")
+        # tensor parallelism (dsv4.tensor_parallel): wq_b, wo_a, wo_b and attn_sink hold this
+        # rank's heads / output groups only; None: no group, the whole layer
+        self.tp: TPInfo | None = resolve_tp(cfg, tp_group)
         self.cfg = cfg
         self.layer_id = layer_id
         self.compress_ratio = cfg.compress_ratio(layer_id)
@@ -66,7 +70,7 @@ class DeepseekV4Attention(nn.Module):
         self.acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         f32 = self.acc_dtype
         dev = torch.device(device)
-        self.n_heads = cfg.num_attention_heads
+        self.n_heads, self.o_groups = local_sizes(cfg, self.tp)
         self.head_dim = cfg.head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.window = cfg.sliding_window
@@ -85,9 +89,9 @@ class DeepseekV4Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, fp8=fp8, dtype=dtype,
                            device=dev)
         group_in = cfg.heads_per_group * self.head_dim
-        self.wo_a = Linear(group_in, cfg.o_groups * cfg.o_lora_rank, fp8=fp8, dtype=dtype,
+        self.wo_a = Linear(group_in, self.o_groups * cfg.o_lora_rank, fp8=fp8, dtype=dtype,
                            device=dev)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, h, fp8=fp8, dtype=dtype, device=dev)
+        self.wo_b = Linear(self.o_groups * cfg.o_lora_rank, h, fp8=fp8, dtype=dtype, device=dev)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=f32, device=dev),
                                       requires_grad=False)
         self.compressor: Compressor | None = None
@@ -320,7 +324,7 @@ class DeepseekV4Attention(nn.Module):
         raw = self._write_entries(step, kv_score, idx_kv_score)
         entries = self._select_compressed(step, idx_q, idx_weights)
         selection = None if entries is None else step.entry_rows("compressed", entries)
-        y = self._o_proj(self.forward_mqa(q, step, selection), pos)
+        y = self._tp_all_reduce(self._o_proj(self.forward_mqa(q, step, selection), pos))
         step.commit(raw, release_from)  # last: a failure above leaves every cache as it was
         return y
 
@@ -461,13 +465,20 @@ class DeepseekV4Attention(nn.Module):
 
         May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``).
         Must keep: the g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and the
-        [T, hidden] output."""
+        [T, hidden] output; under tensor parallelism the local groups (``self.o_groups``, via
+        :meth:`_wo_a_grouped`), whose partial sum the forward all-reduces."""
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
         return self.wo_b(self._wo_a_grouped(o))
 
     # ---- fixed steps --------------------------------------------------------------------
+    def _tp_all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: the sum over the group of the ranks' partial ``wo_b`` outputs,
+        on the current stream (identity without a group). A fixed step, not an override point,
+        so a platform that replaces :meth:`_o_proj` cannot drop it."""
+        return y if self.tp is None else self.tp.all_reduce(y)
+
     def _wo_a_grouped(self, o: torch.Tensor) -> torch.Tensor:
-        g, r_o = self.cfg.o_groups, self.cfg.o_lora_rank
+        g, r_o = self.o_groups, self.cfg.o_lora_rank
         w = self.wo_a.dequantized_weight(o.dtype).view(g, r_o, -1)
         z = torch.einsum("tgc,grc->tgr", o.reshape(o.shape[0], g, -1), w)
         return z.flatten(1)

@@ -25,6 +25,13 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.config import ConfigError, DSV4Config, read_config_json
 from dsv4.dialects import transformers_names
 from dsv4.folder_swap import FolderOwnershipError, replace_folder
+from dsv4.tensor_parallel import (
+    TPInfo,
+    agreement,
+    gather_checkpoint_tensors,
+    rank0_writes,
+    writes_checkpoint,
+)
 from dsv4.weights import WeightLoadError, export_official_weights
 
 log = logging.getLogger(__name__)
@@ -94,9 +101,10 @@ def _open(path: Path) -> Any:
                               f"{e}") from e
 
 
-def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[int]
-                       ) -> dict[int, dict[str, torch.Tensor]]:
-    """Official-name tensors (relative to each layer) of the requested layers' attention."""
+def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[int],
+                       tp: TPInfo | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Official-name tensors (relative to each layer) of the requested layers' attention; with
+    ``tp``, only this rank's part of each split tensor is read from the file."""
     folder = Path(folder)
     mapping = _shard_map(folder)
     try:  # official name -> stored name (official or one of transformers' spellings)
@@ -114,7 +122,7 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
         with _open(shard) as f:
             for i, full, rel in entries:
                 try:
-                    out[i][rel] = f.get_tensor(full)
+                    out[i][rel] = _read(f, full, rel, tp)
                     if transformers_names.classify(full) != "official":
                         out[i][rel] = transformers_names.as_checkpoint_dtype(rel, out[i][rel])
                 except (SafetensorError, OSError, ValueError) as e:
@@ -163,44 +171,66 @@ def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
                     platform: str = "reference", device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, process: bool = True,
                     cfg: DSV4Config | None = None, passes: Sequence[str] | None = None,
-                    **build_kwargs: Any) -> AttentionStack:
+                    tp_group: Any = None, **build_kwargs: Any) -> AttentionStack:
     """Build and load the attention layers ``layers`` of a checkpoint folder (default: the layers
     a ``save_checkpoint`` folder records, else all).
 
     Each layer is built, loaded and (with ``process``) run through the platform's post-load
     passes (or ``passes``) and its offloader before the next is read. Any error (config,
     missing or corrupt shard, bad tensor) is raised before a layer is returned.
+
+    ``tp_group``: a ``torch.distributed`` process group; every rank of it calls this, checks that
+    all ranks hold the same config, and reads only its part of the split tensors
+    (``dsv4.tensor_parallel``). A rank that fails makes every rank raise.
     """
     folder = Path(folder)
-    if folder.is_file():
-        raise CheckpointError(f"{folder} is a file, not a checkpoint folder (give the folder "
-                              "that holds config.json and the *.safetensors shards)")
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    try:
-        cfg = cfg or DSV4Config.from_pretrained(folder)
-        ids = _requested_layers(folder, cfg, layers)
-    except ConfigError as e:
-        raise CheckpointError(f"{folder}: {e}") from e
-    tensors = read_layer_tensors(folder, cfg, ids)
-    from dsv4.passes import process_weights_after_loading
-    from dsv4.platforms import get_platform
-
-    shared = get_platform(platform, device).attention_cls.shared_build_kwargs(device)
-    built: dict[int, DeepseekV4Attention] = {}
-    for i in ids:  # one layer at a time: load, post-load passes, offload, next
-        layer = DeepseekV4Attention.build(cfg, i, platform=platform, device=device, dtype=dtype,
-                                          **{**shared, **build_kwargs})
+    with agreement(tp_group, f"reading the config of {folder}"):
+        if folder.is_file():
+            raise CheckpointError(f"{folder} is a file, not a checkpoint folder (give the folder "
+                                  "that holds config.json and the *.safetensors shards)")
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint folder {folder} does not exist")
         try:
-            layer.load_weights(tensors.pop(i).items())
-        except WeightLoadError as e:
+            cfg = cfg or DSV4Config.from_pretrained(folder)
+            ids = _requested_layers(folder, cfg, layers)
+        except ConfigError as e:
             raise CheckpointError(f"{folder}: {e}") from e
-        if process:
-            process_weights_after_loading(layer, passes=passes)
-        built[i] = layer
+    tp = None if tp_group is None else TPInfo.create(cfg, tp_group)  # same config everywhere
+    built: dict[int, DeepseekV4Attention] = {}
+    with agreement(tp, f"loading {folder}"):  # no collective inside: a failing rank skips none
+        tensors = read_layer_tensors(folder, cfg, ids, tp)
+        from dsv4.passes import process_weights_after_loading
+        from dsv4.platforms import get_platform
+
+        shared = get_platform(platform, device).attention_cls.shared_build_kwargs(device)
+        if tp is not None:
+            build_kwargs = {**build_kwargs, "tp_group": tp}
+        for i in ids:  # one layer at a time: load, post-load passes, offload, next
+            layer = DeepseekV4Attention.build(cfg, i, platform=platform, device=device,
+                                              dtype=dtype, **{**shared, **build_kwargs})
+            try:
+                layer.load_weights(tensors.pop(i).items())
+            except WeightLoadError as e:
+                raise CheckpointError(f"{folder}: {e}") from e
+            if process:
+                process_weights_after_loading(layer, passes=passes)
+            built[i] = layer
     stack = AttentionStack(cfg, built)
     log.info("loaded %d attention layer(s) from %s for platform %s", len(built), folder, platform)
     return stack
+
+
+def _read(f: Any, full: str, rel: str, tp: TPInfo | None) -> torch.Tensor:
+    """One tensor; under tensor parallelism only this rank's part of a split one (a tensor
+    whose shape is not the official one is read whole, for the loader to report)."""
+    if tp is None or tp.slice_of(rel) is None:
+        return f.get_tensor(full)  # type: ignore[no-any-return]
+    part = f.get_slice(full)
+    dim, sl = tp.slice_of(rel)  # type: ignore[misc]
+    shape = tuple(part.get_shape())
+    if len(shape) <= dim or shape[dim] != (sl.stop - sl.start) * tp.size:
+        return f.get_tensor(full)  # type: ignore[no-any-return]
+    return tp.take(rel, part)  # type: ignore[no-any-return]
 
 
 def attention_layers(module: nn.Module) -> list[DeepseekV4Attention]:
@@ -221,6 +251,7 @@ def is_checkpoint_file(name: str) -> bool:
         name.startswith("model") and name.endswith(".safetensors"))
 
 
+@rank0_writes
 def save_checkpoint(module: nn.Module, folder: str | Path,
                     max_shard_bytes: int = 4 << 30, dialect: str = "official") -> list[Path]:
     """Write every attention layer in ``module`` with official names and canonical layouts
@@ -232,6 +263,9 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
     holds exactly this checkpoint (no file of an earlier save survives) or, if anything failed,
     exactly what it held before. A folder holding other files than checkpoint files is refused
     (:class:`CheckpointError` naming them). Returns the files written.
+
+    Under tensor parallelism every rank calls it: the split tensors are gathered into their
+    official shapes, rank 0 writes (the other ranks return [] once it has finished).
     """
     if dialect not in transformers_names.DIALECTS:
         raise ValueError(f"save_checkpoint: dialect={dialect!r}, expected one of "
@@ -245,6 +279,9 @@ def save_checkpoint(module: nn.Module, folder: str | Path,
         prefix = layer_prefix(cfg, layer.layer_id)
         for name, t in export_official_weights(layer).items():
             tensors[prefix + name] = t
+    tensors = gather_checkpoint_tensors(layers, tensors)  # TP: the unsplit official tensors
+    if not writes_checkpoint(layers):
+        return []
     try:
         tensors = transformers_names.from_official(tensors, dialect)
     except transformers_names.NameDialectError as e:

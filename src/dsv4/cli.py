@@ -55,17 +55,35 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    check_at_least("--tokens", args.tokens, VERIFY_MIN_TOKENS,
+    tokens = args.tokens if args.tokens is not None else (160 if args.tp > 1 else 300)
+    check_at_least("--tokens", tokens, VERIFY_MIN_TOKENS,
                    "the pooled mode decodes 4 sequences of at least 4 tokens")
     device = resolve_device(args.device)
     from dsv4.platforms import get_platform
-    from dsv4.verify import run_verify
+    from dsv4.tp_launch import under_torchrun
 
     for name in args.platform or []:
         get_platform(name, device)  # unknown / unavailable: one line, before any work
-    ok, report = run_verify(args.platform or None, device, args.tokens, args.seed, log=progress)
+    if args.tp > 1 or under_torchrun():
+        from dsv4.verify_tp import run_verify_tp
+
+        ok, report = run_verify_tp(args.tp, args.platform or None, args.device, tokens,
+                                   args.seed)
+        if not report_here():
+            return 0 if ok else 1
+    else:
+        from dsv4.verify import run_verify
+
+        ok, report = run_verify(args.platform or None, device, tokens, args.seed, log=progress)
     print(report)
     return 0 if ok else 1
+
+
+def report_here() -> bool:
+    """Under torchrun only rank 0 prints (every rank exits with the verdict)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -90,6 +108,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _suite_main(suite: str):  # type: ignore[no-untyped-def]
     return importlib.import_module(BENCH_SUITES[suite]).main
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all available here)")
     v.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
-    v.add_argument("--tokens", type=int, default=300,
-                   help=f"tokens per run (at least {VERIFY_MIN_TOKENS}; default 300)")
+    v.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens per run (at least {VERIFY_MIN_TOKENS}; default 300, 160 with "
+                   "--tp)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    v.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor parallelism: spawn N ranks (gloo on the CPU, NCCL on CUDA) or "
+                   "join torchrun's, and compare every rank with the TP=1 layer")
     v.set_defaults(func=_cmd_verify)
     b = sub.add_parser("bench", add_help=False,
                        help="benchmarks (JSON, markdown, PNG): input projections per "

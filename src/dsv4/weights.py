@@ -127,11 +127,16 @@ def validate_layer_weights(layer: DeepseekV4Attention,
     if missing:
         raise WeightLoadError(f"{where}: missing tensor(s) {missing}")
     out = []
+    tp = layer.tp
     for name, spec in specs.items():
         t = given[name]
+        full = spec.shape if tp is None else tp.full_shape(name, spec.shape)
+        if tp is not None and full != spec.shape and tuple(t.shape) == full:
+            t = tp.take(name, t)  # the official (unsplit) tensor: this rank's part
         if tuple(t.shape) != spec.shape:
+            also = "" if full == spec.shape else f" (this rank's part; or the whole {full})"
             raise WeightLoadError(f"{where}: {name!r} has shape {tuple(t.shape)}, expected "
-                                  f"{spec.shape}")
+                                  f"{spec.shape}{also}")
         if t.dtype not in spec.dtypes:
             raise WeightLoadError(f"{where}: {name!r} has dtype {t.dtype}, expected one of "
                                   f"{list(spec.dtypes)}")
@@ -164,7 +169,8 @@ def load_layer_weights(layer: DeepseekV4Attention,
 
 def export_official_weights(layer: DeepseekV4Attention) -> dict[str, torch.Tensor]:
     """The layer's weights under official names, canonical layout (never a platform layout),
-    as fresh CPU tensors in the checkpoint dtypes."""
+    as fresh CPU tensors in the checkpoint dtypes. Under tensor parallelism: this rank's parts
+    (``save_checkpoint`` gathers them, ``dsv4.tensor_parallel.gather_checkpoint_tensors``)."""
     from dsv4.layers.weight_layout import canonical
 
     out: dict[str, torch.Tensor] = {}

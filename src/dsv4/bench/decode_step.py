@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -202,7 +203,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="the M sequences' caches in one pool (the batched decode path)")
     ap.add_argument("--profile", action="store_true",
                     help="also write decode_step_profile.md: the kernel table of one step")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
+                    "or started by torchrun): the cuda_plan step per rank, with and without "
+                    "its all-reduce (dsv4.bench.decode_step_tp)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="with --tp: run the TP step on the CPU over gloo, eager, tiny preset "
+                    "(checks the plumbing; the times mean nothing)")
     args = ap.parse_args(argv)
+    if args.tp != 1 or args.dry_run or "WORLD_SIZE" in os.environ:
+        from dsv4.bench.decode_step_tp import main_tp
+
+        return main_tp(args)
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bw(dev)
