@@ -54,6 +54,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 2
     elif args.suite == "input-proj":
         from dsv4.bench.input_proj import main as run
+    elif args.suite == "attention-kernels":
+        from dsv4.bench.attention_kernels import main as run
     else:
         from dsv4.bench.decode_step import main as run
     return int(run(["--out", str(args.out), *args.extra]) or 0)
@@ -85,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_verify)
     b = sub.add_parser("bench", help="benchmarks (JSON, markdown, PNG): input projections per "
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
-                       "caches in decode (any device)")
-    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode"])
+                       "caches in decode (any device), sparse MQA and fp8 GEMM kernels (GPU)")
+    b.add_argument("suite", choices=["input-proj", "decode-step", "pooled-decode",
+                                     "attention-kernels"])
     b.add_argument("--out", type=Path, required=True)
     b.epilog = "Other options go to the suite (python -m dsv4.bench.input_proj --help)."
     b.set_defaults(func=_cmd_bench)

@@ -156,6 +156,7 @@ if triton_available():
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
+        DOT_PREC: tl.constexpr,
     ):
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
@@ -189,10 +190,10 @@ if triton_available():
             s = _block_scale(sc_row, kb, SCALE_F32)
             if SWAP:
                 xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
-                acc += tl.dot(w, xt, input_precision="ieee") * s
+                acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
             else:
                 xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
-                acc += tl.dot(xt, tl.trans(w), input_precision="ieee") * s
+                acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
             w_ptrs += BK
             x_ptrs += BK
 
@@ -273,6 +274,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
+        DOT_PREC="ieee" if _INTERPRET else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

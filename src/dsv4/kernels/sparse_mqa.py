@@ -190,19 +190,20 @@ if triton_available():
     @triton.jit
     def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale,
                 D: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
-                DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr):
+                DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
+                DOT_PREC: tl.constexpr):
         for j in range(lo, hi, BN):
             offs = j + tl.arange(0, BN)
             rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
             valid = rows >= 0
             k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR).to(DOT_DT)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BH, BN], log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), k, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), k, input_precision=DOT_PREC)
             m_i = m_new
         return m_i, l_i, acc
 
@@ -213,7 +214,7 @@ if triton_available():
         T, H, W, KC, B, chunk, qk_scale,
         D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
         FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr,
-        DOT_DT: tl.constexpr,
+        DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
@@ -233,11 +234,11 @@ if triton_available():
         j1 = tl.minimum(j0 + chunk, W + KC)
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, win_ptr, widx_ptr + t.to(tl.int64) * swi,
                                 tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale,
-                                D, BN, FP8, NOPE, DR, SR, DOT_DT)
+                                D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
         if KC > 0:
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
                                     tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
-                                    qk_scale, D, BN, FP8, NOPE, DR, SR, DOT_DT)
+                                    qk_scale, D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
         if SPLIT == 1:
             s2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, s2)
@@ -367,7 +368,8 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         ws_t, widx, widx.stride(0), w_blk, cs_t, cidx, cidx.stride(0), c_blk,
         T, H, W, KC, B, chunk, float(scale) * LOG2E,
         D=d, BH=cfg.block_h, BN=bn, SPLIT=split, FP8=fmt == "fp8_ds_mla", NOPE=n, DR=dr, SR=sr,
-        DOT_DT=dot_dt, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split > 1:
         _combine_kernel[(T * n_hb,)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1), T, H,
