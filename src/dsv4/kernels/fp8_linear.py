@@ -143,12 +143,14 @@ if triton_available():
     @triton.jit
     def _block_scale(sc_ptr, idx, SCALE_F32: tl.constexpr):
         if SCALE_F32:
-            return tl.load(sc_ptr + idx)
-        b = tl.load(sc_ptr + idx).to(tl.int32)
-        # 2^(b-127) built from its bits (exact); byte 0 is the subnormal 2^-127, 255 is NaN
-        v = (b << 23).to(tl.float32, bitcast=True)
-        v = tl.where(b == 0, 5.877471754111438e-39, v)
-        return tl.where(b == 255, float("nan"), v)
+            v = tl.load(sc_ptr + idx)
+        else:
+            b = tl.load(sc_ptr + idx).to(tl.int32)
+            # 2^(b-127) built from its bits (exact); byte 0 is the subnormal 2^-127, 255 is NaN
+            v = (b << 23).to(tl.float32, bitcast=True)
+            v = tl.where(b == 0, 5.877471754111438e-39, v)
+            v = tl.where(b == 255, float("nan"), v)
+        return v
 
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(

@@ -265,12 +265,12 @@ if triton_available():
         cols = tl.arange(0, D)
         m_f = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
         s2 = m_f
-        for s in tl.static_range(SPLIT):
+        for s in range(0, SPLIT):
             row = (s * T + t).to(tl.int64) * H + heads
             m_f = tl.maximum(m_f, tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30))
         den = tl.exp2(s2 - m_f)
         acc = tl.zeros([BH, D], tl.float32)
-        for s in tl.static_range(SPLIT):  # chunk order: deterministic
+        for s in range(0, SPLIT):  # chunk order: deterministic
             row = (s * T + t).to(tl.int64) * H + heads
             f = tl.exp2(tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30) - m_f)
             den += tl.load(ws_ml + row * 2 + 1, mask=h_mask, other=0.0) * f
