@@ -230,3 +230,26 @@ def test_gpu_model_shapes(fmt, H, K, T):
         o2 = sparse_mqa(*case, config=SparseMqaConfig(split=split))
         assert torch.allclose(o2.float(), o.float(), rtol=2 ** -6, atol=1e-5)
     assert torch.equal(sparse_mqa(*case), o)  # deterministic
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_gpu_graph_replay_equals_eager(fmt):
+    from dsv4.platforms.cuda import capture_graph
+
+    case = build_case(4, 64, 512, 128, 512, fmt, seed=9, B=64, n_rows=4096, device="cuda")
+    eager = sparse_mqa(*case)
+    out = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sparse_mqa(*case, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with capture_graph(g):
+        sparse_mqa(*case, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

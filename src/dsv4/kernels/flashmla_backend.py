@@ -15,8 +15,8 @@ compressed rows to ``extra_k_cache`` / ``extra_indices_in_kvcache``; the sink is
 -1 = invalid (no upper-bound check: anything else must be in range). Constraints read from the
 wheel: page block 64 rows, h_q 64 or 128, d 512, topk and extra_topk multiples of the kernel's
 B_TOPK (we pad with -1 to a multiple of 128), indices rows 32-byte aligned, "each page block
-contiguous", block stride a multiple of some alignment ("padding might be necessary": the writer
-rounds block_bytes up to a multiple of 576, which is what vLLM does). The "V4" byte layout is
+contiguous", block stride a multiple of 576 bytes (its TMA row stride; the writer rounds
+block_bytes up to a multiple of 576, as vLLM does), 16-byte aligned base. The "V4" byte layout is
 exactly our ``fp8_ds_mla`` (576 data bytes per row, then the block's 8-byte scale groups), so
 the store is passed as a strided [blocks, 64, 1, 584] view with no copy.
 ``sched_meta`` (``flash_mla.get_mla_metadata()[0]``) is filled on first use and cached here per
@@ -100,6 +100,9 @@ def _paged_view(store: torch.Tensor) -> torch.Tensor:
     if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] < PAGE * bpt \
             or store.stride(1) != 1:
         raise ValueError(f"fp8_ds_mla store must be uint8 [blocks, >= {PAGE * bpt}]")
+    if store.stride(0) % dr or store.data_ptr() % 16:
+        raise ValueError(f"FlashMLA's V4 reader needs a block stride that is a multiple of {dr} "
+                         f"bytes (got {store.stride(0)}) and a 16-byte aligned base")
     v = store.as_strided((store.shape[0], PAGE, 1, bpt), (store.stride(0), bpt, bpt, 1))
     return v.view(torch.float8_e4m3fn)
 
