@@ -64,9 +64,9 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     rows: list = []
     tpl = _template_rows("fp8_ds_mla", 128, "cpu", gen)
     _attention_case_rows("tiny", 4, 16, "fp8_ds_mla", 1, 512, torch.zeros(4), tpl, "cpu", gen,
-                         4e12, rows, lambda fns: 7.0)
+                         4e12, rows, lambda fns: 7.0, True)
     _gemm_shape_rows("tiny", "wo_a", 256, 256, 2, "cpu", gen, 4e12, True, rows,
-                     lambda fns: 3.0)
+                     lambda fns: 3.0, True)
     by = {(r["section"], r["impl"]): r for r in rows}
     assert by[("attention", "dsv4")]["us"] == 7.0 and by[("attention", "dsv4")]["rel_err"] < 1e-2
     assert "skipped" in by[("attention", "flashmla")]

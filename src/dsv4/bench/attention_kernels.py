@@ -50,6 +50,14 @@ ROTATE_BYTES = 320e6
 MAX_STORE_BYTES = 16e9
 
 
+def _attn_variants() -> dict:
+    from dsv4.kernels.sparse_mqa import SparseMqaConfig
+
+    return {"dsv4_bh16": SparseMqaConfig(block_h=16, block_n=64, num_warps=4),
+            "dsv4_bh64": SparseMqaConfig(block_h=64, block_n=32, num_warps=8),
+            "dsv4_bn64": SparseMqaConfig(block_h=32, block_n=64, num_warps=8)}
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -104,7 +112,8 @@ def attention_case(T: int, ctx: int, K: int, rot: int, dev, gen):
     return sets, rot * T * ctx, rot * T * n_cmp
 
 
-def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph) -> None:
+def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
+                   variants: bool = True) -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     templates = {f: _template_rows(f, 64 * BLOCK, dev, gen) for f in ("fp8_ds_mla", "bf16")}
     ctxs = (512, 65536) if quick else CTXS
@@ -114,12 +123,12 @@ def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph)
             for T in TS:
                 for ctx in ctxs:
                     _attention_case_rows(model, H, K, fmt, T, ctx, sink, templates[fmt], dev,
-                                         gen, copy_bw, out_rows, time_graph)
+                                         gen, copy_bw, out_rows, time_graph, variants)
                     torch.cuda.empty_cache()
 
 
 def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, copy_bw,
-                         out_rows, time_graph) -> None:
+                         out_rows, time_graph, variants: bool = False) -> None:
     from dsv4.kernels.flashmla_backend import (
         flashmla_prefill_workspace,
         flashmla_sparse_mqa,
@@ -145,6 +154,9 @@ def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, cop
         "dsv4": lambda i: sparse_mqa(*args[i]),
         "torch_ref": lambda i: sparse_mqa_reference(*args[i]),
     }
+    if variants:  # tile probes of our kernel (a config that does not compile is reported)
+        for vname, vcfg in _attn_variants().items():
+            impls[vname] = lambda i, c=vcfg: sparse_mqa(*args[i], config=c)
     ok, why = flashmla_supports(H, D, fmt, dev)
     if ok:
         wsp = None if fmt == "fp8_ds_mla" else flashmla_prefill_workspace(
@@ -184,18 +196,21 @@ def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2)
 # ---------------------------------------------------------------------------------- GEMMs
 
 
-def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph) -> None:
+def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
+              variants: bool = True) -> None:
     gen = torch.Generator(device=dev).manual_seed(1)
     for model, shapes in GEMMS.items():
         for name, N, K, G in shapes:
             _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                             time_graph)
+                             time_graph, variants)
             torch.cuda.empty_cache()
 
 
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                     time_graph) -> None:
+                     time_graph, variants: bool = False) -> None:
     from dsv4.kernels.fp8_linear import (
+        Fp8GemmConfig,
+        choose_fp8_config,
         fp8_grouped_linear,
         fp8_grouped_linear_reference,
         fp8_linear,
@@ -215,9 +230,11 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
               for _ in range(rot)]
 
-        def ours(i: int, xs=xs) -> torch.Tensor:
+        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             w, s = ws[i]
-            return fp8_grouped_linear(xs[i], w, s) if G > 1 else fp8_linear(xs[i], w, s)
+            if G > 1:
+                return fp8_grouped_linear(xs[i], w, s, config=cfg)
+            return fp8_linear(xs[i], w, s, config=cfg)
 
         def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does today
             w, s = ws[i]
@@ -232,7 +249,14 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         floor_b = wbytes + M * G * K * 2 + M * N * 2
         base = {"section": "gemm", "model": model, "gemm": name, "N": N, "K": K, "G": G,
                 "M": M, "rotations": rot}
-        for impl, fn in (("dsv4_fp8", ours), ("dequant_bf16", current)):
+        impls: list[tuple[str, Callable]] = [("dsv4_fp8", ours), ("dequant_bf16", current)]
+        if variants:  # probes around the table's choice: half / double the row tile and split
+            c = choose_fp8_config(M, N, K)
+            for tag, bn, sk in (("bn32", 32, c.split_k * 2), ("bn128", 128, max(1, c.split_k // 2)),
+                                ("split1", c.block_n, 1)):
+                vc = Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": sk})
+                impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc)))
+        for impl, fn in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
 
@@ -256,6 +280,7 @@ def markdown_tables(res: dict) -> list[str]:
              "CUDA-graph replay unless the row says eager.", "", "## Sparse MQA", ""]
     att = [r for r in rows if r["section"] == "attention"]
     impls = [i for i in ("dsv4", "flashmla", "torch_ref") if any(r["impl"] == i for r in att)]
+    impls += sorted({r["impl"] for r in att} - set(impls))
     lines += ["| model | fmt | T | ctx | floor us | " + " | ".join(impls) + " |",
               "|---" * (5 + len(impls)) + "|"]
     keys = sorted({(r["model"], r["fmt"], r["T"], r["ctx"]) for r in att},
@@ -266,8 +291,10 @@ def markdown_tables(res: dict) -> list[str]:
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fl:.1f} | "
                      + " | ".join(_cell(cells.get(i)) for i in impls) + " |")
     gem = [r for r in rows if r["section"] == "gemm"]
+    extra = sorted({r["impl"] for r in gem} - {"dsv4_fp8", "dequant_bf16"})
     lines += ["", "## fp8 GEMMs", "", "| model | gemm | N x K (G) | M | floor us | dsv4_fp8 | "
-              "dequant_bf16 | speedup |", "|---" * 8 + "|"]
+              "dequant_bf16 | speedup | " + "".join(f"{e} | " for e in extra),
+              "|---" * (8 + len(extra)) + "|"]
     keys2 = sorted({(r["model"], r["gemm"], r["M"]) for r in gem}, key=lambda k: k)
     for g in keys2:
         cells = {r["impl"]: r for r in gem if (r["model"], r["gemm"], r["M"]) == g}
@@ -275,7 +302,8 @@ def markdown_tables(res: dict) -> list[str]:
         a, b = cells.get("dsv4_fp8"), cells.get("dequant_bf16")
         sp = f"{b['us'] / a['us']:.2f}x" if a and b and a.get("us") and b.get("us") else "-"
         lines.append(f"| {g[0]} | {g[1]} | {any_r['N']} x {any_r['K']} ({any_r['G']}) | {g[2]} "
-                     f"| {any_r.get('floor_us', 0):.1f} | {_cell(a)} | {_cell(b)} | {sp} |")
+                     f"| {any_r.get('floor_us', 0):.1f} | {_cell(a)} | {_cell(b)} | {sp} |"
+                     + "".join(f" {_cell(cells.get(e))} |" for e in extra))
     errs = [r for r in rows if r.get("error")]
     if errs:
         lines += ["", "## Errors", ""] + [f"- {r.get('model')} {r.get('impl')} "
@@ -313,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
     ap.add_argument("--only", choices=["attention", "gemm"], default=None)
+    ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("attention-kernels: needs a CUDA GPU")
@@ -325,11 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                  "copy_bw_TBps": copy_bw / 1e12, "rows": []}
     t0 = time.time()
     if args.only in (None, "gemm"):
-        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph)
+        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)  # partial results survive a timeout
     if args.only in (None, "attention"):
-        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph)
+        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
     res["seconds"] = time.time() - t0
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
