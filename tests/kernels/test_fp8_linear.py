@@ -184,13 +184,13 @@ def test_gpu_model_shapes(model, M):
         w, s = make_weight(N, K, lo=115, hi=125, device="cuda")
         x = torch.randn(M, K, device="cuda").to(BF16)
         want = fp8_linear_reference(x, w, s, F64, F64)
-        assert rel(fp8_linear(x, w, s, out_dtype=F32), want) < 1e-5, (N, K)
+        assert rel(fp8_linear(x, w, s, out_dtype=F32), want) < 1e-4, (N, K)
         assert rel(fp8_linear(x, w, s), want) < 1e-2, (N, K)
     G, R, Kg = GROUPED[model]
     w, s = make_weight(G * R, Kg, lo=115, hi=125, device="cuda")
     x = torch.randn(M, G, Kg, device="cuda").to(BF16)
     want = fp8_grouped_linear_reference(x, w, s, F64, F64)
-    assert rel(fp8_grouped_linear(x, w, s, out_dtype=F32), want) < 1e-5
+    assert rel(fp8_grouped_linear(x, w, s, out_dtype=F32), want) < 1e-4
 
 
 @cuda

@@ -175,8 +175,9 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
         assert torch.isfinite(o).all()
         assert rel(o, ref64) < 1e-2 and rel(o, ref) < 1e-2
         outs.append(o)
-    # split-KV on vs off: equal up to the order of fp32 additions (a bf16 ulp at most)
-    assert torch.allclose(outs[1].float(), outs[2].float(), rtol=2 ** -7, atol=1e-6)
+    # split-KV on vs off: equal up to rounding (fp32 addition order; on a GPU also where the
+    # probabilities are rounded to bf16 for the P.V MMA, relative to a different running max)
+    assert rel(outs[2], outs[1]) < 5e-3
 
 
 @kernel_runs
@@ -228,7 +229,7 @@ def test_gpu_model_shapes(fmt, H, K, T):
         assert rel(o, sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64)) < 1e-2
     for split in (1, 4):
         o2 = sparse_mqa(*case, config=SparseMqaConfig(split=split))
-        assert torch.allclose(o2.float(), o.float(), rtol=2 ** -6, atol=1e-5)
+        assert rel(o2, o) < 5e-3
     assert torch.equal(sparse_mqa(*case), o)  # deterministic
 
 

@@ -354,12 +354,12 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if q.stride(2) != 1:
         q = q.contiguous()
     n_hb = -(-H // cfg.block_h)
+    sink_f = sink.to(torch.float32).contiguous()
     if split > 1:
         ws_acc = torch.empty(split * T * H * d, device=q.device, dtype=torch.float32)
         ws_ml = torch.empty(split * T * H * 2, device=q.device, dtype=torch.float32)
     else:
-        ws_acc = ws_ml = sink
-    sink_f = sink.to(torch.float32).contiguous()
+        ws_acc = ws_ml = sink_f
     n = d - ROPE
     dr, sr, _ = fp8_ds_mla_layout(d, B) if fmt == "fp8_ds_mla" else (0, 0, 0)
     dot_dt = tl.float32 if _INTERPRET else tl.bfloat16
