@@ -207,19 +207,19 @@ if triton_available():
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit(do_not_specialize=["T", "W", "KC", "chunk"])
+    @triton.jit(do_not_specialize=["T", "W", "KC", "chunk", "n_split"])
     def _sparse_mqa_kernel(
         q_ptr, sqt, sqh, o_ptr, sot, soh, sink_ptr, ws_acc, ws_ml,
         win_ptr, widx_ptr, swi, w_blk, cmp_ptr, cidx_ptr, sci, c_blk,
-        T, H, W, KC, B, chunk, qk_scale,
+        T, H, W, KC, B, chunk, n_split, qk_scale,
         D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
         FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr,
         DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
-        split = pid % SPLIT
-        rest = pid // SPLIT
+        split = pid % n_split
+        rest = pid // n_split
         hb = rest % n_hb
         t = rest // n_hb
         heads = hb * BH + tl.arange(0, BH)
@@ -239,7 +239,12 @@ if triton_available():
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
                                     tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
                                     qk_scale, D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
-        if SPLIT == 1:
+        if SPLIT:  # partial (acc, max, sum) for the combine kernel
+            row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
+            tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
+            tl.store(ws_ml + row * 2, m_i, mask=h_mask)
+            tl.store(ws_ml + row * 2 + 1, l_i, mask=h_mask)
+        else:
             s2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, s2)
             fac = tl.exp2(m_i - m_f)
@@ -247,15 +252,10 @@ if triton_available():
             o = acc * (fac / den)[:, None]
             tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
-        else:
-            row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
-            tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
-            tl.store(ws_ml + row * 2, m_i, mask=h_mask)
-            tl.store(ws_ml + row * 2 + 1, l_i, mask=h_mask)
 
-    @triton.jit(do_not_specialize=["T"])
+    @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
-                        D: tl.constexpr, BH: tl.constexpr, SPLIT: tl.constexpr):
+                        n_split, D: tl.constexpr, BH: tl.constexpr):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
         hb = pid % n_hb
@@ -265,12 +265,12 @@ if triton_available():
         cols = tl.arange(0, D)
         m_f = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
         s2 = m_f
-        for s in range(0, SPLIT):
+        for s in range(0, n_split):
             row = (s * T + t).to(tl.int64) * H + heads
             m_f = tl.maximum(m_f, tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30))
         den = tl.exp2(s2 - m_f)
         acc = tl.zeros([BH, D], tl.float32)
-        for s in range(0, SPLIT):  # chunk order: deterministic
+        for s in range(0, n_split):  # chunk order: deterministic
             row = (s * T + t).to(tl.int64) * H + heads
             f = tl.exp2(tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30) - m_f)
             den += tl.load(ws_ml + row * 2 + 1, mask=h_mask, other=0.0) * f
@@ -366,12 +366,12 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     _sparse_mqa_kernel[(T * n_hb * split,)](
         q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink_f, ws_acc, ws_ml,
         ws_t, widx, widx.stride(0), w_blk, cs_t, cidx, cidx.stride(0), c_blk,
-        T, H, W, KC, B, chunk, float(scale) * LOG2E,
-        D=d, BH=cfg.block_h, BN=bn, SPLIT=split, FP8=fmt == "fp8_ds_mla", NOPE=n, DR=dr, SR=sr,
+        T, H, W, KC, B, chunk, split, float(scale) * LOG2E,
+        D=d, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n, DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if split > 1:
         _combine_kernel[(T * n_hb,)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1), T, H,
-                                     D=d, BH=cfg.block_h, SPLIT=split, num_warps=4)
+                                     split, D=d, BH=cfg.block_h, num_warps=4)
     return o
