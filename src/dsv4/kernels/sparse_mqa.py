@@ -77,15 +77,15 @@ def gather_rows(store: torch.Tensor, idx: torch.Tensor, fmt: str, d: int,
     r = idx.long().clamp(min=0)
     blk, off = r // B, r % B
     if fmt == "bf16":
-        flat = store.reshape(-1, d)
-        rows = flat[blk * (store.stride(0) // d) + off].to(dtype)
+        rows = store.reshape(-1, d)[blk * B + off].to(dtype)  # logical [blocks, B, d] order
     elif fmt == "fp8_ds_mla":
         dr, sr, _ = fp8_ds_mla_layout(d, B)
         n = d - ROPE
         if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] < B * (dr + sr):
             raise ValueError(f"fp8_ds_mla store must be uint8 [blocks, >= {B * (dr + sr)}]")
-        flat = store.reshape(-1) if store.is_contiguous() else store.contiguous().reshape(-1)
-        base = blk * store.stride(0)
+        cs = store.contiguous()
+        flat = cs.reshape(-1)
+        base = blk * cs.stride(0)
         data = flat[(base + off * dr)[..., None] + torch.arange(dr, device=store.device)]
         sc = flat[(base + B * dr + off * sr)[..., None] + torch.arange(n // 64,
                                                                          device=store.device)]
