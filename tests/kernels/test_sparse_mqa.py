@@ -198,6 +198,27 @@ def test_kernel_window_only_query_and_masked_rows():
     assert rel(o, sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64)) < 1e-2
 
 
+@kernel_runs
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_kernel_strided_store_views(fmt):
+    # stores that are views into larger buffers: the kernel follows the block stride
+    case = list(build_case(3, 4, 128, 8, 8, fmt, seed=11, device=DEV))
+    ref = sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64)
+    for i in (1, 3):
+        st = case[i]
+        if fmt == "bf16":
+            big = torch.zeros(st.shape[0] * 2, *st.shape[1:], dtype=st.dtype, device=DEV)
+            big[::2] = st
+            case[i] = big[::2]
+        else:
+            big = torch.zeros(st.shape[0], st.shape[1] + 192, dtype=st.dtype, device=DEV)
+            big[:, : st.shape[1]] = st
+            case[i] = big[:, : st.shape[1]]
+        assert not case[i].is_contiguous()
+    assert rel(sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64), ref) < 1e-12
+    assert rel(sparse_mqa(*case, config=SparseMqaConfig(16, 16, 2, 4)), ref) < 1e-2
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.cuda
