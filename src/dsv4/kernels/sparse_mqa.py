@@ -161,7 +161,7 @@ if triton_available():
 
     @triton.jit
     def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
-                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr):
+                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr):
         """[BN, D] bf16 rows (zeros where not valid)."""
         r = tl.where(valid, rows, 0)
         blk = (r // B).to(tl.int64)
@@ -175,10 +175,14 @@ if triton_available():
             m_rope = valid[:, None] & (cols >= NOPE)[None, :]
             e = tl.load(d_ptr + cols[None, :], mask=m_nope, other=0)
             e = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + (cols // 64)[None, :],
-                         mask=m_nope, other=127).to(tl.int32)
+            # one scale byte per 64-dim tile: load [BN, D/64], then widen to [BN, D]
+            tiles = tl.arange(0, D // 64)
+            sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + tiles[None, :],
+                         mask=valid[:, None] & (tiles < NOPE // 64)[None, :],
+                         other=127).to(tl.int32)
             sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
             sc = tl.where(sb == 0, 5.877471754111438e-39, sc)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 64, 64)), (BN, D))
             rp = (d_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
             rope = tl.load(rp + (cols - NOPE)[None, :], mask=m_rope, other=0.0)
             k = tl.where(is_nope[None, :], e * sc, rope.to(tl.float32)).to(tl.bfloat16)
@@ -196,7 +200,8 @@ if triton_available():
             offs = j + tl.arange(0, BN)
             rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
             valid = rows >= 0
-            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR).to(DOT_DT)
+            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN)
+            k = k.to(DOT_DT)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
