@@ -18,10 +18,10 @@ product with one MMA (fp32 accumulation) and adds it times the block's scale to 
 accumulator. An e4m3 value times 2^k is exactly representable in bf16 (4 significant bits, the
 exponent stays in range for every realistic k), so with ue8m0 scales the result equals the bf16
 GEMM with the dequantised weight up to the order of the fp32 additions, and multiplying a
-block product by 2^k is exact too. (Under Triton's CPU interpreter the MMA runs on fp32 operands,
-because the interpreter's bf16 dot of a converted operand is wrong on NumPy 2.4; the products are
-the same exact values.) The weight must be in the canonical [N, K] row-major layout (not a
-preshuffled one).
+block product by 2^k is exact too. (Under Triton's CPU interpreter the MMA runs on fp32
+operands: the interpreter's bf16 dot is wrong on the test install (torch 2.13, Triton 3.6,
+NumPy 2.4); the products are the same exact values.) The weight must be in the canonical [N, K]
+row-major layout (not a preshuffled one).
 
 How the work is cut (the weights are streamed once; decode M is tiny): programs = M tiles x
 weight row tiles x K splits. With split-K > 1 every program writes an fp32 partial to a workspace

@@ -27,7 +27,7 @@ Numerics: fp32 logits (q.k from bf16 operands, exact products), online softmax w
 max in fp32 (base-2 exponentials with scale*log2(e) folded in), fp32 accumulator; on the GPU the
 probabilities are rounded to bf16 for the P.V MMA (as the official kernel does); output bf16.
 fp8 rows are dequantised in registers to bf16 (exact: e4m3 x 2^k). Under Triton's CPU
-interpreter both MMAs run on fp32 operands (its bf16 dot is wrong on NumPy 2.4), so P is not
+interpreter both MMAs run on fp32 operands (its bf16 dot is wrong on this install), so P is not
 rounded to bf16 there.
 
 Work split: one program per (query, block of BH heads, KV chunk): every gathered row is loaded
