@@ -285,7 +285,10 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
-    return triton_available() and (x.device.type == "cuda" or _INTERPRET)
+    use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
+    if use and x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype}")
+    return use
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,

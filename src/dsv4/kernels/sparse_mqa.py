@@ -337,6 +337,8 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         o.copy_(sparse_mqa_reference(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale,
                                      fmt, rows_per_block, out_dtype=o.dtype))
         return o
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"q must be bf16 for the kernel, got {q.dtype}")
     B = rows_per_block
     ws_t, w_blk = _store_args(win_store, fmt, d, B)
     if has_cmp:
