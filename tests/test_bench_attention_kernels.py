@@ -72,3 +72,11 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     assert "skipped" in by[("attention", "flashmla")]
     assert by[("gemm", "dsv4_fp8")]["us"] == 3.0 and by[("gemm", "dequant_bf16")]["rel_err"] < 1e-2
     assert len(markdown_tables({"rows": rows})) > 8
+
+
+def test_cli_knows_the_suite():
+    from dsv4.cli import build_parser
+
+    args, extra = build_parser().parse_known_args(["bench", "attention-kernels", "--out", "x",
+                                                   "--quick"])
+    assert args.suite == "attention-kernels" and extra == ["--quick"]
