@@ -53,9 +53,9 @@ MAX_STORE_BYTES = 16e9
 def _attn_variants() -> dict:
     from dsv4.kernels.sparse_mqa import SparseMqaConfig
 
-    return {"dsv4_bh16": SparseMqaConfig(block_h=16, block_n=64, num_warps=4),
-            "dsv4_bh64": SparseMqaConfig(block_h=64, block_n=32, num_warps=8),
-            "dsv4_bn64": SparseMqaConfig(block_h=32, block_n=64, num_warps=8)}
+    return {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
+                                                   num_stages=st)
+            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1))}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

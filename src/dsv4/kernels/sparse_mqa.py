@@ -135,17 +135,22 @@ class SparseMqaConfig:
     num_stages: int = 2
 
 
-def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132) -> SparseMqaConfig:
-    """Head blocks of 32 (d=512: acc 32x512 fp32 in registers) or 64; split the index list so
-    that about 2 programs per SM run when there are few queries. Untuned."""
+def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
+                         fmt: str = "bf16") -> SparseMqaConfig:
+    """Head blocks of 32 at d=512 (acc 32x512 fp32 in registers) or 64; split the index list
+    so that about 2 programs per SM run when there are few queries. Tiles chosen from sm_90
+    register counts of an offline compile (ptxas, no spills): bf16 32 heads x 32 rows, 8 warps,
+    2 stages (192 registers); fp8 32 x 16, 8 warps, 1 stage (166; 32 x 32 or 2 stages, and any
+    64-head tile, spill). Not timed yet."""
     bh = max(16, min(32 if d >= 512 else 64, 1 << (H - 1).bit_length()))
-    bn = 32 if d >= 512 else 64
+    bn = (16 if fmt == "fp8_ds_mla" else 32) if d >= 512 else 64
+    stages = 1 if fmt == "fp8_ds_mla" and d >= 512 else 2
     progs = T * -(-H // bh)
     split = 1
     if progs < 2 * n_sm:
         split = max(1, min(-(-L // bn), -(-2 * n_sm // progs), 64))
     return SparseMqaConfig(block_h=bh, block_n=bn, split=split,
-                           num_warps=8 if d >= 512 else 4, num_stages=2)
+                           num_warps=8 if d >= 512 else 4, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -163,8 +168,11 @@ if triton_available():
 
     @triton.jit
     def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
-                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr):
-        """[BN, D] bf16 rows (zeros where not valid)."""
+                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr,
+                   DT: tl.constexpr):
+        """[BN, D] rows in DT (zeros where not valid). fp8 rows are dequantised in DT: bf16 on a
+        GPU (e4m3 x 2^k is exact in bf16; half the registers of fp32), fp32 under the
+        interpreter."""
         r = tl.where(valid, rows, 0)
         blk = (r // B).to(tl.int64)
         off = r % B
@@ -176,21 +184,21 @@ if triton_available():
             m_nope = valid[:, None] & is_nope[None, :]
             m_rope = valid[:, None] & (cols >= NOPE)[None, :]
             e = tl.load(d_ptr + cols[None, :], mask=m_nope, other=0)
-            e = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            e = e.to(tl.float8e4nv, bitcast=True).to(DT)
             # one scale byte per 64-dim tile: load [BN, D/64], then widen to [BN, D]
             tiles = tl.arange(0, D // 64)
             sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + tiles[None, :],
                          mask=valid[:, None] & (tiles < NOPE // 64)[None, :],
                          other=127).to(tl.int32)
             sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
-            sc = tl.where(sb == 0, 5.877471754111438e-39, sc)
+            sc = tl.where(sb == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 64, 64)), (BN, D))
             rp = (d_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
             rope = tl.load(rp + (cols - NOPE)[None, :], mask=m_rope, other=0.0)
-            k = tl.where(is_nope[None, :], e * sc, rope.to(tl.float32)).to(tl.bfloat16)
+            k = tl.where(is_nope[None, :], e * sc, rope.to(DT))
         else:
             ptr = st_ptr + (blk * blk_stride + off * D)[:, None] + cols[None, :]
-            k = tl.load(ptr, mask=valid[:, None], other=0.0)
+            k = tl.load(ptr, mask=valid[:, None], other=0.0).to(DT)
         return k
 
     @triton.jit
@@ -202,8 +210,7 @@ if triton_available():
             offs = j + tl.arange(0, BN)
             rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
             valid = rows >= 0
-            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN)
-            k = k.to(DOT_DT)
+            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN, DOT_DT)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -352,10 +359,10 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     W = widx.shape[1]
     L = W + KC
     n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 132
-    cfg = config or choose_sparse_config(T, H, d, L, n_sm)
+    cfg = config or choose_sparse_config(T, H, d, L, n_sm, fmt)
     if cfg.split == 0:
         cfg = SparseMqaConfig(**{**cfg.__dict__,
-                                 "split": choose_sparse_config(T, H, d, L, n_sm).split})
+                                 "split": choose_sparse_config(T, H, d, L, n_sm, fmt).split})
     bn = cfg.block_n
     chunk = -(-L // cfg.split)
     chunk = -(-chunk // bn) * bn
@@ -381,6 +388,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         num_stages=cfg.num_stages,
     )
     if split > 1:
-        _combine_kernel[(T * n_hb,)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1), T, H,
-                                     split, D=d, BH=cfg.block_h, num_warps=4)
+        cbh = 16 if d >= 512 else 32  # [16, 512] fp32 per program: no register spills
+        _combine_kernel[(T * -(-H // cbh),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
+                                             T, H, split, D=d, BH=cbh, num_warps=4)
     return o
