@@ -113,7 +113,7 @@ def attention_case(T: int, ctx: int, K: int, rot: int, dev, gen):
 
 
 def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
-                   variants: bool = True) -> None:
+                   variants: bool = True, after_case: Callable[[], None] | None = None) -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     templates = {f: _template_rows(f, 64 * BLOCK, dev, gen) for f in ("fp8_ds_mla", "bf16")}
     ctxs = (512, 65536) if quick else CTXS
@@ -125,6 +125,8 @@ def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
                     _attention_case_rows(model, H, K, fmt, T, ctx, sink, templates[fmt], dev,
                                          gen, copy_bw, out_rows, time_graph, variants)
                     torch.cuda.empty_cache()
+                    if after_case is not None:
+                        after_case()
 
 
 def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, copy_bw,
@@ -353,15 +355,18 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "copy_bw_TBps": copy_bw / 1e12, "rows": []}
     t0 = time.time()
+    def save() -> None:  # partial results survive a timeout
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
     if args.only in (None, "gemm"):
         gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(res, f, indent=1)  # partial results survive a timeout
+        save()
     if args.only in (None, "attention"):
-        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
+        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants,
+                       after_case=save)
     res["seconds"] = time.time() - t0
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save()
     text = "\n".join(markdown_tables(res)) + "\n"
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
