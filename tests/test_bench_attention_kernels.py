@@ -80,3 +80,13 @@ def test_cli_knows_the_suite():
     args, extra = build_parser().parse_known_args(["bench", "attention-kernels", "--out", "x",
                                                    "--quick"])
     assert args.suite == "attention-kernels" and extra == ["--quick"]
+
+
+def test_report_only_from_json(tmp_path):
+    import json
+
+    from dsv4.bench.attention_kernels import main
+
+    (tmp_path / "results.json").write_text(json.dumps(_res()))
+    assert main(["--out", str(tmp_path), "--report-only"]) == 0
+    assert "## fp8 GEMMs" in (tmp_path / "summary.md").read_text()

@@ -344,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
     ap.add_argument("--only", choices=["attention", "gemm"], default=None)
     ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
+    ap.add_argument("--report-only", action="store_true",
+                    help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
     args = ap.parse_args(argv)
+    if args.report_only:
+        with open(os.path.join(args.out, "results.json")) as f:
+            _report(json.load(f), args.out)
+        return 0
     if not torch.cuda.is_available():
         sys.exit("attention-kernels: needs a CUDA GPU")
     from dsv4.bench.input_proj import measure_copy_bw, time_graph
@@ -367,15 +373,19 @@ def main(argv: list[str] | None = None) -> int:
                        after_case=save)
     res["seconds"] = time.time() - t0
     save()
+    _report(res, args.out)
+    return 0
+
+
+def _report(res: dict, out_dir: str) -> None:
     text = "\n".join(markdown_tables(res)) + "\n"
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(text)
     try:
-        plot(res, args.out)
+        plot(res, out_dir)
     except Exception as ex:  # matplotlib missing: the table is the result
         print(f"plot skipped: {ex!r}")
     print(text)
-    return 0
 
 
 if __name__ == "__main__":
