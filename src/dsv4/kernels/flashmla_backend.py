@@ -115,8 +115,12 @@ def flashmla_prefill_workspace(win_store: torch.Tensor, cmp_store: torch.Tensor 
         if fmt == "bf16":
             return store.reshape(-1, 512)
         n = store.shape[0] * rows_per_block
-        r = torch.arange(n, device=store.device, dtype=torch.int32)
-        return gather_rows(store, r, fmt, 512, rows_per_block, torch.bfloat16)
+        out = torch.empty(n, 512, device=store.device, dtype=torch.bfloat16)
+        for lo in range(0, n, 1 << 16):  # chunks: the gather's byte indices are int64 per byte
+            r = torch.arange(lo, min(n, lo + (1 << 16)), device=store.device, dtype=torch.int32)
+            out[lo: lo + r.numel()] = gather_rows(store, r, fmt, 512, rows_per_block,
+                                                  torch.bfloat16)
+        return out
 
     w = rows_of(win_store)
     if cmp_store is None or cmp_store is win_store:
