@@ -23,6 +23,7 @@ BENCH_SUITES = {
     "decode-step": "dsv4.bench.decode_step",
     "pooled-decode": "dsv4.bench.pooled_decode",
     "transformers-decode": "dsv4.bench.transformers_decode",
+    "attention-kernels": "dsv4.bench.attention_kernels",
 }
 CPU_SUITES = ("pooled-decode", "transformers-decode")
 """Suites that run on any device (the others need a CUDA GPU)."""
@@ -168,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
-                   help="input-proj, decode-step (CUDA GPU), pooled-decode or "
-                   "transformers-decode (any device)")
+                   help="input-proj, decode-step, attention-kernels (CUDA GPU), "
+                   "pooled-decode or transformers-decode (any device)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p

@@ -1,0 +1,392 @@
+"""Decode kernels of a DSV4 attention layer on one GPU: sparse MQA and the fp8 GEMMs.
+
+    dsv4 bench attention-kernels --out DIR [--quick]   (or python -m dsv4.bench.attention_kernels)
+
+Attention: ``dsv4.kernels.sparse_mqa`` vs FlashMLA (``dsv4.kernels.flashmla_backend``, when
+``flash_mla`` imports; fp8 stores use its sparse decode, bf16 stores its sparse prefill kernel on
+a prebuilt workspace) vs the torch reference, on the same stores and indices: Flash (H 64,
+K 512) and Pro (H 128, K 1024), d 512, W 128, fp8_ds_mla and bf16 stores (64-row blocks),
+T = 1/16/64 sequences with one query each, contexts 512 / 8K / 64K (the context only changes
+how far the indices reach: sequence t owns window rows t*ctx .. t*ctx+ctx-1 and compressed rows
+t*ctx/4 .. ; its window is the last 128 of them, its K compressed rows a random subset).
+
+GEMMs: ``dsv4.kernels.fp8_linear`` vs the current path (dequantise to bf16 + matmul) for
+wq_b, wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64.
+
+Every implementation is checked against the reference first (a wrong one is not timed). Times are
+CUDA-graph replay (CUDA events, median of trials; ``input_proj.time_graph``), with inputs rotated
+over enough copies that the bytes read exceed the 60 MB L2. floor = bytes that must move / copy
+bandwidth measured in the same run (``torch.Tensor.copy_`` of 2 GiB). Writes results.json,
+summary.md and (with matplotlib) fraction_of_floor.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+ATTN_MODELS = {"flash": (64, 512), "pro": (128, 1024)}  # heads, compressed rows per query
+W = 128
+D = 512
+BLOCK = 64
+TS = (1, 16, 64)
+CTXS = (512, 8192, 65536)
+# (name, N, K, groups) per model; grouped: N = G * R rows, K = Kg
+GEMMS = {
+    "flash": [("wq_b", 64 * 512, 1024, 1), ("wo_a", 8 * 1024, 4096, 8),
+              ("wo_b", 4096, 8 * 1024, 1), ("idx_wq_b", 64 * 128, 1024, 1)],
+    "pro": [("wq_b", 128 * 512, 1536, 1), ("wo_a", 16 * 1024, 4096, 16),
+            ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1)],
+}
+GEMM_MS = (1, 16, 64)
+ROTATE_BYTES = 320e6
+MAX_STORE_BYTES = 16e9
+
+
+def _attn_variants() -> dict:
+    from dsv4.kernels.sparse_mqa import SparseMqaConfig
+
+    return {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
+                                                   num_stages=st)
+            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1))}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def _template_rows(fmt: str, n_rows: int, dev, gen) -> torch.Tensor:
+    """n_rows (a multiple of 64) valid random rows encoded as whole blocks of ``fmt``."""
+    from dsv4.kernels.sparse_mqa import fp8_ds_mla_layout
+    from dsv4.layers.fp8 import ceil_log2
+
+    rows = torch.randn(n_rows, D, device=dev, generator=gen)
+    nb = n_rows // BLOCK
+    if fmt == "bf16":
+        return rows.to(torch.bfloat16).view(nb, BLOCK, D)
+    dr, sr, bb = fp8_ds_mla_layout(D, BLOCK)
+    n = D - 64
+    tiles = rows[:, :n].reshape(n_rows, n // 64, 64)
+    e = ceil_log2(tiles.abs().amax(-1).clamp_min(1e-4) / 448)
+    qv = (tiles / torch.exp2(e.float())[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    store = torch.zeros(nb, bb, dtype=torch.uint8, device=dev)
+    data = torch.cat((qv.view(torch.uint8).reshape(n_rows, n),
+                      rows[:, n:].to(torch.bfloat16).view(torch.uint8)), dim=1)
+    store[:, : BLOCK * dr] = data.reshape(nb, BLOCK * dr)
+    sc = torch.zeros(n_rows, sr, dtype=torch.uint8, device=dev)
+    sc[:, : n // 64] = (e + 127).to(torch.uint8)
+    store[:, BLOCK * dr: BLOCK * (dr + sr)] = sc.reshape(nb, BLOCK * sr)
+    return store
+
+
+def make_store(fmt: str, n_rows: int, template: torch.Tensor) -> torch.Tensor:
+    nb = -(-n_rows // BLOCK)
+    reps = -(-nb // template.shape[0])
+    shape = (reps, *template.shape)
+    return template.unsqueeze(0).expand(shape).reshape(-1, *template.shape[1:])[:nb].clone()
+
+
+def attention_case(T: int, ctx: int, K: int, rot: int, dev, gen):
+    """Per rotation r: (win_idx [T, W], cmp_idx [T, K]) for sequences r*T .. r*T+T-1."""
+    n_cmp = max(ctx // 4, 1)
+    sets = []
+    for r in range(rot):
+        seq = torch.arange(r * T, (r + 1) * T, device=dev)
+        win = seq[:, None] * ctx + (ctx - W) + torch.arange(W, device=dev)[None, :]
+        pick = torch.rand(T, n_cmp, device=dev, generator=gen).argsort(dim=1)[:, :K]
+        cmp = seq[:, None] * n_cmp + pick
+        if n_cmp < K:  # fewer entries than K: pad with -1
+            cmp = torch.cat((cmp, torch.full((T, K - n_cmp), -1, device=dev)), dim=1)
+        sets.append((win.int().contiguous(), cmp.int().contiguous()))
+    return sets, rot * T * ctx, rot * T * n_cmp
+
+
+def attention_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
+                   variants: bool = True, after_case: Callable[[], None] | None = None) -> None:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    templates = {f: _template_rows(f, 64 * BLOCK, dev, gen) for f in ("fp8_ds_mla", "bf16")}
+    ctxs = (512, 65536) if quick else CTXS
+    for model, (H, K) in ATTN_MODELS.items():
+        sink = torch.randn(H, device=dev, generator=gen)
+        for fmt in ("fp8_ds_mla", "bf16"):
+            for T in TS:
+                for ctx in ctxs:
+                    _attention_case_rows(model, H, K, fmt, T, ctx, sink, templates[fmt], dev,
+                                         gen, copy_bw, out_rows, time_graph, variants)
+                    torch.cuda.empty_cache()
+                    if after_case is not None:
+                        after_case()
+
+
+def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, copy_bw,
+                         out_rows, time_graph, variants: bool = False) -> None:
+    from dsv4.kernels.flashmla_backend import (
+        flashmla_prefill_workspace,
+        flashmla_sparse_mqa,
+        flashmla_supports,
+    )
+    from dsv4.kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+
+    row_bytes = 584 if fmt == "fp8_ds_mla" else 2 * D
+    ws = T * (W + K) * row_bytes
+    rot = max(1, min(8, math.ceil(ROTATE_BYTES / ws),
+                     int(MAX_STORE_BYTES // (T * ctx * row_bytes * 1.25))))
+    sets, n_win, n_cmp = attention_case(T, ctx, K, rot, dev, gen)
+    win_store = make_store(fmt, n_win, template)
+    cmp_store = make_store(fmt, n_cmp, template)
+    qs = [torch.randn(T, H, D, device=dev, generator=gen).to(torch.bfloat16)
+          for _ in range(rot)]
+    base = {"section": "attention", "model": model, "H": H, "K": K, "fmt": fmt, "T": T,
+            "ctx": ctx, "rotations": rot}
+    floor_b = ws + 2 * T * H * D * 2
+    args = [(qs[i], win_store, sets[i][0], cmp_store, sets[i][1], sink, D ** -0.5, fmt, BLOCK)
+            for i in range(rot)]
+    impls: dict[str, Callable] = {
+        "dsv4": lambda i: sparse_mqa(*args[i]),
+        "torch_ref": lambda i: sparse_mqa_reference(*args[i]),
+    }
+    if variants:  # tile probes of our kernel (a config that does not compile is reported)
+        for vname, vcfg in _attn_variants().items():
+            impls[vname] = lambda i, c=vcfg: sparse_mqa(*args[i], config=c)
+    ok, why = flashmla_supports(H, D, fmt, dev)
+    if ok:
+        wsp = None if fmt == "fp8_ds_mla" else flashmla_prefill_workspace(
+            win_store, cmp_store, fmt, BLOCK)
+        impls["flashmla"] = lambda i: flashmla_sparse_mqa(*args[i], workspace=wsp)
+    else:
+        out_rows.append({**base, "impl": "flashmla", "skipped": why})
+    ref = impls["torch_ref"](0)
+    for name, fn in impls.items():
+        out_rows.append(_time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph))
+        print(out_rows[-1], flush=True)
+
+
+def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2) -> dict:
+    row = {**base, "impl": name, "floor_us": floor_b / copy_bw * 1e6}
+    try:
+        err = rel(fn(0), ref)
+        row["rel_err"] = err
+        if not err < tol:
+            row["error"] = f"wrong: rel err {err:.3e}"
+            return row
+        try:
+            row["us"] = time_graph([lambda i=i: fn(i) for i in range(rot)])
+            row["mode"] = "graph"
+        except Exception as ex:  # not capturable: time eagerly
+            from dsv4.bench.input_proj import time_eager
+
+            row["graph_error"] = repr(ex)[:200]
+            row["us"] = time_eager([lambda i=i: fn(i) for i in range(rot)])
+            row["mode"] = "eager"
+        row["fraction"] = row["floor_us"] / row["us"]
+    except Exception as ex:
+        row["error"] = repr(ex)[:300]
+    return row
+
+
+# ---------------------------------------------------------------------------------- GEMMs
+
+
+def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
+              variants: bool = True) -> None:
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for model, shapes in GEMMS.items():
+        for name, N, K, G in shapes:
+            _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
+                             time_graph, variants)
+            torch.cuda.empty_cache()
+
+
+def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
+                     time_graph, variants: bool = False) -> None:
+    from dsv4.kernels.fp8_linear import (
+        Fp8GemmConfig,
+        choose_fp8_config,
+        fp8_grouped_linear,
+        fp8_grouped_linear_reference,
+        fp8_linear,
+        fp8_linear_reference,
+    )
+    from dsv4.layers.fp8 import dequantize_fp8_block
+
+    wbytes = N * K + (N // 128) * (K // 128)
+    rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
+    ws = []
+    for _ in range(rot):
+        w = (torch.randn(N, K, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
+        e = torch.randint(115, 125, (N // 128, K // 128), device=dev, generator=gen)
+        ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    for M in GEMM_MS[:1] if quick else GEMM_MS:
+        xshape = (M, G, K) if G > 1 else (M, K)
+        xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
+              for _ in range(rot)]
+
+        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+            w, s = ws[i]
+            if G > 1:
+                return fp8_grouped_linear(xs[i], w, s, config=cfg)
+            return fp8_linear(xs[i], w, s, config=cfg)
+
+        def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does today
+            w, s = ws[i]
+            wd = dequantize_fp8_block(w, s, torch.bfloat16)
+            if G > 1:
+                return torch.einsum("mgk,grk->mgr", xs[i], wd.view(G, -1, K))
+            return torch.nn.functional.linear(xs[i], wd)
+
+        w0, s0 = ws[0]
+        ref = (fp8_grouped_linear_reference(xs[0], w0, s0, torch.float32) if G > 1
+               else fp8_linear_reference(xs[0], w0, s0, torch.float32))
+        floor_b = wbytes + M * G * K * 2 + M * N * 2
+        base = {"section": "gemm", "model": model, "gemm": name, "N": N, "K": K, "G": G,
+                "M": M, "rotations": rot}
+        impls: list[tuple[str, Callable]] = [("dsv4_fp8", ours), ("dequant_bf16", current)]
+        if variants:  # probes around the table's choice: half / double the row tile and split
+            c = choose_fp8_config(M, N, K)
+            for tag, bn, sk in (("bn32", 32, c.split_k * 2), ("bn128", 128, max(1, c.split_k // 2)),
+                                ("split1", c.block_n, 1)):
+                vc = Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": sk})
+                impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc)))
+        for impl, fn in impls:
+            out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
+            print(out_rows[-1], flush=True)
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if r.get("us"):
+        return f"{r['us']:.1f} ({r['fraction']:.2f})"
+    return "skip" if r.get("skipped") else "ERR"
+
+
+def markdown_tables(res: dict) -> list[str]:
+    rows = res["rows"]
+    lines = [f"# DSV4 attention kernels, {res.get('gpu', '?')}, torch {res.get('torch', '?')}",
+             "", f"Copy bandwidth {res.get('copy_bw_TBps', 0):.3f} TB/s (measured in the run). "
+             "Cells: us (fraction of floor); floor = bytes that must move / copy bandwidth. "
+             "CUDA-graph replay unless the row says eager.", "", "## Sparse MQA", ""]
+    att = [r for r in rows if r["section"] == "attention"]
+    impls = [i for i in ("dsv4", "flashmla", "torch_ref") if any(r["impl"] == i for r in att)]
+    impls += sorted({r["impl"] for r in att} - set(impls))
+    lines += ["| model | fmt | T | ctx | floor us | " + " | ".join(impls) + " |",
+              "|---" * (5 + len(impls)) + "|"]
+    keys = sorted({(r["model"], r["fmt"], r["T"], r["ctx"]) for r in att},
+                  key=lambda k: (k[0], k[1], k[2], k[3]))
+    for k in keys:
+        cells = {r["impl"]: r for r in att if (r["model"], r["fmt"], r["T"], r["ctx"]) == k}
+        fl = next((r["floor_us"] for r in cells.values() if "floor_us" in r), 0.0)
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fl:.1f} | "
+                     + " | ".join(_cell(cells.get(i)) for i in impls) + " |")
+    gem = [r for r in rows if r["section"] == "gemm"]
+    extra = sorted({r["impl"] for r in gem} - {"dsv4_fp8", "dequant_bf16"})
+    lines += ["", "## fp8 GEMMs", "", "| model | gemm | N x K (G) | M | floor us | dsv4_fp8 | "
+              "dequant_bf16 | speedup | " + "".join(f"{e} | " for e in extra),
+              "|---" * (8 + len(extra)) + "|"]
+    keys2 = sorted({(r["model"], r["gemm"], r["M"]) for r in gem}, key=lambda k: k)
+    for g in keys2:
+        cells = {r["impl"]: r for r in gem if (r["model"], r["gemm"], r["M"]) == g}
+        any_r = next(iter(cells.values()))
+        a, b = cells.get("dsv4_fp8"), cells.get("dequant_bf16")
+        sp = f"{b['us'] / a['us']:.2f}x" if a and b and a.get("us") and b.get("us") else "-"
+        lines.append(f"| {g[0]} | {g[1]} | {any_r['N']} x {any_r['K']} ({any_r['G']}) | {g[2]} "
+                     f"| {any_r.get('floor_us', 0):.1f} | {_cell(a)} | {_cell(b)} | {sp} |"
+                     + "".join(f" {_cell(cells.get(e))} |" for e in extra))
+    errs = [r for r in rows if r.get("error")]
+    if errs:
+        lines += ["", "## Errors", ""] + [f"- {r.get('model')} {r.get('impl')} "
+                                          f"{r.get('gemm', r.get('fmt'))}: {r['error']}"
+                                          for r in errs]
+    return lines
+
+
+def plot(res: dict, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    att = [r for r in res["rows"] if r["section"] == "attention" and r.get("us")]
+    for impl in sorted({r["impl"] for r in att}):
+        pts = [r for r in att if r["impl"] == impl]
+        axes[0].plot(range(len(pts)), [r["fraction"] for r in pts], "o-", ms=3, label=impl)
+    axes[0].set_title("sparse MQA: fraction of floor (cases in table order)")
+    gem = [r for r in res["rows"] if r["section"] == "gemm" and r.get("us")]
+    for impl in sorted({r["impl"] for r in gem}):
+        pts = [r for r in gem if r["impl"] == impl]
+        axes[1].plot(range(len(pts)), [r["fraction"] for r in pts], "o-", ms=3, label=impl)
+    axes[1].set_title("fp8 GEMMs: fraction of floor")
+    for ax in axes:
+        ax.legend()
+        ax.set_ylim(0, 1.05)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "fraction_of_floor.png"), dpi=110)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
+    ap.add_argument("--only", choices=["attention", "gemm"], default=None)
+    ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
+    ap.add_argument("--report-only", action="store_true",
+                    help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
+    args = ap.parse_args(argv)
+    if args.report_only:
+        with open(os.path.join(args.out, "results.json")) as f:
+            _report(json.load(f), args.out)
+        return 0
+    if not torch.cuda.is_available():
+        sys.exit("attention-kernels: needs a CUDA GPU")
+    from dsv4.bench.input_proj import measure_copy_bw, time_graph
+
+    os.makedirs(args.out, exist_ok=True)
+    dev = torch.device("cuda")
+    copy_bw = measure_copy_bw(dev)
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "copy_bw_TBps": copy_bw / 1e12, "rows": []}
+    t0 = time.time()
+    def save() -> None:  # partial results survive a timeout
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    if args.only in (None, "gemm"):
+        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
+        save()
+    if args.only in (None, "attention"):
+        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants,
+                       after_case=save)
+    res["seconds"] = time.time() - t0
+    save()
+    _report(res, args.out)
+    return 0
+
+
+def _report(res: dict, out_dir: str) -> None:
+    text = "\n".join(markdown_tables(res)) + "\n"
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(text)
+    try:
+        plot(res, out_dir)
+    except Exception as ex:  # matplotlib missing: the table is the result
+        print(f"plot skipped: {ex!r}")
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""fp8 weight-streaming GEMMs: y = x @ W^T with W kept as e4m3 + ue8m0 128x128 block scales.
+
+Entry points:
+
+* ``fp8_linear(x [M, K] bf16, weight [N, K] float8_e4m3fn, scale [N/128, K/128]) -> y [M, N]``
+* ``fp8_grouped_linear(x [M, G, Kg], weight [G*R, Kg], scale [G*R/128, Kg/128]) -> y [M, G, R]``:
+  group g multiplies x[:, g, :] by weight rows g*R .. g*R + R - 1 (``wo_a``: o viewed as
+  [M, G, heads/G * head_dim]), all groups in one launch.
+* ``fp8_linear_reference`` / ``fp8_grouped_linear_reference``: dequantise + matmul (the oracle,
+  and the path taken on a machine without Triton or off CUDA).
+
+``scale`` is ``torch.float8_e8m0fnu`` (byte e means 2^(e-127); it multiplies), raw ``uint8`` bytes
+of the same meaning, or float32 (any positive value). N, K (R, Kg) must be multiples of 128.
+Output bf16 (default) or float32 (``out_dtype``), accumulation in fp32.
+
+Numerics: per 128-wide K block the kernel widens the e4m3 tile to bf16 (exact), forms the block
+product with one MMA (fp32 accumulation) and adds it times the block's scale to the fp32
+accumulator. An e4m3 value times 2^k is exactly representable in bf16 (4 significant bits, the
+exponent stays in range for every realistic k), so with ue8m0 scales the result equals the bf16
+GEMM with the dequantised weight up to the order of the fp32 additions, and multiplying a
+block product by 2^k is exact too. (Under Triton's CPU interpreter the MMA runs on fp32
+operands: the interpreter's bf16 dot is wrong on the test install (torch 2.13, Triton 3.6,
+NumPy 2.4); the products are the same exact values.) The weight must be in the canonical [N, K]
+row-major layout (not a preshuffled one).
+
+How the work is cut (the weights are streamed once; decode M is tiny): programs = M tiles x
+weight row tiles x K splits. With split-K > 1 every program writes an fp32 partial to a workspace
+and the last program of a tile to arrive (acq_rel counter) sums the partials in split order and
+writes y: deterministic, graph-replayable (the counter is reset), no float atomics - the same
+protocol as :mod:`dsv4.kernels.fused_input_proj`. Small M uses the swapped MMA (weight rows on the
+MMA's M side, x^T as the narrow N side); larger M uses plain tiles. ``choose_config`` picks by M.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
+from dsv4.layers.fp8 import e8m0_to_float
+
+__all__ = [
+    "Fp8GemmConfig",
+    "choose_fp8_config",
+    "fp8_grouped_linear",
+    "fp8_grouped_linear_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
+]
+
+BLOCK = 128
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def _dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = weight.shape
+    s = scale
+    if s.dtype == torch.uint8:
+        s = s.view(torch.float8_e8m0fnu)
+    sf = e8m0_to_float(s, dtype)
+    w = weight.to(dtype).view(n // BLOCK, BLOCK, k // BLOCK, BLOCK) * sf[:, None, :, None]
+    return w.view(n, k)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         out_dtype: torch.dtype = torch.bfloat16,
+                         acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] @ dequant(weight, scale)^T in ``acc_dtype`` (float32 or float64), cast."""
+    _check_weight(weight, scale)
+    return (x.to(acc_dtype) @ _dequant(weight, scale, acc_dtype).t()).to(out_dtype)
+
+
+def fp8_grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                                 out_dtype: torch.dtype = torch.bfloat16,
+                                 acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y[m, g] = x[m, g] @ W_g^T with W_g = rows g*R .. g*R+R-1 of the dequantised weight."""
+    _check_weight(weight, scale)
+    M, G, Kg = x.shape
+    w = _dequant(weight, scale, acc_dtype).view(G, -1, Kg)
+    return torch.einsum("mgk,grk->mgr", x.to(acc_dtype), w).to(out_dtype)
+
+
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be 2-D float8_e4m3fn, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"weight {tuple(weight.shape)}: N and K must be multiples of {BLOCK}")
+    if tuple(scale.shape) != (n // BLOCK, k // BLOCK):
+        raise ValueError(f"scale shape {tuple(scale.shape)} != {(n // BLOCK, k // BLOCK)}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8, torch.float32):
+        raise ValueError(f"scale must be float8_e8m0fnu, uint8 bytes or float32, got {scale.dtype}")
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int = 16
+    block_n: int = 64  # weight rows per program tile; divides 128 or is 128
+    split_k: int = 1
+    swap: bool = True  # weight rows on the MMA's M side (small M)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmConfig:
+    """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length.
+
+    M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
+    benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes. M > 64:
+    64 x 128 tiles, split only when the tiles alone leave SMs idle. Untuned on this kernel.
+    """
+    nkb = K // BLOCK
+    if M <= 64:
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        c = Fp8GemmConfig(block_m=bm, block_n=64, swap=True, num_warps=4, num_stages=3)
+        target = 3 * n_sm
+    else:
+        c = Fp8GemmConfig(block_m=64, block_n=128, swap=False, num_warps=8, num_stages=3)
+        target = n_sm
+    tiles = -(-M // c.block_m) * (n_rows // c.block_n)
+    split = max(1, min(nkb, -(-target // tiles), 16))
+    return Fp8GemmConfig(**{**c.__dict__, "split_k": split})
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    if _INTERPRET:
+        from dsv4.kernels._interpreter import patch_interpreter_index
+
+        patch_interpreter_index()
+
+    from dsv4.kernels.fused_input_proj import _fence_gpu
+
+    @triton.jit
+    def _block_scale(sc_ptr, idx, SCALE_F32: tl.constexpr):
+        if SCALE_F32:
+            v = tl.load(sc_ptr + idx)
+        else:
+            b = tl.load(sc_ptr + idx).to(tl.int32)
+            # 2^(b-127) built from its bits (exact); byte 0 is the subnormal 2^-127, 255 is NaN
+            v = (b << 23).to(tl.float32, bitcast=True)
+            v = tl.where(b == 0, 5.877471754111438e-39, v)
+            v = tl.where(b == 255, float("nan"), v)
+        return v
+
+    @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
+    def _fp8_gemm_kernel(
+        x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
+        M, R, Kg, m_ws, n_tiles, m_tiles, G,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
+        SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        BK: tl.constexpr = 128
+        pid = tl.program_id(0)
+        pid_m = pid % m_tiles
+        rest = pid // m_tiles
+        tile = rest // SPLIT_K
+        split = rest % SPLIT_K
+        g = tile // n_tiles
+        n0 = (tile % n_tiles) * BN  # first row within the group
+        row0 = g * R + n0  # first row of the weight
+        offs_n = tl.arange(0, BN)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        m_mask = offs_m < M
+        offs_k = tl.arange(0, BK)
+        nkb = Kg // BK
+        kb0 = split * nkb // SPLIT_K
+        kb1 = (split + 1) * nkb // SPLIT_K
+        w_ptrs = w_ptr + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
+        x_base = x_ptr + g * sxg
+        if SWAP:
+            x_ptrs = x_base + offs_m[None, :] * sxm + (kb0 * BK + offs_k)[:, None]
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            x_ptrs = x_base + offs_m[:, None] * sxm + (kb0 * BK + offs_k)[None, :]
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        sc_row = sc_ptr + (row0 // BK) * stride_sc
+        for kb in range(kb0, kb1):
+            # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16 dot of
+            # a converted operand is wrong); the products are exact in fp32 either way
+            w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
+            s = _block_scale(sc_row, kb, SCALE_F32)
+            if SWAP:
+                xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
+                acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
+            else:
+                xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
+                acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
+            w_ptrs += BK
+            x_ptrs += BK
+
+        cols = n0 + offs_n  # output column within the group
+        if SWAP:
+            y_ptrs = y_ptr + offs_m[None, :] * sym + g * syg + cols[:, None]
+            y_mask = m_mask[None, :] & (cols < R)[:, None]
+            p_off = offs_m[None, :] * R + cols[:, None]
+        else:
+            y_ptrs = y_ptr + offs_m[:, None] * sym + g * syg + cols[None, :]
+            y_mask = m_mask[:, None] & (cols < R)[None, :]
+            p_off = offs_m[:, None] * R + cols[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        else:
+            # partials: ws[split, group, m, col] (fp32), one slab per split
+            G_slab = m_ws * R
+            slab = G * G_slab
+            p_base = ws_ptr + g * G_slab
+            tl.store(p_base + split * slab + p_off, acc, mask=y_mask)
+            if FENCE:
+                _fence_gpu()
+            tl.debug_barrier()
+            cnt_idx = pid_m * (G * n_tiles) + tile
+            old = tl.atomic_add(cnt_ptr + cnt_idx, 1, sem="acq_rel", scope="gpu")
+            if old == SPLIT_K - 1:  # last to arrive: sum in split order
+                if FENCE:
+                    _fence_gpu()
+                tot = tl.zeros_like(acc)
+                for s_i in tl.static_range(SPLIT_K):
+                    tot += tl.load(p_base + s_i * slab + p_off, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.atomic_xchg(cnt_ptr + cnt_idx, 0, sem="relaxed", scope="gpu")
+
+
+# ---------------------------------------------------------------------------------- launch
+
+
+@functools.lru_cache(maxsize=8)
+def _n_sm(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _n_sm(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_WORKSPACES: dict[str, SplitKWorkspace] = {}
+
+
+def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
+            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None) -> None:
+    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous)."""
+    M, G, Kg = x3.shape
+    R = y3.shape[2]
+    cfg = config or choose_fp8_config(M, G * R, Kg, _sm_count(x3.device))
+    bn = cfg.block_n
+    if not (bn in (16, 32, 64, 128) and R % bn == 0):
+        raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")
+    n_tiles = R // bn
+    m_tiles = -(-M // cfg.block_m)
+    m_ws = m_tiles * cfg.block_m
+    split = max(1, min(cfg.split_k, Kg // BLOCK))
+    if split > 1:
+        if workspace is None:
+            workspace = _WORKSPACES.setdefault(str(x3.device), SplitKWorkspace())
+        ws, cnt = workspace.get(x3.device, split * G * m_ws * R, m_tiles * G * n_tiles)
+    else:
+        ws, cnt = y3, y3  # unused
+    sc_f32 = scale.dtype == torch.float32
+    sc = scale if sc_f32 else scale.view(torch.uint8)
+    grid = (m_tiles * G * n_tiles * split,)
+    _fp8_gemm_kernel[grid](
+        x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
+        ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
+        BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
+        FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
+        DOT_PREC="ieee" if _INTERPRET else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
+    if use and x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype}")
+    return use
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+               config: Fp8GemmConfig | None = None,
+               workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (weight * scale)^T, without materialising the dequantised weight.
+
+    ``x`` bf16 [M, K] (rows may be strided, columns contiguous); ``weight`` float8_e4m3fn [N, K]
+    contiguous; ``scale`` [N/128, K/128] (e8m0 / uint8 bytes / float32). ``out`` (optional)
+    [M, N] bf16 or float32 with contiguous columns. A split-K launch uses ``workspace`` (default:
+    one per device, shared: do not run two launches concurrently on different streams; grow it
+    with one eager call before CUDA-graph capture).
+    """
+    _check_weight(weight, scale)
+    N, K = weight.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
+    M = x.shape[0]
+    y = out if out is not None else torch.empty(M, N, device=x.device, dtype=out_dtype)
+    if tuple(y.shape) != (M, N) or y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out must be [{M}, {N}] bf16/float32, got {tuple(y.shape)} {y.dtype}")
+    if M == 0:
+        return y
+    if not _use_kernel(x):
+        y.copy_(fp8_linear_reference(x, weight, scale, y.dtype))
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if y.stride(1) != 1:
+        raise ValueError("out must have contiguous columns")
+    _launch(x.unsqueeze(1), weight.contiguous(), scale.contiguous(), y.unsqueeze(1), config,
+            workspace)
+    return y
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
+                       out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                       config: Fp8GemmConfig | None = None,
+                       workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+    """y [M, G, R] with y[:, g] = x[:, g] @ (W rows g*R .. g*R+R-1)^T, one launch (``wo_a``).
+
+    ``x`` bf16 [M, G, Kg] (last dim contiguous; e.g. o [M, H, d] viewed as [M, G, H/G*d]);
+    ``weight`` float8_e4m3fn [G*R, Kg]; ``scale`` [G*R/128, Kg/128]; R and Kg multiples of 128
+    (so every group owns whole scale blocks). ``out`` optional [M, G, R], last dim contiguous.
+    """
+    _check_weight(weight, scale)
+    if x.dim() != 3 or x.shape[2] != weight.shape[1] or weight.shape[0] % x.shape[1]:
+        raise ValueError(f"x must be [M, G, {weight.shape[1]}] with G dividing "
+                         f"{weight.shape[0]}, got {tuple(x.shape)}")
+    M, G, Kg = x.shape
+    R = weight.shape[0] // G
+    if R % BLOCK:
+        raise ValueError(f"rows per group R={R} must be a multiple of {BLOCK}")
+    y = out if out is not None else torch.empty(M, G, R, device=x.device, dtype=out_dtype)
+    if tuple(y.shape) != (M, G, R) or y.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out must be [{M}, {G}, {R}] bf16/float32, got {tuple(y.shape)}")
+    if M == 0:
+        return y
+    if not _use_kernel(x):
+        y.copy_(fp8_grouped_linear_reference(x, weight, scale, y.dtype))
+        return y
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if y.stride(2) != 1:
+        raise ValueError("out must have a contiguous last dim")
+    _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace)
+    return y

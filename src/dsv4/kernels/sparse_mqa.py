@@ -1,0 +1,394 @@
+"""Sparse MQA attention with the attention sink over paged row stores (decode and prefill).
+
+Entry point ``sparse_mqa(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale, fmt,
+rows_per_block)`` -> o [T, H, d] bf16; ``sparse_mqa_reference`` is the torch oracle (gather +
+dequantise + softmax), also the path off CUDA without the interpreter.
+
+Inputs (dsv4-attention.md §5.8): q [T, H, d] bf16 (last dim contiguous). Each query t attends to
+the rows ``win_idx[t]`` [W] of ``win_store`` and ``cmp_idx[t]`` [K] of ``cmp_store`` (int32 flat
+row indices, -1 = masked; K may be 0 / ``cmp_store`` None); every query has at least one valid
+window row. V = K (the value is the full row). sink [H] fp32 adds e^(sink_h - m) to the
+denominator only:
+
+    o[t, h] = sum_j e^(l_j - m) k_j / (sum_j e^(l_j - m) + e^(sink_h - m)),  l_j = scale q.k_j
+
+Stores (a flat row r lives in block r // B at offset r % B, B = ``rows_per_block``):
+
+* ``"bf16"``: [num_blocks, B, d] bf16 (the last two dims contiguous).
+* ``"fp8_ds_mla"``: uint8 [num_blocks, block_bytes]. With rope 64 and nope n = d - 64, a row's
+  data is n e4m3 bytes (tile i = dims 64i..64i+63 has scale 2^(byte_i - 127)) then 64 bf16 rope
+  dims: Dr = n + 128 bytes (576 at d=512). Its scales are n/64 ue8m0 bytes padded to
+  Sr = 8 ceil(n/512) bytes. Block layout: [B rows' data][B rows' scale groups], block_bytes >=
+  B (Dr + Sr) (rounded up to a multiple of Dr by the writer; the kernel uses the block stride).
+  Row r: data at block*stride + off*Dr, scales at block*stride + B*Dr + off*Sr. This is
+  FlashMLA's "V4" layout (584 bytes per token).
+
+Numerics: fp32 logits (q.k from bf16 operands, exact products), online softmax with a running
+max in fp32 (base-2 exponentials with scale*log2(e) folded in), fp32 accumulator; on the GPU the
+probabilities are rounded to bf16 for the P.V MMA (as the official kernel does); output bf16.
+fp8 rows are dequantised in registers to bf16 (exact: e4m3 x 2^k). Under Triton's CPU
+interpreter both MMAs run on fp32 operands (its bf16 dot is wrong on this install), so P is not
+rounded to bf16 there.
+
+Work split: one program per (query, block of BH heads, KV chunk): every gathered row is loaded
+once per head block (MQA: all heads share the keys). With ``split`` > 1 (long index lists, few
+queries) each program writes an fp32 partial (acc, max, sum) and a second kernel merges them in
+chunk order (deterministic), then applies the sink.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+
+__all__ = [
+    "SparseMqaConfig",
+    "choose_sparse_config",
+    "fp8_ds_mla_layout",
+    "gather_rows",
+    "sparse_mqa",
+    "sparse_mqa_reference",
+]
+
+ROPE = 64
+FMTS = ("bf16", "fp8_ds_mla")
+
+
+def fp8_ds_mla_layout(d: int, rows_per_block: int) -> tuple[int, int, int]:
+    """(data bytes per row Dr, scale bytes per row Sr, minimal block bytes rounded to Dr)."""
+    n = d - ROPE
+    if n <= 0 or n % 64:
+        raise ValueError(f"fp8_ds_mla needs d - 64 to be a positive multiple of 64, got d={d}")
+    dr = n + 2 * ROPE
+    sr = 8 * -(-(n // 64) // 8)
+    raw = rows_per_block * (dr + sr)
+    return dr, sr, -(-raw // dr) * dr
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def gather_rows(store: torch.Tensor, idx: torch.Tensor, fmt: str, d: int,
+                rows_per_block: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``idx`` (any shape, -1 gives zeros) of a store, dequantised: [*idx.shape, d]."""
+    B = rows_per_block
+    r = idx.long().clamp(min=0)
+    blk, off = r // B, r % B
+    if fmt == "bf16":
+        rows = store.reshape(-1, d)[blk * B + off].to(dtype)  # logical [blocks, B, d] order
+    elif fmt == "fp8_ds_mla":
+        dr, sr, _ = fp8_ds_mla_layout(d, B)
+        n = d - ROPE
+        if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] < B * (dr + sr):
+            raise ValueError(f"fp8_ds_mla store must be uint8 [blocks, >= {B * (dr + sr)}]")
+        cs = store.contiguous()
+        flat = cs.reshape(-1)
+        base = blk * cs.stride(0)
+        data = flat[(base + off * dr)[..., None] + torch.arange(dr, device=store.device)]
+        sc = flat[(base + B * dr + off * sr)[..., None] + torch.arange(n // 64,
+                                                                         device=store.device)]
+        nope = data[..., :n].contiguous().view(torch.float8_e4m3fn).to(dtype)
+        scale = torch.exp2(sc.to(dtype) - 127).repeat_interleave(64, dim=-1)
+        rope = data[..., n:].contiguous().view(torch.bfloat16).to(dtype)
+        rows = torch.cat((nope * scale, rope), dim=-1)
+    else:
+        raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
+    return rows.masked_fill((idx < 0)[..., None], 0)
+
+
+def sparse_mqa_reference(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
+                         cmp_store: torch.Tensor | None, cmp_idx: torch.Tensor | None,
+                         sink: torch.Tensor, scale: float, fmt: str, rows_per_block: int,
+                         acc_dtype: torch.dtype = torch.float32,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The same contract as :func:`sparse_mqa`, in torch (``acc_dtype`` float32 or float64)."""
+    T, H, d = q.shape
+    keys = [gather_rows(win_store, win_idx, fmt, d, rows_per_block, acc_dtype)]
+    masks = [win_idx >= 0]
+    if cmp_store is not None and cmp_idx is not None and cmp_idx.shape[1] > 0:
+        keys.append(gather_rows(cmp_store, cmp_idx, fmt, d, rows_per_block, acc_dtype))
+        masks.append(cmp_idx >= 0)
+    k = torch.cat(keys, dim=1)  # [T, L, d]
+    valid = torch.cat(masks, dim=1)
+    logits = torch.einsum("thd,tld->thl", q.to(acc_dtype), k) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    s = sink.to(acc_dtype)[None, :]
+    m = torch.maximum(logits.amax(dim=-1), s)
+    p = torch.exp(logits - m[..., None])
+    den = p.sum(dim=-1) + torch.exp(s - m)
+    return (torch.einsum("thl,tld->thd", p, k) / den[..., None]).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class SparseMqaConfig:
+    block_h: int = 32  # heads per program (>= 16: the MMA's M side)
+    block_n: int = 32  # gathered rows per tile
+    split: int = 0  # KV chunks per query; 0 = choose
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
+                         fmt: str = "bf16") -> SparseMqaConfig:
+    """Head blocks of 32 at d=512 (acc 32x512 fp32 in registers) or 64; split the index list
+    so that about 2 programs per SM run when there are few queries. Tiles chosen from sm_90
+    register counts of an offline compile (ptxas, no spills): bf16 32 heads x 32 rows, 8 warps,
+    2 stages (192 registers); fp8 32 x 16, 8 warps, 1 stage (166; 32 x 32 or 2 stages, and any
+    64-head tile, spill). Not timed yet."""
+    bh = max(16, min(32 if d >= 512 else 64, 1 << (H - 1).bit_length()))
+    bn = (16 if fmt == "fp8_ds_mla" else 32) if d >= 512 else 64
+    stages = 1 if fmt == "fp8_ds_mla" and d >= 512 else 2
+    progs = T * -(-H // bh)
+    split = 1
+    if progs < 2 * n_sm:
+        split = max(1, min(-(-L // bn), -(-2 * n_sm // progs), 64))
+    return SparseMqaConfig(block_h=bh, block_n=bn, split=split,
+                           num_warps=8 if d >= 512 else 4, num_stages=stages)
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+LOG2E = 1.4426950408889634
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    if _INTERPRET:
+        from dsv4.kernels._interpreter import patch_interpreter_index
+
+        patch_interpreter_index()
+
+    @triton.jit
+    def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
+                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr,
+                   DT: tl.constexpr):
+        """[BN, D] rows in DT (zeros where not valid). fp8 rows are dequantised in DT: bf16 on a
+        GPU (e4m3 x 2^k is exact in bf16; half the registers of fp32), fp32 under the
+        interpreter."""
+        r = tl.where(valid, rows, 0)
+        blk = (r // B).to(tl.int64)
+        off = r % B
+        cols = tl.arange(0, D)
+        if FP8:
+            base = blk * blk_stride
+            d_ptr = st_ptr + (base + off * DR)[:, None]
+            is_nope = cols < NOPE
+            m_nope = valid[:, None] & is_nope[None, :]
+            m_rope = valid[:, None] & (cols >= NOPE)[None, :]
+            e = tl.load(d_ptr + cols[None, :], mask=m_nope, other=0)
+            e = e.to(tl.float8e4nv, bitcast=True).to(DT)
+            # one scale byte per 64-dim tile: load [BN, D/64], then widen to [BN, D]
+            tiles = tl.arange(0, D // 64)
+            sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + tiles[None, :],
+                         mask=valid[:, None] & (tiles < NOPE // 64)[None, :],
+                         other=127).to(tl.int32)
+            sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
+            sc = tl.where(sb == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 64, 64)), (BN, D))
+            rp = (d_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
+            rope = tl.load(rp + (cols - NOPE)[None, :], mask=m_rope, other=0.0)
+            k = tl.where(is_nope[None, :], e * sc, rope.to(DT))
+        else:
+            ptr = st_ptr + (blk * blk_stride + off * D)[:, None] + cols[None, :]
+            k = tl.load(ptr, mask=valid[:, None], other=0.0).to(DT)
+        return k
+
+    @triton.jit
+    def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale,
+                D: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
+                DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+        for j in range(lo, hi, BN):
+            offs = j + tl.arange(0, BN)
+            rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
+            valid = rows >= 0
+            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN, DOT_DT)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), k, input_precision=DOT_PREC)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit(do_not_specialize=["T", "W", "KC", "chunk", "n_split"])
+    def _sparse_mqa_kernel(
+        q_ptr, sqt, sqh, o_ptr, sot, soh, sink_ptr, ws_acc, ws_ml,
+        win_ptr, widx_ptr, swi, w_blk, cmp_ptr, cidx_ptr, sci, c_blk,
+        T, H, W, KC, B, chunk, n_split, qk_scale,
+        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+        FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr,
+        DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_hb = tl.cdiv(H, BH)
+        split = pid % n_split
+        rest = pid // n_split
+        hb = rest % n_hb
+        t = rest // n_hb
+        heads = hb * BH + tl.arange(0, BH)
+        h_mask = heads < H
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
+                    mask=h_mask[:, None], other=0.0).to(DOT_DT)
+        m_i = tl.full([BH], -1e30, tl.float32)  # finite: a fully masked tile leaves it alone
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, D], tl.float32)
+        j0 = split * chunk
+        j1 = tl.minimum(j0 + chunk, W + KC)
+        m_i, l_i, acc = _attend(q, m_i, l_i, acc, win_ptr, widx_ptr + t.to(tl.int64) * swi,
+                                tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale,
+                                D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
+        if KC > 0:
+            m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
+                                    tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
+                                    qk_scale, D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
+        if SPLIT:  # partial (acc, max, sum) for the combine kernel
+            row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
+            tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
+            tl.store(ws_ml + row * 2, m_i, mask=h_mask)
+            tl.store(ws_ml + row * 2 + 1, l_i, mask=h_mask)
+        else:
+            s2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+            m_f = tl.maximum(m_i, s2)
+            fac = tl.exp2(m_i - m_f)
+            den = l_i * fac + tl.exp2(s2 - m_f)
+            o = acc * (fac / den)[:, None]
+            tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+    @triton.jit(do_not_specialize=["T", "n_split"])
+    def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
+                        n_split, D: tl.constexpr, BH: tl.constexpr):
+        pid = tl.program_id(0)
+        n_hb = tl.cdiv(H, BH)
+        hb = pid % n_hb
+        t = pid // n_hb
+        heads = hb * BH + tl.arange(0, BH)
+        h_mask = heads < H
+        cols = tl.arange(0, D)
+        m_f = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+        s2 = m_f
+        for s in range(0, n_split):
+            row = (s * T + t).to(tl.int64) * H + heads
+            m_f = tl.maximum(m_f, tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30))
+        den = tl.exp2(s2 - m_f)
+        acc = tl.zeros([BH, D], tl.float32)
+        for s in range(0, n_split):  # chunk order: deterministic
+            row = (s * T + t).to(tl.int64) * H + heads
+            f = tl.exp2(tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30) - m_f)
+            den += tl.load(ws_ml + row * 2 + 1, mask=h_mask, other=0.0) * f
+            acc += tl.load(ws_acc + row[:, None] * D + cols[None, :], mask=h_mask[:, None],
+                           other=0.0) * f[:, None]
+        tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
+                 (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@functools.lru_cache(maxsize=8)
+def _n_sm(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+def _store_args(store: torch.Tensor, fmt: str, d: int, B: int) -> tuple[torch.Tensor, int]:
+    """(tensor to pass, block stride in its elements), validating the layout."""
+    if fmt == "bf16":
+        if store.dtype != torch.bfloat16 or store.dim() != 3 or store.shape[1:] != (B, d) \
+                or store.stride(2) != 1 or store.stride(1) != d:
+            raise ValueError(f"bf16 store must be [blocks, {B}, {d}] bf16 with contiguous rows, "
+                             f"got {store.dtype} {tuple(store.shape)}")
+        return store, store.stride(0)
+    dr, sr, _ = fp8_ds_mla_layout(d, B)
+    if store.dtype != torch.uint8 or store.dim() != 2 or store.shape[1] < B * (dr + sr) \
+            or store.stride(1) != 1:
+        raise ValueError(f"fp8_ds_mla store must be uint8 [blocks, >= {B * (dr + sr)}] with "
+                         f"contiguous bytes, got {store.dtype} {tuple(store.shape)}")
+    return store, store.stride(0)
+
+
+def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
+               cmp_store: torch.Tensor | None, cmp_idx: torch.Tensor | None,
+               sink: torch.Tensor, scale: float, fmt: str, rows_per_block: int, *,
+               out: torch.Tensor | None = None,
+               config: SparseMqaConfig | None = None) -> torch.Tensor:
+    """o [T, H, d] bf16 (see the module docstring for shapes, layouts and numerics).
+
+    ``win_idx`` [T, W], ``cmp_idx`` [T, K] int32 (rows contiguous); both stores share ``fmt``
+    and ``rows_per_block``. ``out``: optional [T, H, d] with a contiguous last dim. The split-KV
+    workspace is allocated per call (a graph-captured caller should pass ``config`` with
+    ``split=1`` or capture after a warm-up; the allocation is from the caching allocator).
+    """
+    if fmt not in FMTS:
+        raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
+    T, H, d = q.shape
+    if d & (d - 1) or d < 128:
+        raise ValueError(f"head dim must be a power of two >= 128, got {d}")
+    if win_idx.dim() != 2 or win_idx.shape[0] != T or win_idx.shape[1] == 0:
+        raise ValueError(f"win_idx must be [T={T}, W>0], got {tuple(win_idx.shape)}")
+    has_cmp = cmp_store is not None and cmp_idx is not None and cmp_idx.shape[1] > 0
+    if has_cmp and (cmp_idx is None or cmp_idx.dim() != 2 or cmp_idx.shape[0] != T):
+        raise ValueError("cmp_idx must be [T, K]")
+    o = out if out is not None else torch.empty(T, H, d, device=q.device, dtype=torch.bfloat16)
+    if T == 0:
+        return o
+    if not (triton_available() and (q.device.type == "cuda" or _INTERPRET)):
+        o.copy_(sparse_mqa_reference(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale,
+                                     fmt, rows_per_block, out_dtype=o.dtype))
+        return o
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"q must be bf16 for the kernel, got {q.dtype}")
+    B = rows_per_block
+    ws_t, w_blk = _store_args(win_store, fmt, d, B)
+    if has_cmp:
+        assert cmp_store is not None and cmp_idx is not None
+        cs_t, c_blk = _store_args(cmp_store, fmt, d, B)
+        cidx = cmp_idx.to(torch.int32).contiguous()
+        KC = cidx.shape[1]
+    else:
+        cs_t, c_blk, cidx, KC = ws_t, 0, win_idx, 0
+    widx = win_idx.to(torch.int32).contiguous()
+    W = widx.shape[1]
+    L = W + KC
+    n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 132
+    cfg = config or choose_sparse_config(T, H, d, L, n_sm, fmt)
+    if cfg.split == 0:
+        cfg = SparseMqaConfig(**{**cfg.__dict__,
+                                 "split": choose_sparse_config(T, H, d, L, n_sm, fmt).split})
+    bn = cfg.block_n
+    chunk = -(-L // cfg.split)
+    chunk = -(-chunk // bn) * bn
+    split = -(-L // chunk)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    n_hb = -(-H // cfg.block_h)
+    sink_f = sink.to(torch.float32).contiguous()
+    if split > 1:
+        ws_acc = torch.empty(split * T * H * d, device=q.device, dtype=torch.float32)
+        ws_ml = torch.empty(split * T * H * 2, device=q.device, dtype=torch.float32)
+    else:
+        ws_acc = ws_ml = sink_f
+    n = d - ROPE
+    dr, sr, _ = fp8_ds_mla_layout(d, B) if fmt == "fp8_ds_mla" else (0, 0, 0)
+    dot_dt = tl.float32 if _INTERPRET else tl.bfloat16
+    _sparse_mqa_kernel[(T * n_hb * split,)](
+        q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink_f, ws_acc, ws_ml,
+        ws_t, widx, widx.stride(0), w_blk, cs_t, cidx, cidx.stride(0), c_blk,
+        T, H, W, KC, B, chunk, split, float(scale) * LOG2E,
+        D=d, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n, DR=dr, SR=sr,
+        DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        cbh = 16 if d >= 512 else 32  # [16, 512] fp32 per program: no register spills
+        _combine_kernel[(T * -(-H // cbh),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
+                                             T, H, split, D=d, BH=cbh, num_warps=4)
+    return o

@@ -1,0 +1,219 @@
+"""fp8 weight-streaming GEMMs: reference on CPU; the kernel under Triton's CPU interpreter
+(TRITON_INTERPRET=1) on tiny shapes, or on a GPU; Flash / Pro shapes on a GPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.kernels.fp8_linear import (
+    Fp8GemmConfig,
+    choose_fp8_config,
+    fp8_grouped_linear,
+    fp8_grouped_linear_reference,
+    fp8_linear,
+    fp8_linear_reference,
+)
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.layers.fp8 import dequantize_fp8_block
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+HAS_CUDA = torch.cuda.is_available()
+# the kernel runs: on the GPU, or on the CPU under the interpreter
+kernel_runs = pytest.mark.skipif(
+    not (triton_available() and (_INTERPRET or HAS_CUDA)),
+    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
+DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+
+
+def make_weight(N, K, *, lo=100, hi=150, device="cpu", seed=0, f32_scale=False):
+    """e4m3 weight and e8m0 block scales with exponents lo-127 .. hi-128 (a wide range)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 4).clamp(-448, 448).to(torch.float8_e4m3fn)
+    e = torch.randint(lo, hi, (N // 128, K // 128), generator=g).to(torch.uint8)
+    s = e.view(torch.float8_e8m0fnu)
+    if f32_scale:
+        s = torch.pow(2.0, e.float() - 127) * (0.5 + torch.rand(e.shape, generator=g))
+    return w.to(device), s.to(device)
+
+
+def float64_eval(x, w, s):
+    wd = dequantize_fp8_block(w.cpu(), s.cpu(), F64) if s.dtype != F32 else \
+        w.cpu().double() * s.cpu().double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return x.cpu().double() @ wd.t()
+
+
+def rel(a, b):
+    return ((a.cpu().double() - b.cpu().double()).norm() / b.cpu().double().norm()).item()
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+def test_reference_matches_float64_and_linear_layer():
+    w, s = make_weight(256, 384)
+    x = torch.randn(5, 384).to(BF16)
+    want = float64_eval(x, w, s)
+    assert rel(fp8_linear_reference(x, w, s, F32), want) < 1e-6
+    assert rel(fp8_linear_reference(x, w, s.view(torch.uint8), F32), want) < 1e-6
+    # equals the bf16 GEMM with the dequantised weight (what Linear.forward does)
+    lin = torch.nn.functional.linear(x, dequantize_fp8_block(w, s, BF16))
+    assert rel(fp8_linear_reference(x, w, s), lin) < 1e-2
+
+
+def test_grouped_reference_is_per_group_linear():
+    w, s = make_weight(2 * 256, 128)
+    x = torch.randn(3, 2, 128).to(BF16)
+    y = fp8_grouped_linear_reference(x, w, s, F64, F64)
+    for g in range(2):
+        ref = float64_eval(x[:, g], w[g * 256:(g + 1) * 256], s[g * 2:(g + 1) * 2])
+        assert rel(y[:, g], ref) < 1e-12
+
+
+def test_bad_shapes_raise():
+    w, s = make_weight(128, 128)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_linear(torch.zeros(1, 100, dtype=BF16), w[:, :100].contiguous(), s)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_linear(torch.zeros(1, 64, dtype=BF16), w, s)
+    with pytest.raises(ValueError, match="scale shape"):
+        fp8_linear(torch.zeros(1, 128, dtype=BF16), w, s.view(torch.uint8).repeat(2, 1))
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_grouped_linear(torch.zeros(1, 3, 128, dtype=BF16), w, s)
+
+
+def test_cpu_fallback_without_kernel():
+    if _INTERPRET:
+        pytest.skip("the interpreter runs the kernel on CPU")
+    w, s = make_weight(128, 256)
+    x = torch.randn(4, 256).to(BF16)
+    assert torch.equal(fp8_linear(x, w, s), fp8_linear_reference(x, w, s))
+
+
+def test_choose_config_table():
+    for M in (1, 3, 16, 17, 64, 65, 300):
+        for n, k in ((32768, 1024), (4096, 8192), (8 * 1024, 4096), (128, 128)):
+            c = choose_fp8_config(M, n, k)
+            assert n % c.block_n == 0 and 1 <= c.split_k <= k // 128
+            assert c.block_m >= min(M, 16)
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+# the tiny config's fp8 GEMMs (N, K): wq_b, wo_b (= fused wq_a|wkv's shape), indexer wq_b
+TINY = [(512, 128), (256, 256), (1024, 128)]
+
+
+@kernel_runs
+@pytest.mark.parametrize("NK", TINY)
+@pytest.mark.parametrize("M", [1, 3, 16, 64, 100])
+def test_kernel_matches_float64(NK, M):
+    N, K = NK
+    w, s = make_weight(N, K, device=DEV, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(BF16).to(DEV)
+    want = float64_eval(x, w, s)
+    y32 = fp8_linear(x, w, s, out_dtype=F32)
+    assert y32.dtype == F32 and y32.shape == (M, N)
+    assert rel(y32, want) < 1e-5
+    yb = fp8_linear(x, w, s)
+    assert yb.dtype == BF16 and rel(yb, want) < 1e-2
+    # bf16 output = the fp32 result rounded: at most one bf16 ulp apart elementwise
+    assert torch.allclose(yb.float(), y32, rtol=2 ** -7, atol=0)
+
+
+@kernel_runs
+@pytest.mark.parametrize("cfg", [
+    Fp8GemmConfig(block_m=16, block_n=16, split_k=1),
+    Fp8GemmConfig(block_m=16, block_n=32, split_k=3),  # ragged splits of 8 K blocks
+    Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False),
+    Fp8GemmConfig(block_m=64, block_n=64, split_k=8, swap=False),
+])
+def test_kernel_configs_and_scales(cfg):
+    # exponents -120 .. +100: products stay finite and normal in fp32
+    w, s = make_weight(256, 1024, lo=7, hi=228, device=DEV)
+    x = torch.randn(5, 1024).to(BF16).to(DEV)
+    y = fp8_linear(x, w, s, out_dtype=F32, config=cfg)
+    assert torch.isfinite(y).all() and rel(y, float64_eval(x, w, s)) < 1e-5
+    w2, s2 = make_weight(256, 1024, device=DEV, f32_scale=True)
+    assert rel(fp8_linear(x, w2, s2, out_dtype=F32, config=cfg), float64_eval(x, w2, s2)) < 1e-5
+
+
+@kernel_runs
+def test_kernel_strided_x_and_out():
+    w, s = make_weight(256, 256, device=DEV)
+    big = torch.randn(6, 512).to(BF16).to(DEV)
+    buf = torch.full((6, 512), float("nan"), device=DEV)
+    fp8_linear(big[:, 128:384], w, s, out=buf[:, :256], config=Fp8GemmConfig(split_k=2))
+    assert rel(buf[:, :256], float64_eval(big[:, 128:384], w, s)) < 1e-5
+    assert torch.isnan(buf[:, 256:]).all()
+
+
+@kernel_runs
+@pytest.mark.parametrize("M", [1, 16, 100])
+def test_grouped_kernel(M):
+    G, R, Kg = 2, 128, 256  # tiny wo_a: 4 heads x 128 in 2 groups, o_lora_rank 128
+    w, s = make_weight(G * R, Kg, device=DEV, seed=M)
+    x = torch.randn(M, G, Kg).to(BF16).to(DEV)
+    want = fp8_grouped_linear_reference(x.cpu(), w.cpu(), s.cpu(), F64, F64)
+    for cfg in (None, Fp8GemmConfig(block_m=16, block_n=64, split_k=2)):
+        y = fp8_grouped_linear(x, w, s, out_dtype=F32, config=cfg)
+        assert y.shape == (M, G, R) and rel(y, want) < 1e-5
+    # o [M, H, d] viewed as groups, no copy
+    o = torch.randn(M, 4, 128).to(BF16).to(DEV)
+    y = fp8_grouped_linear(o.view(M, G, Kg), w, s)
+    assert rel(y, fp8_grouped_linear_reference(o.view(M, G, Kg).cpu(), w.cpu(), s.cpu(), F64,
+                                                F64)) < 1e-2
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
+                               reason="needs a CUDA GPU and Triton (not the interpreter)")
+# (N, K) of wq_b, wo_b, indexer wq_b, fused wq_a|wkv; and (G, R, Kg) of wo_a
+SHAPES = {"flash": [(32768, 1024), (4096, 8192), (8192, 1024), (1536, 4096)],
+          "pro": [(65536, 1536), (7168, 16384), (8192, 1536), (2048, 7168)]}
+GROUPED = {"flash": (8, 1024, 4096), "pro": (16, 1024, 4096)}
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("model", ["flash", "pro"])
+@pytest.mark.parametrize("M", [1, 3, 16, 64, 100, 256])
+def test_gpu_model_shapes(model, M):
+    for N, K in SHAPES[model]:
+        w, s = make_weight(N, K, lo=115, hi=125, device="cuda")
+        x = torch.randn(M, K, device="cuda").to(BF16)
+        want = fp8_linear_reference(x, w, s, F64, F64)
+        assert rel(fp8_linear(x, w, s, out_dtype=F32), want) < 1e-4, (N, K)
+        assert rel(fp8_linear(x, w, s), want) < 1e-2, (N, K)
+    G, R, Kg = GROUPED[model]
+    w, s = make_weight(G * R, Kg, lo=115, hi=125, device="cuda")
+    x = torch.randn(M, G, Kg, device="cuda").to(BF16)
+    want = fp8_grouped_linear_reference(x, w, s, F64, F64)
+    assert rel(fp8_grouped_linear(x, w, s, out_dtype=F32), want) < 1e-4
+
+
+@cuda
+@needs_gpu
+def test_gpu_graph_replay_bitwise():
+    from dsv4.platforms.cuda import capture_graph
+
+    w, s = make_weight(4096, 8192, lo=115, hi=125, device="cuda")
+    x = torch.randn(4, 8192, device="cuda").to(BF16)
+    eager = fp8_linear(x, w, s)
+    assert torch.equal(eager, fp8_linear(x, w, s))  # deterministic split-K
+    out = torch.empty_like(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8_linear(x, w, s, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with capture_graph(g):
+        fp8_linear(x, w, s, out=out)
+    out.fill_(float("nan"))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
