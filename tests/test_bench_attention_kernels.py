@@ -79,7 +79,7 @@ def test_cli_knows_the_suite():
 
     args, extra = build_parser().parse_known_args(["bench", "attention-kernels", "--out", "x",
                                                    "--quick"])
-    assert args.suite == "attention-kernels" and extra == ["--quick"]
+    assert args.suite == "attention-kernels" and extra == ["--out", "x", "--quick"]
 
 
 def test_report_only_from_json(tmp_path):
