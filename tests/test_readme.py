@@ -20,6 +20,8 @@ def test_readme_has_python_blocks():
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path, monkeypatch):
+    if "from transformers import" in BLOCKS[index]:
+        pytest.importorskip("transformers")  # an optional extra (CI installs it)
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = compile(BLOCKS[index], f"README.md python block {index}", "exec")
