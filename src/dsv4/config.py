@@ -16,9 +16,10 @@ from typing import Any
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashmla")
 RUNTIME_OPTIONS = ("simulate_quant", "multi_stream_token_threshold", "kv_cache_dtype",
                    "index_cache_dtype", "index_numerics", "max_step_tokens",
-                   "attention_workspace_bytes", "check_finite_inputs")
+                   "attention_workspace_bytes", "check_finite_inputs", "attention_backend")
 """Options of this package (not model keys) that a config dict may carry."""
 
 
@@ -92,6 +93,13 @@ class DSV4Config:
     """Reject NaN / Inf in ``x`` on a GPU too (CPU inputs are always checked). Off by default:
     the check reads a flag back from the device (a sync), which decode steps and CUDA-graph
     capture avoid. A runtime option: never written to ``config.json``."""
+    attention_backend: str = "auto"
+    """Which kernel runs the sparse attention (``forward_mqa``) on the ``cuda`` platform:
+    ``torch`` (the reference gather + softmax), ``triton`` (dsv4's paged sparse-MQA kernel),
+    ``flashmla`` (FlashMLA's kernels from the optional ``sgl-flash-mla`` wheel; an error where
+    it is not installed or the shape is not one it supports) or ``auto`` (FlashMLA where it is
+    installed and supports the shape, else ``triton``). Other platforms run ``torch``. A
+    runtime option: never written to ``config.json``."""
 
     # ------------------------------------------------------------------ derived
     @property
@@ -176,6 +184,8 @@ class DSV4Config:
              f"must be one of {list(INDEX_CACHE_DTYPES)}")
         need(self.index_numerics in ("hadamard_fp4", "fp8"), "index_numerics",
              "must be 'hadamard_fp4' or 'fp8'")
+        need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+             f"must be one of {list(ATTENTION_BACKENDS)}")
         for name in ("max_step_tokens", "attention_workspace_bytes"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
@@ -258,7 +268,7 @@ class DSV4Config:
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("rope_scaling", "fp8_weights", "weight_block_size",
-                          "check_finite_inputs"):
+                          "check_finite_inputs", "attention_backend"):
                 continue
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, tuple) else v
