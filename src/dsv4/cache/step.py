@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dsv4.cache.pool import AttentionCache, CachePool
@@ -96,45 +97,43 @@ class CacheStep:
             store.sync()
 
         t = sum(counts)
-        seq_ids = torch.repeat_interleave(torch.arange(len(caches)), torch.tensor(counts))
-        begins = torch.tensor([0, *counts]).cumsum(0)[:-1]
-        start_t = torch.tensor(starts)
-        pos = start_t[seq_ids] + torch.arange(t) - begins[seq_ids]
-        slot_t = torch.tensor(slots)
-        parts = [pos, slot_t[seq_ids]]
+        n_arr = np.asarray(counts, dtype=np.int64)
+        a_arr = np.asarray(starts, dtype=np.int64)
+        s_arr = np.asarray(slots, dtype=np.int64)
+        begins = np.concatenate(([0], np.cumsum(n_arr)[:-1]))
+        seq_ids = np.repeat(np.arange(len(caches)), n_arr)
+        pos = a_arr[seq_ids] + np.arange(t) - begins[seq_ids]
+        parts = [pos, s_arr[seq_ids]]
         shapes: list[tuple[int, ...]] = [(t,), (t,)]
         job_meta: list[tuple[str, int, int]] = []
         for name, (spec, _) in pool.rings.items():
-            e_slots, e_j, ring_src, call_src, keep_dst, keep_src = [], [], [], [], [], []
             cr, ratio = spec.rows, spec.ratio
-            offs = torch.arange(cr)
-            for i, (s, a, n) in enumerate(zip(slots, starts, counts, strict=True)):
-                tb = int(begins[i])
-                j = torch.arange(a // ratio, (a + n) // ratio)
-                if len(j):
-                    q = (j[:, None] - spec.coff + 1) * ratio + offs[None, :]
-                    ring_src.append(torch.where((q >= 0) & (q < a), s * cr + q % cr, -1))
-                    call_src.append(torch.where(q >= a, tb + q - a, -1))
-                    e_slots.append(torch.full_like(j, s))
-                    e_j.append(j)
-                q = torch.arange(max(a, a + n - cr), a + n)
-                keep_dst.append(s * cr + q % cr)
-                keep_src.append(tb + q - a)
-            e = int(sum(len(x) for x in e_j))
-            empty = torch.zeros(0, dtype=torch.long)
-            parts += [torch.cat(e_slots) if e else empty, torch.cat(e_j) if e else empty,
-                      torch.cat(ring_src).flatten() if e else empty,
-                      torch.cat(call_src).flatten() if e else empty,
-                      torch.cat(keep_dst), torch.cat(keep_src)]
-            k = int(sum(len(x) for x in keep_dst))
+            # entries j = a // ratio .. (a + n) // ratio - 1 of each sequence
+            first_j = a_arr // ratio
+            per_seq = (a_arr + n_arr) // ratio - first_j
+            e_seq = np.repeat(np.arange(len(caches)), per_seq)
+            e = int(e_seq.shape[0])
+            e_j = first_j[e_seq] + _ramp(per_seq)
+            a_e, s_e, tb_e = a_arr[e_seq, None], s_arr[e_seq, None], begins[e_seq, None]
+            q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(cr)[None, :]
+            ring_src = np.where((q >= 0) & (q < a_e), s_e * cr + q % cr, -1)
+            call_src = np.where(q >= a_e, tb_e + q - a_e, -1)
+            # the last min(n, cr) positions of each sequence stay in its ring
+            kept = np.minimum(n_arr, cr)
+            k_seq = np.repeat(np.arange(len(caches)), kept)
+            k = int(k_seq.shape[0])
+            kq = (a_arr + n_arr - kept)[k_seq] + _ramp(kept)
+            parts += [s_arr[e_seq], e_j, ring_src.reshape(-1), call_src.reshape(-1),
+                      s_arr[k_seq] * cr + kq % cr, begins[k_seq] + kq - a_arr[k_seq]]
             shapes += [(e,), (e,), (e, cr), (e, cr), (k,), (k,)]
             job_meta.append((name, e, k))
-        host = torch.cat([p.to(torch.long) for p in parts])
+        host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        pos_host = host[:t]
         dev, keep = _to_device(host, pool.device)
         views = list(torch.split(dev, [_numel(s) for s in shapes]))
         views = [v.view(s) for v, s in zip(views, shapes, strict=True)]
-        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos, seq_ids,
-                   _keepalive=keep)
+        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos_host,
+                   torch.from_numpy(seq_ids), _keepalive=keep)
         for k_job, (name, e, _k) in enumerate(job_meta):
             v = views[2 + 6 * k_job: 8 + 6 * k_job]
             step.jobs[name] = EntryJobs(e, *v)
@@ -232,6 +231,13 @@ class CallTransaction:
                 self.pool.rings[name][1][slots] = saved
         for c, n in zip(self.caches, self.lengths, strict=True):
             self.pool._lengths[c.slot] = n
+
+
+def _ramp(lengths: np.ndarray) -> np.ndarray:
+    """0 .. n_i - 1 for each n_i of ``lengths``, concatenated."""
+    total = int(lengths.sum())
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total, dtype=np.int64) - starts
 
 
 def _numel(shape: tuple[int, ...]) -> int:

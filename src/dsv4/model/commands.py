@@ -51,7 +51,8 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
     if ref.accuracy < MIN_ACCURACY:
         bad.append(f"reference accuracy {ref.accuracy:.3f} < {MIN_ACCURACY}")
     for r in runs[1:]:
-        name = f"{r.platform} fusion {'on' if r.fusion else 'off'} {r.mode}"
+        name = f"{r.platform} fusion {'on' if r.fusion else 'off'} {r.mode}" + (
+            "" if r.cache == "auto/auto" else f" cache {r.cache}")
         if r.error:
             bad.append(f"{name}: {r.error}")
         elif abs(r.correct - ref.correct) > MAX_GAP or r.token_agreement < MIN_AGREEMENT:
@@ -63,10 +64,17 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
 
 
 def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int,
-                   dtype: str, json_path: Path | None, decode_batch: int | None = -1) -> int:
+                   dtype: str, json_path: Path | None, decode_batch: int | None = -1,
+                   cache_formats: list[tuple[str, str]] | None = None) -> int:
     import torch
 
-    from dsv4.model.evaluate import default_decode_batch, evaluate, format_table, runs_to_json
+    from dsv4.model.evaluate import (
+        EXACT_CACHE,
+        default_decode_batch,
+        evaluate,
+        format_table,
+        runs_to_json,
+    )
 
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
@@ -78,7 +86,8 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
                     decode_batch=decode_batch, on_start=lambda k, total, name: progress(
                         f"[eval {k}/{total}] {name}: answering {n} problems ..."),
                     log=lambda row: progress(f"[eval] done: {_one_line(row)} "
-                                             f"({time.perf_counter() - t0:.0f} s so far)"))
+                                             f"({time.perf_counter() - t0:.0f} s so far)"),
+                    cache_formats=cache_formats or [EXACT_CACHE])
     seconds = time.perf_counter() - t0
     print(format_table(runs))
     ok, verdict = eval_verdict(runs)
@@ -86,6 +95,8 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
     if json_path is not None:
         runs_to_json(runs, json_path, {"model": str(model), "device": device, "dtype": dtype,
                                        "decode_batch": decode_batch, "seconds": seconds,
+                                       "cache_formats": ["/".join(c) for c in
+                                                         cache_formats or [EXACT_CACHE]],
                                        "ok": ok, "verdict": verdict, "torch": torch.__version__})
     return 0 if ok else 1
 
@@ -116,8 +127,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     check_problems(args.problems)
     device = _device(args.device)
     batch = -1 if args.decode_batch is None else (args.decode_batch or None)
+    from dsv4.model.evaluate import parse_cache_format
+
+    formats = [parse_cache_format(f) for f in args.cache_format or ["auto/auto"]]
     return run_model_eval(args.model, args.platform, device, args.problems, args.dtype,
-                          args.json, batch)
+                          args.json, batch, formats)
 
 
 @_user_errors
@@ -183,6 +197,11 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--decode-batch", type=int, default=None,
                    help="sequences per decode forward (0: all at once; default: 16 on a GPU, "
                         "all on the CPU)")
+    e.add_argument("--cache-format", action="append", metavar="KV/INDEX",
+                   help="stored cache formats to run, repeatable: kv auto|bf16|fp8_ds_mla / "
+                        "indexer keys auto|bf16|fp8|fp4, e.g. fp8_ds_mla/fp4 (default: "
+                        "auto/auto, exact storage; the reference run without fusion and with "
+                        "exact storage is always the baseline)")
     e.set_defaults(func=_cmd_eval)
     fmt = describe_format()
     g = sub.add_parser("generate", help="greedy decoding with the tiny LM (prompts in its "

@@ -42,6 +42,8 @@ class EvalRun:
     answer_seconds: float
     passes: list[str]
     error: str = ""
+    cache: str = "auto/auto"
+    """Stored formats of the caches, ``kv_cache_dtype/index_cache_dtype``."""
     answers: list[str] = field(default_factory=list, repr=False)
     tokens: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -71,6 +73,22 @@ def graph_modes(platform: str, device: str) -> tuple[str, ...]:
     return ("graph", "eager") if hasattr(cls, "use_cuda_graphs") else ("eager",)
 
 
+EXACT_CACHE = ("auto", "auto")
+
+
+def parse_cache_format(text: str) -> tuple[str, str]:
+    """``KV/INDEX`` (e.g. ``fp8_ds_mla/fp4``) -> (kv_cache_dtype, index_cache_dtype), checked
+    against the formats the cache knows."""
+    from dsv4.cache.formats import INDEX_FORMATS, KV_FORMATS
+
+    kv, sep, idx = text.partition("/")
+    if not sep or kv not in KV_FORMATS or idx not in INDEX_FORMATS:
+        raise ValueError(f"cache format {text!r}: expected KV/INDEX with KV one of "
+                         f"{list(KV_FORMATS)} and INDEX one of {list(INDEX_FORMATS)}, e.g. "
+                         "fp8_ds_mla/fp8")
+    return kv, idx
+
+
 def default_decode_batch(device: str) -> int | None:
     """On a GPU, decode 16 sequences per forward (a decode server's batch; the ``cuda``
     platform's one-launch path); on the CPU all unfinished sequences at once (fastest)."""
@@ -79,10 +97,12 @@ def default_decode_batch(device: str) -> int | None:
 
 def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform: str,
                     fusion: bool, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                    mode: str = "graph", decode_batch: int | None = None) -> EvalRun:
+                    mode: str = "graph", decode_batch: int | None = None,
+                    cache: tuple[str, str] = EXACT_CACHE) -> EvalRun:
     passes = passes_with_fusion(platform, fusion)
     t0 = time.perf_counter()
-    model = load_tiny_lm(model_dir, platform=platform, device=device, dtype=dtype, passes=passes)
+    model = load_tiny_lm(model_dir, platform=platform, device=device, dtype=dtype, passes=passes,
+                         kv_cache_dtype=cache[0], index_cache_dtype=cache[1])
     if mode not in graph_modes(platform, device):
         mode = "eager"
     for block in model.layers:
@@ -100,18 +120,20 @@ def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform
     answers = [tok.decode(o) for o in outs]
     correct = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
     return EvalRun(platform, fusion, device, mode, len(problems), correct, 1.0, t1 - t0,
-                   t2 - t1, passes, answers=answers, tokens=outs)
+                   t2 - t1, passes, cache="/".join(cache), answers=answers, tokens=outs)
 
 
 def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
              device: str = "cpu", n: int = 400, fusions: Sequence[bool] = (False, True),
              dtype: torch.dtype = torch.bfloat16, log: Any = None,
-             decode_batch: int | None = -1, on_start: Any = None) -> list[EvalRun]:
-    """Every platform x fusion setting (x CUDA graphs on / off where the platform has them);
-    token agreement against ``reference`` without fusion (always run first). A run that raises
-    is reported with its error, never aborts the rest. ``decode_batch``: sequences per decode
-    forward (-1: :func:`default_decode_batch`, None: all at once). ``on_start(k, total, name)``
-    and ``log(row)`` are called before and after each run (progress)."""
+             decode_batch: int | None = -1, on_start: Any = None,
+             cache_formats: Sequence[tuple[str, str]] = (EXACT_CACHE,)) -> list[EvalRun]:
+    """Every platform x fusion setting (x CUDA graphs on / off where the platform has them)
+    x stored cache format (``(kv_cache_dtype, index_cache_dtype)`` pairs); token agreement
+    against ``reference`` without fusion with exact storage (always run first). A run that
+    raises is reported with its error, never aborts the rest. ``decode_batch``: sequences per
+    decode forward (-1: :func:`default_decode_batch`, None: all at once).
+    ``on_start(k, total, name)`` and ``log(row)`` are called before and after each run."""
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
     names = list(platforms) if platforms else available(device)
@@ -124,22 +146,26 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     except ConfigError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
     problems = heldout_problems(n, task)
-    combos = [("reference", False, "eager")] + [
-        (p, f, m) for p in names for f in fusions for m in graph_modes(p, device)
-        if (p, f) != ("reference", False)]
+    base_combo = ("reference", False, "eager", EXACT_CACHE)
+    combos = [base_combo] + [
+        (p, f, m, c) for p in names for f in fusions for m in graph_modes(p, device)
+        for c in cache_formats if (p, f, m, c) != base_combo
+        and (p, f, c) != ("reference", False, EXACT_CACHE)]
     runs: list[EvalRun] = []
     base: list[list[int]] | None = None
-    for k, (platform, fusion, mode) in enumerate(combos, 1):
+    for k, (platform, fusion, mode, cache) in enumerate(combos, 1):
         if on_start is not None:
-            on_start(k, len(combos), f"{platform} fusion {'on' if fusion else 'off'} {mode}")
+            name = f"{platform} fusion {'on' if fusion else 'off'} {mode}"
+            on_start(k, len(combos), name if cache == EXACT_CACHE
+                     else f"{name} cache {'/'.join(cache)}")
         try:
             run = answer_problems(model_dir, problems, platform, fusion, device, dtype, mode,
-                                  decode_batch)
+                                  decode_batch, cache)
         except Exception as e:  # noqa: BLE001 - a broken platform is a row, not a crash
             if base is None:
                 raise
             run = EvalRun(platform, fusion, device, mode, len(problems), 0, 0.0, 0.0, 0.0, [],
-                          error=f"{type(e).__name__}: {e}")
+                          error=f"{type(e).__name__}: {e}", cache="/".join(cache))
         if base is None:
             base = run.tokens
         elif not run.error:
@@ -152,16 +178,18 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
 
 def format_row(r: EvalRun) -> str:
     if r.error:
-        return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | ERROR: {r.error} "
-                "| | | |")
-    return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.accuracy:.3f} "
+        return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.cache} | "
+                f"ERROR: {r.error} | | | |")
+    return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.cache} | "
+            f"{r.accuracy:.3f} "
             f"({r.correct}/{r.n}) | {100 * r.token_agreement:.2f} % | {r.answer_seconds:.1f} | "
             f"{'+'.join(r.passes) or '-'} |")
 
 
 def format_table(runs: Sequence[EvalRun]) -> str:
-    head = ["| platform | compressor fusion | mode | accuracy | tokens = reference "
-            "| s (400 answers) | post-load passes |", "|---|---|---|---|---|---|---|"]
+    head = ["| platform | compressor fusion | mode | cache (kv/index keys) | accuracy "
+            "| tokens = reference | s (400 answers) | post-load passes |",
+            "|---|---|---|---|---|---|---|---|"]
     if runs:
         head[0] = head[0].replace("400", str(runs[0].n))
     return "\n".join(head + [format_row(r) for r in runs])
