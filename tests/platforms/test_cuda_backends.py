@@ -18,6 +18,7 @@ from dsv4.kernels.fused_input_proj import triton_available
 from dsv4.platforms.cuda_attention import (
     AttentionBackendError,
     choose_backend,
+    flashmla_shaped,
     kernel_store,
     triton_forward_mqa,
 )
@@ -176,11 +177,6 @@ def _backend_cases():
     return cases
 
 
-def flashmla_shaped(cfg):
-    """The tiny preset at FlashMLA's shape: 64 heads of 512 dims (small hidden and ranks)."""
-    return cfg.replace(num_attention_heads=64, head_dim=512, o_groups=2)
-
-
 @cuda
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @pytest.mark.parametrize("ratio", [0, 4, 128])
@@ -248,3 +244,27 @@ def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def _variants_for_test(cfg, device):
+    return [("fp8 cache", cfg.replace(kv_cache_dtype="fp8_ds_mla"))]
+
+
+def test_verify_runs_a_platforms_declared_variants(tiny):
+    from dsv4.platforms.cuda_attention import verify_variants
+    from dsv4.platforms.registry import Platform, register_platform, unregister_platform
+    from dsv4.verify import conformance
+
+    on_cpu = verify_variants(tiny, torch.device("cpu"))  # no Triton / FlashMLA rows off CUDA
+    assert [label for label, _ in on_cpu] == ["torch"]
+    assert on_cpu[0][1].attention_backend == "torch"
+    register_platform(Platform(name="ref-variants", description="test",
+                               attention_path="dsv4.attention:DeepseekV4Attention",
+                               verify_variants="test_cuda_backends:_variants_for_test"))
+    try:
+        rows = conformance(["ref-variants"], "cpu", tokens=16, cfg=tiny)
+    finally:
+        unregister_platform("ref-variants")
+    labels = {r.platform for r in rows}
+    assert labels == {"ref-variants", "ref-variants[fp8 cache]"}
+    assert len(rows) == 27 and all(r.ok for r in rows), [r for r in rows if not r.ok]

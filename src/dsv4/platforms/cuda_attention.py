@@ -33,6 +33,7 @@ import torch
 
 from dsv4.cache.formats import DenseFormat, Fp8DsMlaFormat
 from dsv4.cache.store import PagedStore
+from dsv4.config import DSV4Config
 
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
@@ -183,3 +184,29 @@ def format_key(stores: dict[str, PagedStore]) -> tuple[object, ...]:
     """What the choice depends on besides the layer: each store's format and block size."""
     return tuple((name, repr(s.fmt), getattr(s.fmt, "storage_dtype", None), s.block_size)
                  for name, s in stores.items() if name in ("kv", "compressed"))
+
+
+def flashmla_shaped(cfg: DSV4Config) -> DSV4Config:
+    """``cfg`` at FlashMLA's shape, 64 heads of 512 dims (2 output groups), other dims kept: the
+    tiny preset's 4 x 128 heads are not one FlashMLA runs."""
+    return cfg.replace(num_attention_heads=64, head_dim=512, o_groups=2)
+
+
+def verify_variants(cfg: DSV4Config, device: torch.device) -> list[tuple[str, DSV4Config]]:
+    """What ``dsv4 verify --platform cuda`` checks besides the default config (``auto``): each
+    backend that can run here on a bf16 and an fp8_ds_mla cache, and FlashMLA (with triton
+    beside it) on a FlashMLA-shaped config when the wheel is installed and the GPU runs it."""
+    from dsv4.kernels.flashmla_backend import flashmla_supports
+    from dsv4.kernels.fused_input_proj import triton_available
+
+    out = [("torch", cfg.replace(attention_backend="torch"))]
+    if triton_available() and device.type == "cuda":
+        out += [("triton", cfg.replace(attention_backend="triton")),
+                ("triton fp8_ds_mla", cfg.replace(attention_backend="triton",
+                                                  kv_cache_dtype="fp8_ds_mla"))]
+    big = flashmla_shaped(cfg)
+    if flashmla_supports(big.num_attention_heads, big.head_dim, "fp8_ds_mla", device)[0]:
+        for backend in ("flashmla", "triton"):
+            out.append((f"{backend} fp8_ds_mla 64x512",
+                        big.replace(attention_backend=backend, kv_cache_dtype="fp8_ds_mla")))
+    return out
