@@ -56,7 +56,7 @@ class Fp8LinearPlan:
         return "; ".join(parts)
 
 
-def linear_problem(lin: Linear, name: str, dtype: torch.dtype) -> str | None:
+def linear_problem(lin: Linear, dtype: torch.dtype) -> str | None:
     """Why ``lin`` cannot run through the fp8 kernels in a layer of ``dtype`` (None: it can)."""
     if dtype != torch.bfloat16:
         return f"the layer runs in {dtype}; the kernels take bf16 activations"
@@ -82,7 +82,7 @@ def plan_fp8_linears(layer: DeepseekV4Attention, kernels_available: bool,
         if lin is None:
             continue
         assert isinstance(lin, Linear)
-        why = why_unavailable if not kernels_available else linear_problem(lin, name, layer.dtype)
+        why = why_unavailable if not kernels_available else linear_problem(lin, layer.dtype)
         if name == "wo_a" and why is None:
             g = layer.o_groups
             if lin.weight.shape[0] % g or (lin.weight.shape[0] // g) % BLOCK:
