@@ -2,18 +2,61 @@
 
 from __future__ import annotations
 
-from dsv4.bench.decode_step import STRATEGIES, add_speedups, markdown_table
+import pytest
+import torch
+
+from dsv4.bench.decode_step import (
+    NEW_PATH,
+    STRATEGIES,
+    add_speedups,
+    main,
+    markdown_table,
+    step_bytes,
+)
+from dsv4.platforms.registry import _needs_cuda
 
 
-def test_speedups_are_against_the_best_upstream_strategy_and_both_of_ours_are_listed():
+def test_speedups_are_against_the_best_upstream_strategy_and_every_strategy_is_listed():
     times = {"serial4": 30.0, "multistream": 20.0, "rocm_style": 25.0, "fused4_dsv4": 16.0,
-             "cuda_plan": 10.0}
-    rows = [{"model": "flash", "layer_type": "C4", "M": m, "strategy": s, "us": t * m}
+             "cuda_plan": 10.0, "ours_triton": 5.0, "ours_triton_fp8": 4.0}
+    rows = [{"model": "flash", "layer_type": "C4", "M": m, "context": 512, "strategy": s,
+             "us": t * m, "fraction": 0.5, "launches": 30}
             for m in (1, 4) for s, t in times.items()]
+    rows += [{"model": "flash", "layer_type": "C4", "M": m, "context": 512,
+              "strategy": "ours_flashmla", "skipped": "not installed"} for m in (1, 4)]
     add_speedups(rows)
-    by = {(r["M"], r["strategy"]): r["speedup_vs_best_upstream"] for r in rows}
+    by = {(r["M"], r["strategy"]): r.get("speedup_vs_best_upstream") for r in rows}
     assert by[(1, "fused4_dsv4")] == 20.0 / 16.0 and by[(4, "cuda_plan")] == 2.0
-    assert by[(1, "multistream")] == 1.0
+    assert by[(1, "multistream")] == 1.0 and by[(1, "ours_triton_fp8")] == 5.0
+    assert by[(1, "ours_flashmla")] is None
     lines = markdown_table(rows)
     assert len(lines) == 4 and all(s in lines[0] for s in STRATEGIES)
-    assert lines[2].endswith("| 1.25x | 2.00x |")
+    assert all(f"{s} launches" in lines[0] for s in NEW_PATH)
+    assert lines[2].startswith("| flash | C4 | 512 | 1 | 30.0 (0.50) |")
+    assert "| 4.0 (0.50) | skipped | 30 | 30 | skipped |" in lines[2]
+    assert lines[2].endswith("| 1.25x | 2.00x | 4.00x | 5.00x |")
+
+
+def test_floor_counts_the_cache_format_bytes(tiny):
+    from dsv4 import DeepseekV4Attention
+    from dsv4.random_weights import random_layer_weights
+
+    sizes = {}
+    for fmt in ("bf16", "fp8_ds_mla"):
+        c = tiny.replace(kv_cache_dtype=fmt)
+        layer = DeepseekV4Attention.build(c, c.layer_of_ratio(4))
+        layer.load_weights(random_layer_weights(c, layer.layer_id).items())
+        sizes[fmt] = step_bytes(layer, 2, 1000)  # type: ignore[arg-type]
+    keys = 2 * (tiny.sliding_window + tiny.index_topk)  # rows read by 2 sequences
+    row_bf16, row_fp8 = tiny.head_dim * 2, (tiny.head_dim - 64) + 128 + 8
+    assert sizes["bf16"] - sizes["fp8_ds_mla"] == keys * (row_bf16 - row_fp8)
+
+
+def test_bad_strategy_and_layer_names_are_refused(tmp_path):
+    if _needs_cuda(None) is None:
+        pytest.skip("argument errors are checked before the GPU work only where it is absent")
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--strategies", "serial4,warp_speed"])
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--layers", "C8"])
+    assert torch.cuda.is_available() is False

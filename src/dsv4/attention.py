@@ -48,6 +48,8 @@ class DeepseekV4Attention(nn.Module):
         "_indexer_weights_gemm",
         "_fused_compressor_score_gemm",
         "_fused_input_projections_gemm",
+        "_wq_b_gemm",
+        "_indexer_wq_b_gemm",
         "forward_mqa",
         "_o_proj",
     )
@@ -317,9 +319,10 @@ class DeepseekV4Attention(nn.Module):
         kv = self._kv_rows(kv, pos)
         idx_q = None
         if self.indexer is not None:
-            idx_q = self.indexer.query(qr, pos, self.rotary, self.acc_dtype,
-                                       self.cfg.index_numerics if self.cfg.simulate_quant
-                                       else None)
+            idx_q = self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
+                                              self.acc_dtype,
+                                              self.cfg.index_numerics if self.cfg.simulate_quant
+                                              else None)
         step.write_window(kv)
         raw = self._write_entries(step, kv_score, idx_kv_score)
         entries = self._select_compressed(step, idx_q, idx_weights)
@@ -440,6 +443,27 @@ class DeepseekV4Attention(nn.Module):
         return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
                 outs.get("idx_weights"))
 
+    def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        """Query up-projection ``qr @ wq_b^T``: [T, heads * head_dim] in the layer dtype, from
+        the normalised q latent ``qr`` [T, q_lora_rank].
+
+        May change: the kernel (e.g. an fp8 weight-streaming GEMM that applies the block scales
+        in the kernel instead of dequantising the weight per call).
+        Must keep: the layer dtype out, the head-major column order (head h = columns
+        h * head_dim ..), this rank's heads only under tensor parallelism (``wq_b`` is sliced),
+        and the canonical weight (fall back to ``super()`` where the fast path does not apply)."""
+        return self.wq_b(qr)
+
+    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
+        index_head_dim] in the layer dtype (ratio-4 layers only).
+
+        May change: the kernel (as :meth:`_wq_b_gemm`).
+        Must keep: the layer dtype out, the head-major column order, and no RoPE or numerics
+        simulation here (the indexer applies them)."""
+        assert self.indexer is not None
+        return self.indexer.wq_b(qr)
+
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
                     ) -> torch.Tensor:
         """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
@@ -490,7 +514,7 @@ class DeepseekV4Attention(nn.Module):
         return qr, kv
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self._wq_b_gemm(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = rms_normalize(q, self.cfg.rms_norm_eps, self.acc_dtype)  # per head, no weight
         return self.rotary.rotate(q, pos, self.acc_dtype).to(self.dtype)
 

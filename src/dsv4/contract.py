@@ -58,10 +58,12 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None)
     weights may take the one-launch path (``packed_path``) or, for calls its platform plans
     otherwise, the separate GEMMs; default: packed iff the layer is packed."""
     packed = layer._input_pack is not None if packed_path is None else packed_path
+    common = {"_wq_b_gemm", "forward_mqa", "_o_proj"}
+    if layer.indexer is not None:
+        common.add("_indexer_wq_b_gemm")
     if packed:  # one launch replaces the four GEMMs
-        return {"_run_parallel_input_projections", "_fused_input_projections_gemm",
-                "forward_mqa", "_o_proj"}
-    pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa", "_o_proj"}
+        return {"_run_parallel_input_projections", "_fused_input_projections_gemm", *common}
+    pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", *common}
     fused = isinstance(layer._fused_compressor_weight, torch.Tensor)
     if layer.compressor is not None:
         pts.add("_fused_compressor_score_gemm" if fused else "_compressor_kv_score_gemm")

@@ -116,36 +116,42 @@ def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
 def conformance(platforms: Sequence[str], device: torch.device | str = "cpu",
                 tokens: int = 300, seed: int = 0, cfg: DSV4Config | None = None,
                 log: Callable[[str], None] | None = None) -> list[ConformanceRow]:
-    """``log`` gets one line per row as it completes (progress)."""
+    """``log`` gets one line per row as it completes (progress). Each platform runs with the
+    default config (fusion off and on), then its declared variants (``Platform.variants``: e.g.
+    the cuda platform's attention backends and cache formats; fusion on), rows labelled
+    ``platform[variant]``."""
     cfg = cfg or DSV4Config.preset("tiny")
-    total = len(platforms) * 2 * 3 * 3
+    plan: list[tuple[str, str, DSV4Config, bool]] = []
+    for platform in platforms:
+        plan += [(platform, platform, cfg, fusion) for fusion in (False, True)]
+        plan += [(platform, f"{platform}[{label}]", vcfg, True)
+                 for label, vcfg in get_platform(platform, device).variants(cfg, device)]
+    total = len(plan) * 3 * 3
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for platform in platforms:
+    for platform, label, pcfg, fusion in plan:
         tol = get_platform(platform, device).conformance_tolerance
-        for fusion in (False, True):
-            for ratio in (0, 4, 128):
-                ref, layer, changed = build_pair(cfg, ratio, platform, fusion, device,
-                                               torch.bfloat16, seed)
-                for mode in ("prefill", "decode", "pooled"):
-                    x = torch.randn(tokens, cfg.hidden_size, generator=gen)
-                    x = x.to(device=device, dtype=torch.bfloat16)
-                    try:
-                        with record_selection(layer) as seen:
-                            y = _run(layer, x, mode)
-                        with replay_selection(ref, seen):
-                            y_ref = _run(ref, x, mode)
-                        err = float((y.double() - y_ref.double()).norm() / y_ref.double().norm())
-                        rows.append(ConformanceRow(platform, fusion, ratio, mode, err, tol,
-                                                   changed))
-                    except Exception as e:  # a failing platform is a row, not a crash
-                        rows.append(ConformanceRow(platform, fusion, ratio, mode, float("nan"),
-                                                   tol, changed, f"{type(e).__name__}: {e}"))
-                    if log is not None:
-                        r = rows[-1]
-                        log(f"[verify conformance {len(rows)}/{total}] {platform} fusion "
-                            f"{'on' if fusion else 'off'} ratio {ratio} {mode}: rel err "
-                            f"{r.rel_err:.2e} {'ok' if r.ok else 'FAIL'}")
+        for ratio in (0, 4, 128):
+            ref, layer, changed = build_pair(pcfg, ratio, platform, fusion, device,
+                                             torch.bfloat16, seed)
+            for mode in ("prefill", "decode", "pooled"):
+                x = torch.randn(tokens, pcfg.hidden_size, generator=gen)
+                x = x.to(device=device, dtype=torch.bfloat16)
+                try:
+                    with record_selection(layer) as seen:
+                        y = _run(layer, x, mode)
+                    with replay_selection(ref, seen):
+                        y_ref = _run(ref, x, mode)
+                    err = float((y.double() - y_ref.double()).norm() / y_ref.double().norm())
+                    rows.append(ConformanceRow(label, fusion, ratio, mode, err, tol, changed))
+                except Exception as e:  # a failing platform is a row, not a crash
+                    rows.append(ConformanceRow(label, fusion, ratio, mode, float("nan"), tol,
+                                               changed, f"{type(e).__name__}: {e}"))
+                if log is not None:
+                    r = rows[-1]
+                    log(f"[verify conformance {len(rows)}/{total}] {label} fusion "
+                        f"{'on' if fusion else 'off'} ratio {ratio} {mode}: rel err "
+                        f"{r.rel_err:.2e} {'ok' if r.ok else 'FAIL ' + r.error}")
     return rows
 
 
@@ -178,11 +184,11 @@ def contract(platforms: Sequence[str], device: torch.device | str = "cpu",
 def format_report(conf: list[ConformanceRow], cont: list[ContractRow]) -> str:
     lines = ["conformance against `reference` (rel. Frobenius error, bf16, same weights and "
              "inputs, reference replays the platform's top-k picks)", "",
-             f"{'platform':>11} | {'fusion':>6} | {'ratio':>5} | {'mode':>7} | {'rel err':>9} | "
+             f"{'platform':>34} | {'fusion':>6} | {'ratio':>5} | {'mode':>7} | {'rel err':>9} | "
              f"{'tolerance':>9} | {'passes applied':>30} | result"]
     for r in conf:
         res = "ok" if r.ok else ("FAIL " + r.error if r.error else "FAIL")
-        lines.append(f"{r.platform:>11} | {'on' if r.fusion else 'off':>6} | {r.ratio:>5} | "
+        lines.append(f"{r.platform:>34} | {'on' if r.fusion else 'off':>6} | {r.ratio:>5} | "
                      f"{r.mode:>7} | {r.rel_err:>9.2e} | {r.tolerance:>9.1e} | "
                      f"{r.passes:>30} | {res}")
     lines += ["", "override contract (structure + spied forward path)"]

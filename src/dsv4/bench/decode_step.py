@@ -1,21 +1,35 @@
-"""Full-layer decode step per input-projection strategy, CUDA-graph replay (one H200).
+"""Full-layer decode step per strategy, CUDA-graph replay (one H200).
 
 One DSV4 attention layer (Flash or Pro dims, C4 / C128 / SWA, fp8 weights with block scales,
 random), M sequences each holding ``context`` tokens, one decode token per sequence per step. The
 whole step (input projections, norms, q / kv paths, cache writes, compressor, indexer top-k,
-sparse MQA, output projection) is captured once as a CUDA graph and replayed. Strategies differ
-only in the input stage:
+sparse MQA, output projection) is captured once as a CUDA graph and replayed. Today's strategies
+differ only in the input stage and run the base path elsewhere (fp8 linears dequantised per call,
+the torch sparse attention, a bf16 cache):
 
 * ``serial4``      the four input GEMMs one after another (no aux streams, no fusion)
 * ``multistream``  upstream CUDA: fused_wqa_wkv on the current stream, the others on 3 aux streams
 * ``rocm_style``   upstream ROCm + fusion PR: sequential, the two compressor GEMMs fused
 * ``fused4_dsv4``  ours: one launch over the packed weights (fuse_input_projections), at any M
-* ``cuda_plan``    ours as the ``cuda`` platform runs it: the one launch up to the plan's token
-                   count (``cuda_plan.json``), the upstream stream plan above
+* ``cuda_plan``    ours as the ``cuda`` platform ran it before the fp8 GEMMs and attention
+                   backends: the one launch up to the plan's token count (``cuda_plan.json``)
 
-Each strategy's replayed output is checked against its own eager step (bitwise) and against the
-``serial4`` output (rel. error), before it is timed. ``floor_us`` = bytes of all the layer's
-weights plus the KV rows the step reads, over the copy bandwidth measured in the same run.
+The new path (the ``cuda`` platform as it runs now: cuda_plan's input stage, fp8 weight-streaming
+GEMMs for wq_b / wo_a / wo_b / the indexer's wq_b, a paged attention kernel):
+
+* ``ours_triton``      dsv4's Triton sparse-MQA kernel on a bf16 cache
+* ``ours_triton_fp8``  the same on an ``fp8_ds_mla`` cache (584 bytes a row)
+* ``ours_flashmla``    FlashMLA's sparse fp8 decode kernel on the ``fp8_ds_mla`` cache (rows
+                       skipped, with the reason, where FlashMLA is not installed or the shape
+                       is not one it runs)
+
+Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
+and against the first strategy's output (rel. error <= 2e-2; the caches hold the same rows in
+every format, see :mod:`dsv4.bench.synthetic_cache`). ``floor_us`` = bytes of all the layer's
+weights plus the cache bytes the step reads (window rows and selected entries in the strategy's
+kv format, and every visible indexer key), over the copy bandwidth measured in the same run.
+``launches`` = GPU operations (kernels, copies, memsets) of one eager step of the same code,
+counted with the profiler (a graph replays the same operations).
 """
 
 from __future__ import annotations
@@ -25,88 +39,140 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsv4.bench.input_proj import measure_copy_bw
+from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
 
-STRATEGIES = ("serial4", "multistream", "rocm_style", "fused4_dsv4", "cuda_plan")
-OURS = ("fused4_dsv4", "cuda_plan")
+UPSTREAM = ("serial4", "multistream", "rocm_style")
+OURS = ("fused4_dsv4", "cuda_plan", "ours_triton", "ours_triton_fp8", "ours_flashmla")
+STRATEGIES = UPSTREAM + OURS
+NEW_PATH = ("ours_triton", "ours_triton_fp8", "ours_flashmla")
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    threshold: int
+    fused: str  # "none", "all", "plan"
+    passes: tuple[str, ...]
+    fp8_gemms: bool = False
+    attention_backend: str = "torch"
+    kv_cache_dtype: str = "bf16"
+
+
+_BOTH = ("compressor_fusion", "fuse_input_projections")
+STRATEGY_SPECS = {
+    "serial4": Strategy(0, "none", ()),
+    "multistream": Strategy(1024, "none", ()),
+    "rocm_style": Strategy(0, "none", ("compressor_fusion",)),
+    "fused4_dsv4": Strategy(1024, "all", _BOTH),
+    "cuda_plan": Strategy(1024, "plan", _BOTH),
+    "ours_triton": Strategy(1024, "plan", _BOTH, True, "triton", "bf16"),
+    "ours_triton_fp8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla"),
+    "ours_flashmla": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla"),
+}
 
 
 def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torch.Tensor],
           dev: torch.device) -> CudaAttention:
-    threshold = 0 if strategy in ("serial4", "rocm_style") else 1024
-    c = cfg.replace(multi_stream_token_threshold=threshold)
-    fused = {"fused4_dsv4": 1 << 20,
-             "cuda_plan": CudaPlan.load(cfg.hidden_size).fused_max_tokens}.get(strategy, 0)
+    spec = STRATEGY_SPECS[strategy]
+    c = cfg.replace(multi_stream_token_threshold=spec.threshold,
+                    attention_backend=spec.attention_backend,
+                    kv_cache_dtype=spec.kv_cache_dtype)
+    fused = {"all": 1 << 20, "plan": CudaPlan.load(cfg.hidden_size).fused_max_tokens,
+             "none": 0}[spec.fused]
     plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0)  # the whole step is one graph
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
+    layer.use_fp8_gemms(spec.fp8_gemms)
     layer.load_weights(weights.items())
-    passes = {"serial4": [], "multistream": [], "rocm_style": ["compressor_fusion"],
-              "fused4_dsv4": ["compressor_fusion", "fuse_input_projections"],
-              "cuda_plan": ["compressor_fusion", "fuse_input_projections"]}[strategy]
-    process_weights_after_loading(layer, passes=passes)
+    process_weights_after_loading(layer, passes=list(spec.passes))
     return layer
 
 
 def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
+    """Weights plus the cache bytes one decode step of M sequences at ``context`` reads, in the
+    layer's cache formats (kv rows: window + selected entries; every visible indexer key)."""
     w = sum(p.numel() * p.element_size() for p in layer.parameters())
     cfg = layer.cfg
+    pool = layer.new_cache_pool(1, 64)
+    kv_row = pool.kv_format.row_bytes()
     keys = min(context + 1, cfg.sliding_window)
     r = layer.compress_ratio
     if r == 4:
         keys += min(cfg.index_topk, (context + 1) // 4)
-        keys_idx = (context + 1) // 4  # indexer scores every visible key
-        w += m * keys_idx * cfg.index_head_dim * 2
+        assert pool.index_format is not None
+        w += m * ((context + 1) // 4) * pool.index_format.row_bytes()
     elif r == 128:
         keys += (context + 1) // 128
-    return w + m * keys * cfg.head_dim * 2
+    return w + m * keys * kv_row
 
 
-def profile_step(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
-                 context: int, title: str) -> str:
-    """Kernel table of one eager decode step (same kernels as the graph): where the time goes."""
+def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
+                   caches: list[Any], context: int, title: str = ""
+                   ) -> tuple[int, str]:
+    """(GPU operations of one eager decode step, the profiler's kernel table of it). The step's
+    writes are undone (the caches are truncated back to ``context``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         layer(x, pos, caches)
         torch.cuda.synchronize()
     for c in caches:
-        c.length = context
+        c.truncate(context)
     events = prof.key_averages()
     times = [(e.count, getattr(e, "device_time_total", 0.0)) for e in events]
-    kernels = sum(n for n, t in times if t > 0)
+    launches = sum(n for n, t in times if t > 0)
     total = sum(t for _, t in times)
     table = events.table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
-    return (f"## {title}: {kernels} kernel launches, {total:.0f} us of kernel time in one "
-            f"eager step\n\n{table}\n")
+    return launches, (f"## {title}: {launches} GPU operations, {total:.0f} us of kernel time in "
+                      f"one eager step\n\n{table}\n")
 
 
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
-             profiles: list[str] | None = None, pooled: bool = False,
+             profiles: list[str] | None = None, pooled: bool = True,
+             strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
              ) -> list[dict[str, Any]]:
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     x = torch.randn(m, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+    prompts = (torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+               if fill == "prefill" else None)
     pos = torch.full((m,), context, dtype=torch.long)  # CPU positions: no sync, capturable
-    rows, base = [], None
-    for strategy in STRATEGIES:
+    rows: list[dict[str, Any]] = []
+    base: torch.Tensor | None = None
+    base_name = ""
+    for strategy in strategies:
+        key = {"model": model, "layer_type": layer_type, "M": m, "context": context,
+               "strategy": strategy}
         layer = build(cfg, layer_id, strategy, weights, dev)
         caches = (layer.new_caches(m, context + 8) if pooled else
                   [layer.new_cache(context + 8) for _ in range(m)])
-        for i, c in enumerate(caches):
-            layer(prompts[i], torch.arange(context), c)
-        eager = layer(x, pos, caches)  # warm-up and the eager answer
+        if prompts is not None:
+            for i, c in enumerate(caches):
+                layer(prompts[i], torch.arange(context), c)
+        else:
+            fill_history(caches, context, seed=7)
+        try:
+            choice = layer.attention_choice(caches[0].pool).describe()
+            eager = layer(x, pos, caches)  # warm-up and the eager answer
+        except RuntimeError as ex:
+            if strategy != "ours_flashmla":
+                raise
+            rows.append({**key, "skipped": f"{type(ex).__name__}: {ex}"})
+            print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} {strategy:>15}: "
+                  f"skipped ({ex})", flush=True)
+            del layer, caches
+            continue
         for c in caches:
             c.truncate(context)
         side = torch.cuda.Stream(dev)
@@ -126,11 +192,12 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
         if not torch.equal(out, eager):
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
-        base = out.clone() if base is None else base
+        if base is None:
+            base, base_name = out.clone(), strategy
         err = float((out.double() - base.double()).norm() / base.double().norm())
         if err > 2e-2:
-            raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: rel err {err:.2e} "
-                               "against serial4")
+            raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel err "
+                               f"{err:.2e} against {base_name}")
         times = []
         for _ in range(reps):
             s, e = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -140,18 +207,25 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
             e.record()
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e) * 1e3 / 20)
+        for c in caches:  # each replay wrote the step's rows again: back to the history
+            c.truncate(context)
         us = statistics.median(times)
-        floor = step_bytes(layer, m, context) / bw * 1e6
-        rows.append({"model": model, "layer_type": layer_type, "M": m, "strategy": strategy,
-                     "weights_dtype": "fp8-block", "mode": "graph", "scope": "decode_step",
-                     "context": context, "caches": "pooled" if pooled else "per-sequence",
-                     "us": us, "floor_us": floor, "fraction": floor / us,
-                     "rel_err_vs_serial4": err})
-        print(f"{model:>5} {layer_type:>4} M={m:>3} {strategy:>12}: {us:8.1f} us "
-              f"(floor {floor:6.1f} us, {floor / us:.2f}), err {err:.1e}", flush=True)
-        if profiles is not None and strategy == "fused4_dsv4":
-            profiles.append(profile_step(layer, x, pos, caches, context,
-                                         f"{model} {layer_type} M={m} {strategy}"))
+        nbytes = step_bytes(layer, m, context)
+        floor = nbytes / bw * 1e6
+        launches, table = count_launches(layer, x, pos, caches, context,
+                                         f"{model} {layer_type} ctx={context} M={m} {strategy}")
+        if profiles is not None and strategy in NEW_PATH:
+            profiles.append(table)
+        rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
+                     "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
+                     "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
+                     if layer._fp8_enabled else "off",
+                     "caches": "pooled" if pooled else "per-sequence", "fill": fill,
+                     "us": us, "bytes": nbytes, "floor_us": floor, "fraction": floor / us,
+                     "launches": launches, "rel_err_vs": base_name, "rel_err": err})
+        print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} {strategy:>15}: "
+              f"{us:8.1f} us (floor {floor:6.1f} us, {floor / us:.3f}), {launches} launches, "
+              f"err {err:.1e}", flush=True)
         del layer, caches, graph
         torch.cuda.empty_cache()
     add_speedups(rows)
@@ -159,32 +233,87 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    """``speedup_vs_best_upstream`` of every row: the fastest upstream strategy's time at the
-    same (model, layer, M) over this row's."""
+    """``speedup_vs_best_upstream`` of every timed row: the fastest upstream strategy's time at
+    the same (model, layer, context, M) over this row's (absent when no upstream row ran)."""
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        return r["model"], r["layer_type"], r["M"]
+        return r["model"], r["layer_type"], r.get("context"), r["M"]
 
     best: dict[tuple[Any, ...], float] = {}
     for r in rows:
-        if r["strategy"] not in OURS:
+        if r["strategy"] in UPSTREAM and "us" in r:
             best[key(r)] = min(best.get(key(r), float("inf")), r["us"])
     for r in rows:
-        r["speedup_vs_best_upstream"] = best[key(r)] / r["us"]
+        if "us" in r and key(r) in best:
+            r["speedup_vs_best_upstream"] = best[key(r)] / r["us"]
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per (model, layer, M): us per strategy and our two variants' speedups."""
-    lines = ["| model | layer | M | " + " | ".join(STRATEGIES)
-             + " | fused4_dsv4 vs best upstream | cuda_plan vs best upstream |",
-             "|---|---|---|" + "---|" * (len(STRATEGIES) + 2)]
-    keys = sorted({(r["model"], r["layer_type"], r["M"]) for r in rows},
-                  key=lambda k: (k[0], k[1], k[2]))
+    """One line per (model, layer, context, M): per strategy "us (fraction of floor)", the
+    launches of the new path, and the speedups over the best upstream strategy."""
+    present = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    ours = [s for s in OURS if s in present and any(s == r["strategy"] and
+                                                     "speedup_vs_best_upstream" in r
+                                                     for r in rows)]
+    new = [s for s in NEW_PATH if s in present]
+    head = (["model", "layer", "ctx", "M"] + present + [f"{s} launches" for s in new]
+            + [f"{s} vs best upstream" for s in ours])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = sorted({(r["model"], r["layer_type"], r.get("context", 0), r["M"]) for r in rows})
     for k in keys:
-        cells = {r["strategy"]: r for r in rows if (r["model"], r["layer_type"], r["M"]) == k}
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(
-            f"{cells[s]['us']:.1f}" for s in STRATEGIES) + " | " + " | ".join(
-            f"{cells[s]['speedup_vs_best_upstream']:.2f}x" for s in OURS) + " |")
+        cells = {r["strategy"]: r for r in rows
+                 if (r["model"], r["layer_type"], r.get("context", 0), r["M"]) == k}
+
+        def cell(s: str, what: str, cells: dict[str, dict[str, Any]] = cells) -> str:
+            r = cells.get(s)
+            if r is None:
+                return "-"
+            if "us" not in r:
+                return "skipped"
+            if what == "us":
+                frac = f" ({r['fraction']:.2f})" if "fraction" in r else ""
+                return f"{r['us']:.1f}{frac}"
+            if what == "launches":
+                return str(r.get("launches", "-"))
+            v = r.get("speedup_vs_best_upstream")
+            return "-" if v is None else f"{v:.2f}x"
+
+        ctx = f"{k[2] // 1024}K" if k[2] >= 1024 else str(k[2])
+        lines.append(f"| {k[0]} | {k[1]} | {ctx} | {k[3]} | "
+                     + " | ".join([cell(s, "us") for s in present]
+                                  + [cell(s, "launches") for s in new]
+                                  + [cell(s, "speedup") for s in ours]) + " |")
     return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Fraction of floor per case and strategy (PNG); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    timed = [r for r in rows if "fraction" in r]
+    cases = sorted({(r["model"], r["layer_type"], r["context"], r["M"]) for r in timed})
+    present = [s for s in STRATEGIES if any(r["strategy"] == s for r in timed)]
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(present) / 3), 4.5))
+    width = 0.8 / max(1, len(present))
+    for j, s in enumerate(present):
+        vals = [next((r["fraction"] for r in timed if r["strategy"] == s and
+                      (r["model"], r["layer_type"], r["context"], r["M"]) == c), 0.0)
+                for c in cases]
+        ax.bar([i + j * width for i in range(len(cases))], vals, width, label=s)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"{m} {lt}\nctx {c} M={mm}" for m, lt, c, mm in cases], fontsize=7)
+    ax.set_ylabel("fraction of floor (weights + cache bytes / copy bw)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("DSV4 attention layer decode step, CUDA-graph replay")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -193,16 +322,30 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="folder for the JSON and markdown results")
     ap.add_argument("--models", default="flash,pro",
                     help="comma-separated model presets (default flash,pro)")
-    ap.add_argument("--layers", default="C4", help="comma-separated layer types (default C4)")
-    ap.add_argument("--ms", default="1,4,16,64",
-                    help="comma-separated sequences per decode step (default 1,4,16,64)")
-    ap.add_argument("--context", type=int, default=1024,
-                    help="cached tokens per sequence (default 1024)")
+    ap.add_argument("--layers", default="C4",
+                    help="comma-separated layer types of C4, C128, SWA (default C4)")
+    ap.add_argument("--ms", default="1,16,64",
+                    help="comma-separated sequences per decode step (default 1,16,64)")
+    ap.add_argument("--contexts", default="512",
+                    help="comma-separated cached tokens per sequence, e.g. 512,8192,65536 "
+                    "(default 512)")
+    ap.add_argument("--context", type=int, default=None,
+                    help="one context (kept for --tp; default 1024 there)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help=f"comma-separated subset of {','.join(STRATEGIES)} (default all; the "
+                    "first is the reference the others are checked against)")
+    ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
+                    help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
+                    "context) or a real prefill by each strategy's layer (default synthetic)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
+    ap.add_argument("--per-sequence", action="store_true",
+                    help="a cache pool per sequence (default: the M sequences in one pool, the "
+                    "batched decode path)")
     ap.add_argument("--pooled", action="store_true",
-                    help="the M sequences' caches in one pool (the batched decode path)")
+                    help="with --tp: the M sequences' caches in one pool")
     ap.add_argument("--profile", action="store_true",
-                    help="also write decode_step_profile.md: the kernel table of one step")
+                    help="also write decode_step_profile.md: the kernel table of one step of "
+                    "each new-path row")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
                     "or started by torchrun): the cuda_plan step per rank, with and without "
@@ -214,7 +357,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.tp != 1 or args.dry_run or "WORLD_SIZE" in os.environ:
         from dsv4.bench.decode_step_tp import main_tp
 
+        if args.context is None:
+            args.context = 1024
         return main_tp(args)
+    strategies = tuple(v for v in args.strategies.split(",") if v)
+    bad = [v for v in strategies if v not in STRATEGIES]
+    if bad or not strategies:
+        ap.error(f"--strategies: unknown {bad}; valid: {','.join(STRATEGIES)}")
+    layers = args.layers.split(",")
+    if any(lt not in LAYER_RATIO for lt in layers):
+        ap.error(f"--layers: valid layer types are {','.join(LAYER_RATIO)}")
+    contexts = ([args.context] if args.context is not None
+                else [int(v) for v in args.contexts.split(",")])
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bw(dev)
@@ -224,24 +378,27 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     profiles: list[str] | None = [] if args.profile else None
     for model in args.models.split(","):
         cfg = DSV4Config.preset(model)
-        for layer_type in args.layers.split(","):
+        for layer_type in layers:
             weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
-            for m in (int(v) for v in args.ms.split(",")):
-                rows += run_case(cfg, model, layer_type, m, args.context, dev, bw, args.reps,
-                                 weights, profiles, args.pooled)
-                partial = {"rows": rows, "copy_bw": bw}
-                (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
-    args.out.mkdir(parents=True, exist_ok=True)
+            for context in contexts:
+                for m in (int(v) for v in args.ms.split(",")):
+                    rows += run_case(cfg, model, layer_type, m, context, dev, bw, args.reps,
+                                     weights, profiles, not args.per_sequence, strategies,
+                                     args.fill)
+                    partial = {"rows": rows, "copy_bw": bw}
+                    (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
     (args.out / "decode_step.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-         "copy_bw": bw, "seconds": time.time() - t0, "rows": rows}, indent=1))
+         "copy_bw": bw, "seconds": time.time() - t0, "argv": argv, "rows": rows}, indent=1))
+    (args.out / "decode_step.partial.json").unlink(missing_ok=True)
     lines = markdown_table(rows)
     (args.out / "decode_step.md").write_text(
-        "Full-layer decode step, CUDA-graph replay, us (context "
-        f"{args.context} tokens per sequence, "
-        f"{'one cache pool' if args.pooled else 'a cache per sequence'})\n\n"
-        + "\n".join(lines) + "\n")
+        "Full-layer decode step, CUDA-graph replay: us (fraction of floor); copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s; "
+        f"{'a cache pool per sequence' if args.per_sequence else 'one cache pool'}, "
+        f"{args.fill} history\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(rows, args.out / "fraction_of_floor.png")
     if profiles:
         (args.out / "decode_step_profile.md").write_text("\n".join(profiles))
     return 0

@@ -509,6 +509,9 @@ class SplitKWorkspace:
     def __init__(self) -> None:
         self.partials: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
+        """Buffers replaced by a growth, kept alive: a CUDA graph captured before the growth
+        still points at them (it never runs concurrently with newer launches of the stream)."""
 
     def get(self, device, n_partials: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
         grow_p = self.partials is None or self.partials.numel() < n_partials
@@ -517,6 +520,8 @@ class SplitKWorkspace:
             if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("fused_input_projections: the split-K workspace must grow "
                                    "before CUDA-graph capture; run one eager call first")
+            old = (self.partials if grow_p else None, self.counters if grow_c else None)
+            self._retired += [t for t in old if t is not None]
             if grow_p:
                 self.partials = torch.empty(n_partials, device=device, dtype=torch.float32)
             if grow_c:

@@ -10,6 +10,11 @@
 * The input-projection stage of decode-sized calls runs as a CUDA graph, captured once per
   power-of-two token bucket (attention stays eager, as in upstream's piecewise graphs). Graphs
   are dropped whenever weights are rebound, and not used under an offloader that moves weights.
+* fp8 ``wq_b``, ``wo_a`` (grouped, one launch), ``wo_b`` and the indexer's ``wq_b`` run through
+  weight-streaming GEMMs that read e4m3 + ue8m0 scales in place for decode-sized calls
+  (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
+* ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
+  auto; :mod:`dsv4.platforms.cuda_attention`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,7 +31,26 @@ from typing import Any
 import torch
 
 from dsv4.attention import DeepseekV4Attention
+from dsv4.cache.pool import CachePool
+from dsv4.cache.step import CacheStep
+from dsv4.kernels.fused_input_proj import triton_available
 from dsv4.layers.linear import Linear
+from dsv4.platforms.cuda_attention import (
+    BackendChoice,
+    choose_backend,
+    flashmla_forward_mqa,
+    format_key,
+    triton_forward_mqa,
+)
+from dsv4.platforms.cuda_linears import (
+    FP8_GEMM_MAX_TOKENS,
+    Fp8LinearPlan,
+    fp8_gemm,
+    fp8_wo_a_wo_b,
+    plan_fp8_linears,
+)
+
+logger = logging.getLogger(__name__)
 
 InputProjections = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                          torch.Tensor | None]
@@ -72,7 +97,8 @@ class CudaPlan:
 
 class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
-    HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs")
+    HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
+               "attention_choice")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -83,6 +109,29 @@ class CudaAttention(DeepseekV4Attention):
         self._fp32_out = self.dtype == torch.bfloat16
         self.plan = plan or CudaPlan.load(self.cfg.hidden_size)
         self._graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor, InputProjections]] = {}
+        self._fp8_enabled = True
+        self.fp8_plan = Fp8LinearPlan()
+        """Which fp8 linears run through the weight-streaming kernels (set after each load)."""
+        self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
+
+    def use_fp8_gemms(self, enabled: bool) -> None:
+        """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
+        dequantise + GEMM per call): comparisons and benchmarks of the earlier path."""
+        self._fp8_enabled = enabled
+
+    def attention_choice(self, pool: CachePool) -> BackendChoice:
+        """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
+        per store format; logged once)."""
+        key = format_key(pool.stores)
+        choice = self._attention_choices.get(key)
+        if choice is None:
+            choice = choose_backend(
+                self.cfg.attention_backend, dtype=self.dtype, heads=self.n_heads,
+                head_dim=self.head_dim, stores=pool.stores, device=self.device,
+                kernels_available=triton_available() and self.device.type == "cuda")
+            self._attention_choices[key] = choice
+            logger.info("layer %d: %s", self.layer_id, choice.describe())
+        return choice
 
     def use_cuda_graphs(self, enabled: bool) -> None:
         """Turn the input stage's CUDA graphs on (the plan's ``graph_max_tokens``) or off (every
@@ -130,6 +179,41 @@ class CudaAttention(DeepseekV4Attention):
     def _after_weights_changed(self) -> None:
         super()._after_weights_changed()
         self._graphs = {}  # captured pointers may be stale
+        on_gpu = triton_available() and self.device.type == "cuda"
+        self.fp8_plan = plan_fp8_linears(
+            self, on_gpu, "" if on_gpu else "the fp8 kernels need Triton and a CUDA device")
+
+    # ---- fp8 weight-streaming linears (dsv4.platforms.cuda_linears) -------------------
+    def _fp8_ready(self, name: str, x: torch.Tensor) -> bool:
+        """Host-side test, no sync: the fp8 kernel takes this call of linear ``name``."""
+        return (self._fp8_enabled and name in self.fp8_plan.eligible
+                and x.shape[0] <= FP8_GEMM_MAX_TOKENS and self.offloader.is_noop)
+
+    def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        if self._fp8_ready("wq_b", qr):
+            return fp8_gemm(self.wq_b, qr)
+        return super()._wq_b_gemm(qr)
+
+    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
+            return fp8_gemm(self.indexer.wq_b, qr)
+        return super()._indexer_wq_b_gemm(qr)
+
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self._fp8_ready("wo_a", o):
+            return super()._o_proj(o, positions)
+        o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
+        return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
+
+    # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
+    def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
+                    ) -> torch.Tensor:
+        choice = self.attention_choice(step.pool)
+        if choice.backend == "triton":
+            return triton_forward_mqa(self, q, step, selection, choice.fmt)
+        if choice.backend == "flashmla":
+            return flashmla_forward_mqa(self, q, step, selection, choice.fmt)
+        return super().forward_mqa(q, step, selection)
 
     # ---- fp32-output GEMMs ------------------------------------------------------------
     def _score_gemm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:

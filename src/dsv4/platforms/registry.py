@@ -35,6 +35,10 @@ class Platform:
     conformance_tolerance: float = 1e-2
     """Largest relative error against ``reference`` (bf16, same weights) that ``dsv4 verify``
     accepts; platforms with different declared numerics say how much and why."""
+    verify_variants: str = ""
+    """``module:function`` returning extra configurations ``dsv4 verify`` checks on this
+    platform, ``f(cfg, device) -> [(label, cfg)]`` (e.g. each available attention backend);
+    imported on use. Empty: the platform is verified with the default config only."""
 
     def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:
         return self.requirement(None if device is None else torch.device(device))
@@ -46,6 +50,13 @@ class Platform:
 
     def build_attention(self, cfg: Any, layer_id: int, **kwargs: Any) -> DeepseekV4Attention:
         return self.attention_cls(cfg, layer_id, **kwargs)
+
+    def variants(self, cfg: Any, device: torch.device | str) -> list[tuple[str, Any]]:
+        """(label, config) pairs that ``dsv4 verify`` checks besides the default config."""
+        if not self.verify_variants:
+            return []
+        module, fn = self.verify_variants.split(":")
+        return list(getattr(importlib.import_module(module), fn)(cfg, torch.device(device)))
 
 
 _REGISTRY: dict[str, Platform] = {}
@@ -123,8 +134,10 @@ register_platform(Platform(
 register_platform(Platform(
     name="cuda",
     description="CUDA: all input projections in one Triton launch (fuse_input_projections), "
-                "else aux-stream overlap of the input GEMMs; fp32-output GEMMs",
+                "else aux-stream overlap of the input GEMMs; fp32-output GEMMs; fp8 "
+                "weight-streaming GEMMs; sparse attention by cfg.attention_backend",
     attention_path="dsv4.platforms.cuda:CudaAttention",
     pass_names=("compressor_fusion", "fuse_input_projections"),
     requirement=_needs_cuda,
+    verify_variants="dsv4.platforms.cuda_attention:verify_variants",
 ))

@@ -1,0 +1,115 @@
+"""The ``cuda`` platform's fp8 linears: ``wq_b``, the grouped ``wo_a``, ``wo_b`` and the indexer's
+``wq_b`` through the weight-streaming GEMMs of :mod:`dsv4.kernels.fp8_linear`.
+
+The base layer multiplies these weights by dequantising them into the activation dtype on every
+call (two elementwise passes over the weight, then a bf16 GEMM). Here the kernels read the e4m3
+weight and its ue8m0 128x128 block scales as stored and apply the scales in the kernel; the
+grouped ``wo_a`` is one launch over all of the rank's groups. No copy of any weight is made, so
+weights are never held twice.
+
+Numerics (declared): per 128-wide K block the e4m3 tile widens to bf16 exactly, the block product
+accumulates in fp32 and is scaled by the block's power of two (exact), the sum over blocks is
+fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on the dequantised
+weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions.
+
+Which layers and calls take it is decided on the host, without device syncs (CUDA-graph
+capturable), by :func:`plan_fp8_linears` after every weight change, and per call by the token
+count (:data:`FP8_GEMM_MAX_TOKENS`: decode-sized calls; a long prefill amortises one dequantised
+copy over many tokens and runs the base path's cuBLAS GEMM) and the offloader (an offloader that
+moves weights rebinds them around the forward: the base path then runs, as for CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4.kernels.fp8_linear import fp8_grouped_linear, fp8_linear
+from dsv4.layers.linear import Linear
+from dsv4.layers.weight_layout import get_layout
+
+if TYPE_CHECKING:
+    from dsv4.attention import DeepseekV4Attention
+
+FP8_GEMM_MAX_TOKENS = 128
+"""Calls of at most this many tokens use the fp8 kernels (measured at M = 1, 16, 64 in
+benchmarks/results/h200/attention_kernels: 4-17x faster than dequantise + GEMM there); longer
+calls (prefill) use the base path."""
+
+BLOCK = 128
+LINEARS = ("wq_b", "wo_a", "wo_b", "indexer.wq_b")
+"""The layer's fp8 linears this module can take over (module names relative to the layer)."""
+
+
+@dataclass(frozen=True)
+class Fp8LinearPlan:
+    """Which of :data:`LINEARS` run through the fp8 kernels, and why the others do not."""
+
+    eligible: frozenset[str] = frozenset()
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        parts = [f"{n}: fp8 kernel" for n in LINEARS if n in self.eligible]
+        parts += [f"{n}: base path ({why})" for n, why in self.skipped.items()]
+        return "; ".join(parts)
+
+
+def linear_problem(lin: Linear, dtype: torch.dtype) -> str | None:
+    """Why ``lin`` cannot run through the fp8 kernels in a layer of ``dtype`` (None: it can)."""
+    if dtype != torch.bfloat16:
+        return f"the layer runs in {dtype}; the kernels take bf16 activations"
+    if not lin.is_fp8 or lin.scale is None:
+        return "not an fp8 weight"
+    layout = get_layout(lin.weight)
+    if layout is not None:
+        return f"weight stored in the platform layout {layout.name!r}"
+    n, k = lin.weight.shape
+    if n % BLOCK or k % BLOCK:
+        return f"weight {n} x {k} is not a multiple of {BLOCK} in both dims"
+    if not lin.weight.is_contiguous():
+        return "weight is not contiguous"
+    return None
+
+
+def plan_fp8_linears(layer: DeepseekV4Attention, kernels_available: bool,
+                     why_unavailable: str = "") -> Fp8LinearPlan:
+    """The plan for ``layer``'s current weights (host work only; run after weight changes)."""
+    eligible, skipped = set(), {}
+    for name in LINEARS:
+        lin = layer.get_submodule(name) if _has(layer, name) else None
+        if lin is None:
+            continue
+        assert isinstance(lin, Linear)
+        why = why_unavailable if not kernels_available else linear_problem(lin, layer.dtype)
+        if name == "wo_a" and why is None:
+            g = layer.o_groups
+            if lin.weight.shape[0] % g or (lin.weight.shape[0] // g) % BLOCK:
+                why = f"rows per output group {lin.weight.shape[0] // g} not a multiple of {BLOCK}"
+        if why is None:
+            eligible.add(name)
+        else:
+            skipped[name] = why
+    return Fp8LinearPlan(frozenset(eligible), skipped)
+
+
+def _has(layer: DeepseekV4Attention, name: str) -> bool:
+    return not name.startswith("indexer.") or layer.indexer is not None
+
+
+def fp8_gemm(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16, scales applied in the kernel."""
+    assert lin.scale is not None
+    return fp8_linear(x, lin.weight, lin.scale)
+
+
+def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:
+    """The output projection after inverse RoPE: ``wo_a`` grouped in one launch over this rank's
+    output groups (g-major: group g = heads g*hpg .. g*hpg + hpg - 1), then ``wo_b`` (through
+    the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden]."""
+    lin = layer.wo_a
+    assert lin.scale is not None
+    z = fp8_grouped_linear(o.reshape(o.shape[0], layer.o_groups, -1), lin.weight, lin.scale)
+    z = z.flatten(1)
+    return fp8_gemm(layer.wo_b, z) if wo_b else layer.wo_b(z)

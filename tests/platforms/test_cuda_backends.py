@@ -1,0 +1,270 @@
+"""The cuda platform's fp8 linears and attention backends.
+
+On CPU: the backend choice (reasons included), the kernels' view of the paged stores (the triton
+backend's operands through the kernel's torch reference, which reads the same bytes), and the fp8
+linears' plan and results (the kernel's reference path). On a GPU (``cuda`` marker): the
+platform end to end per backend and cache format against the reference layer, the fp8 kernels
+provably running, and a whole decode step captured as one CUDA graph."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.platforms.cuda_attention import (
+    AttentionBackendError,
+    choose_backend,
+    flashmla_shaped,
+    kernel_store,
+    triton_forward_mqa,
+)
+from dsv4.platforms.cuda_linears import LINEARS, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
+from dsv4.probes import record_selection, replay_selection
+from dsv4.random_weights import random_layer_weights
+
+from conftest import random_x, rel_err
+
+BF16 = torch.bfloat16
+
+
+def _choice(layer, requested, kv_cache_dtype="bf16", kernels=True):
+    pool = layer.new_cache_pool(1, 64, kv_cache_dtype=kv_cache_dtype)
+    return choose_backend(requested, dtype=layer.dtype, heads=layer.n_heads,
+                          head_dim=layer.head_dim, stores=pool.stores, device=layer.device,
+                          kernels_available=kernels)
+
+
+def test_backend_choice_and_reasons(tiny, make_layer):
+    layer = make_layer(tiny, 4)
+    assert _choice(layer, "torch").backend == "torch"
+    c = _choice(layer, "triton")
+    assert (c.backend, c.fmt) == ("triton", "bf16")
+    c = _choice(layer, "triton", "fp8_ds_mla")
+    assert (c.backend, c.fmt) == ("triton", "fp8_ds_mla")
+    c = _choice(layer, "auto", "fp8_ds_mla")  # FlashMLA needs CUDA, 64/128 heads, d=512
+    assert c.backend == "triton" and "FlashMLA" in c.reason
+    c = _choice(layer, "auto")
+    assert c.backend == "triton" and "fp8_ds_mla" in c.reason
+    c = _choice(layer, "triton", kernels=False)
+    assert c.backend == "torch" and ("Triton" in c.reason or "CUDA" in c.reason)
+    with pytest.raises(AttentionBackendError, match="flashmla.*(CUDA|heads)"):
+        _choice(layer, "flashmla")
+    with pytest.raises(ValueError, match="attention_backend"):
+        _choice(layer, "cudnn")
+
+
+def test_float32_layers_fall_back_to_torch_with_the_reason(tiny, make_layer):
+    layer = make_layer(tiny, 128, dtype=torch.float32)
+    for requested in ("auto", "triton"):
+        c = _choice(layer, requested, "auto")
+        assert c.backend == "torch" and "float32" in c.reason
+    c = _choice(layer, "triton", "bf16")  # bf16 store, float32 queries
+    assert c.backend == "torch" and "float32" in c.reason
+
+
+def test_kernel_store_is_a_view_of_the_cache_bytes(tiny, make_layer):
+    layer = make_layer(tiny, 4)
+    pool = layer.new_cache_pool(2, 64, kv_cache_dtype="fp8_ds_mla")
+    store = pool.stores["compressed"]
+    view = kernel_store(store, "fp8_ds_mla")
+    assert view.shape == (store.data.shape[0], store.block_bytes)
+    assert view.data_ptr() == store.data.data_ptr() and view.stride() == (store.block_bytes, 1)
+    bf = layer.new_cache_pool(2, 64, kv_cache_dtype="bf16").stores["kv"]
+    assert kernel_store(bf, "bf16") is bf.data
+
+
+class _BothBackends(DeepseekV4Attention):
+    """Test double: runs the base forward_mqa and the triton backend's operands on every step
+    (off CUDA the kernel entry point runs its torch reference over the same store bytes)."""
+
+    HELPERS = ()
+    fmt = "bf16"
+
+    def forward_mqa(self, q, step, selection):
+        ref = super().forward_mqa(q, step, selection)
+        got = triton_forward_mqa(self, q, step, selection, self.fmt)
+        self.errs.append(rel_err(got, ref))
+        self.shapes.append(None if selection is None else tuple(selection.shape))
+        return ref
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_triton_backend_operands_match_the_base_attention(tiny, ratio, fmt):
+    cfg = tiny.replace(kv_cache_dtype=fmt)
+    lid = cfg.layer_of_ratio(ratio)
+    layer = _BothBackends(cfg, lid, dtype=BF16)
+    layer.load_weights(random_layer_weights(cfg, lid, 3).items())
+    layer.fmt, layer.errs, layer.shapes = fmt, [], []
+    caches = layer.new_caches(3, 300)
+    x = random_x(300, cfg.hidden_size).to(BF16)
+    begin = 0
+    for n, c in zip((140, 70, 20), caches, strict=True):  # prefills (ratio 128: entries exist)
+        layer(x[begin:begin + n], torch.arange(n), c)
+        begin += n
+    for s in range(4):  # pooled decode steps
+        layer(x[begin:begin + 3], torch.tensor([140 + s, 70 + s, 20 + s]), caches)
+        begin += 3
+    assert len(layer.errs) == 7 and max(layer.errs) < 1e-2, layer.errs
+    if ratio:
+        assert any(s is not None and s[1] > 0 for s in layer.shapes)  # entries were read
+
+
+def test_fp8_linear_plan_and_results_match_the_base_path(tiny, make_layer):
+    layer = make_layer(tiny, 4)
+    plan = plan_fp8_linears(layer, True)
+    assert plan.eligible == set(LINEARS) and not plan.skipped
+    qr = random_x(5, tiny.q_lora_rank).to(BF16)
+    assert rel_err(fp8_gemm(layer.wq_b, qr), layer.wq_b(qr)) < 1e-2
+    assert rel_err(fp8_gemm(layer.indexer.wq_b, qr), layer.indexer.wq_b(qr)) < 1e-2
+    o = random_x(5 * layer.n_heads, layer.head_dim).to(BF16).view(5, layer.n_heads, -1)
+    base = layer.wo_b(layer._wo_a_grouped(o))
+    assert rel_err(fp8_wo_a_wo_b(layer, o, wo_b=True), base) < 1e-2
+    assert rel_err(fp8_wo_a_wo_b(layer, o, wo_b=False), base) < 1e-2
+    off = plan_fp8_linears(layer, False, "no Triton here")
+    assert not off.eligible and off.skipped["wq_b"] == "no Triton here"
+    assert "indexer.wq_b" not in plan_fp8_linears(make_layer(tiny, 0), True).eligible
+
+
+def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):
+    f32 = plan_fp8_linears(make_layer(tiny, 0, dtype=torch.float32), True)
+    assert not f32.eligible and all("float32" in why for why in f32.skipped.values())
+    pre = make_layer(tiny, 0, platform="preshuffle")
+    process_weights_after_loading(pre)
+    plan = plan_fp8_linears(pre, True)
+    assert "wo_b" in plan.skipped and "layout" in plan.skipped["wo_b"]
+    assert {"wq_b", "wo_a"} <= plan.eligible
+
+
+# ---------------------------------------------------------------------------------- GPU
+cuda = pytest.mark.cuda
+
+
+def _cuda_pair(cfg, ratio, backend, seed=1):
+    from dsv4.platforms.cuda import CudaAttention
+
+    c = cfg.replace(attention_backend=backend)
+    lid = c.layer_of_ratio(ratio)
+    w = random_layer_weights(c, lid, seed)
+    layer = CudaAttention(c, lid, device="cuda", dtype=BF16)
+    layer.load_weights(w.items())
+    process_weights_after_loading(layer)
+    ref = DeepseekV4Attention.build(c, lid, device="cuda", dtype=BF16)
+    ref.load_weights(w.items())
+    return layer, ref
+
+
+def _prefill_and_decode(layer, x, split):
+    cache = layer.new_cache(x.shape[0])
+    pos = torch.arange(x.shape[0])
+    ys = [layer(x[:split], pos[:split], cache)]
+    ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(split, x.shape[0])]
+    return torch.cat(ys), cache
+
+
+def _backend_cases():
+    from dsv4.kernels.flashmla_backend import flashmla_supports
+
+    cases = [("torch", "bf16", "torch"), ("triton", "bf16", "triton"),
+             ("triton", "fp8_ds_mla", "triton"), ("auto", "bf16", "triton")]
+    if torch.cuda.is_available() and flashmla_supports(64, 512, "fp8_ds_mla", "cuda")[0]:
+        cases += [("flashmla", "fp8_ds_mla", "flashmla"), ("auto", "fp8_ds_mla", "flashmla"),
+                  ("flashmla", "bf16", "flashmla")]
+    return cases
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("backend,fmt,expect", _backend_cases() if torch.cuda.is_available()
+                         else [("torch", "bf16", "torch")])
+def test_cuda_backends_against_the_reference(tiny, ratio, backend, fmt, expect):
+    cfg = tiny.replace(kv_cache_dtype=fmt)
+    if expect == "flashmla":
+        cfg = flashmla_shaped(cfg)
+    layer, ref = _cuda_pair(cfg, ratio, backend)
+    assert layer.fp8_plan.eligible == ({*LINEARS} if ratio == 4 else
+                                       {"wq_b", "wo_a", "wo_b"}), layer.fp8_plan.describe()
+    x = random_x(200, cfg.hidden_size).to("cuda", BF16)
+    with mock.patch("dsv4.platforms.cuda.fp8_gemm", wraps=fp8_gemm) as spy, \
+            record_selection(layer) as seen:
+        y, cache = _prefill_and_decode(layer, x, 150)
+    assert spy.call_count > 0  # decode steps took the fp8 kernels
+    assert layer.attention_choice(cache.pool).backend == expect
+    with replay_selection(ref, seen):
+        y_ref, _ = _prefill_and_decode(ref, x, 150)
+    assert rel_err(y, y_ref) < 1e-2
+
+
+@cuda
+def test_fp8_gemms_off_gives_the_base_path(tiny):
+    layer, ref = _cuda_pair(tiny, 4, "torch")
+    layer.use_fp8_gemms(False)
+    x = random_x(40, tiny.hidden_size).to("cuda", BF16)
+    with mock.patch("dsv4.platforms.cuda.fp8_gemm", wraps=fp8_gemm) as spy:
+        y, _ = _prefill_and_decode(layer, x, 30)
+    assert spy.call_count == 0
+    y_ref, _ = _prefill_and_decode(ref, x, 30)
+    assert rel_err(y, y_ref) < 1e-2
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio, fmt):
+    from dsv4.platforms.cuda import capture_graph
+
+    layer, _ = _cuda_pair(tiny.replace(kv_cache_dtype=fmt), ratio, "triton")
+    caches = layer.new_caches(3, 300)
+    for i, c in enumerate(caches):
+        n = 130 + 9 * i
+        layer(random_x(n, tiny.hidden_size).to("cuda", BF16), torch.arange(n), c)
+    assert layer.attention_choice(caches[0].pool).backend == "triton"
+    x = random_x(3, tiny.hidden_size).to("cuda", BF16)
+    pos = torch.tensor([c.length for c in caches])
+    lengths = [c.length for c in caches]
+    eager = layer(x, pos, caches)
+    for c, n in zip(caches, lengths, strict=True):
+        c.truncate(n)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, pos, caches)
+    torch.cuda.current_stream().wait_stream(side)
+    for c, n in zip(caches, lengths, strict=True):
+        c.truncate(n)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        out = layer(x, pos, caches)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def _variants_for_test(cfg, device):
+    return [("fp8 cache", cfg.replace(kv_cache_dtype="fp8_ds_mla"))]
+
+
+def test_verify_runs_a_platforms_declared_variants(tiny):
+    from dsv4.platforms.cuda_attention import verify_variants
+    from dsv4.platforms.registry import Platform, register_platform, unregister_platform
+    from dsv4.verify import conformance
+
+    on_cpu = verify_variants(tiny, torch.device("cpu"))  # no Triton / FlashMLA rows off CUDA
+    assert [label for label, _ in on_cpu] == ["torch"]
+    assert on_cpu[0][1].attention_backend == "torch"
+    register_platform(Platform(name="ref-variants", description="test",
+                               attention_path="dsv4.attention:DeepseekV4Attention",
+                               verify_variants="test_cuda_backends:_variants_for_test"))
+    try:
+        rows = conformance(["ref-variants"], "cpu", tokens=16, cfg=tiny)
+    finally:
+        unregister_platform("ref-variants")
+    labels = {r.platform for r in rows}
+    assert labels == {"ref-variants", "ref-variants[fp8 cache]"}
+    assert len(rows) == 27 and all(r.ok for r in rows), [r for r in rows if not r.ok]
