@@ -16,8 +16,8 @@ from torch import nn
 from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep, CallTransaction
 from dsv4.config import DSV4Config
+from dsv4.derived_state import restore_derived_state
 from dsv4.layers.compressor import Compressor
-from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.linear import Linear, MergedLinear
 from dsv4.layers.mqa import sparse_mqa_paged
@@ -195,10 +195,11 @@ class DeepseekV4Attention(nn.Module):
         return platform_spec(self.platform_name).pass_names
 
     def prepare_compressor_gemm_fusion(self) -> bool:
-        """Upstream's entry point: run the compressor fusion pass on this layer; True if fused."""
-        from dsv4.passes.compressor_fusion import CompressorFusionPass
+        """Upstream's entry point: run the compressor fusion pass on this layer; True if fused.
+        (The pass is looked up by name in the pass registry, imported here on first use.)"""
+        from dsv4.passes.pipeline import PASSES
 
-        plan = CompressorFusionPass().plan(self)
+        plan = PASSES["compressor_fusion"].plan(self)
         if callable(plan):
             plan()
             return True
@@ -228,27 +229,18 @@ class DeepseekV4Attention(nn.Module):
         and state derived from weights (platforms extend this)."""
         for name, layout in self._weight_layouts.items():
             set_layout(self.get_parameter(name), layout)
-        packed = self._packed_input_weight
-        if isinstance(packed, torch.Tensor):
-            from dsv4.passes.input_fusion import input_segments, pack_layer_inputs
+        restore_derived_state(self)  # what the post-load passes derived from the weights
 
-            ptr = packed.untyped_storage().data_ptr()
-            if any(p.untyped_storage().data_ptr() != ptr
-                   for _, p, _ in input_segments(self)[1:]):
-                pack_layer_inputs(self)
-            elif self.fused_wqa_wkv.scale is not None:  # new block scales: re-derive fp32 copy
-                self._packed_fp8_scale = e8m0_to_float(self.fused_wqa_wkv.scale.data).to(
-                    self.device)
-            return
-        fused = self._fused_compressor_weight
-        if isinstance(fused, torch.Tensor):
-            main, idx = self.fused_compressor_params()
-            aliased = (main.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-                       == idx.untyped_storage().data_ptr())
-            if not aliased:
-                from dsv4.passes.compressor_fusion import fuse_compressor_weights
-
-                fuse_compressor_weights(self)
+    def _current_input_pack(self) -> Any:
+        """The input pack with its tensors refreshed from this layer's buffers (device moves,
+        offload rebind them; the pack object keeps the segment plan)."""
+        pack = self._input_pack
+        assert pack is not None
+        pack.weight = self._packed_input_weight
+        if pack.fp8_weight is not None:
+            pack.fp8_weight = self.fused_wqa_wkv.weight.data
+            pack.fp8_scale = self._packed_fp8_scale
+        return pack
 
     def _apply(self, fn: Any, recurse: bool = True) -> DeepseekV4Attention:
         # A device move converts parameters and the fused buffer separately: re-alias after.
@@ -435,9 +427,8 @@ class DeepseekV4Attention(nn.Module):
         Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, the tuple order.
         """
         from dsv4.kernels.fused_input_proj import fused_input_projections
-        from dsv4.passes.input_fusion import current_pack
 
-        pack = current_pack(self)
+        pack = self._current_input_pack()
         outs = dict(zip((s.name for s in pack.segments), fused_input_projections(x, pack),
                         strict=True))
         return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsv4.derived_state import register_restorer
 from dsv4.passes.base import Mutation, Skip
 
 if TYPE_CHECKING:
@@ -76,3 +77,20 @@ def fuse_compressor_weights(layer: DeepseekV4Attention) -> None:
     idx.set_(storage, n_main * fused.shape[1], idx.shape, idx.stride())
     layer._fused_compressor_weight = fused
     layer._fused_compressor_split_sizes = (n_main, idx.shape[0])
+
+
+@torch.no_grad()
+def restore_compressor_fusion(layer: DeepseekV4Attention) -> bool:
+    """After the parameters were rebound: re-fuse if the two no longer view the fused buffer.
+    False when the layer is not fused."""
+    fused = layer._fused_compressor_weight
+    if not isinstance(fused, torch.Tensor):
+        return False
+    main, idx = layer.fused_compressor_params()
+    ptr = fused.untyped_storage().data_ptr()
+    if not (main.untyped_storage().data_ptr() == ptr == idx.untyped_storage().data_ptr()):
+        fuse_compressor_weights(layer)
+    return True
+
+
+register_restorer(CompressorFusionPass.name, restore_compressor_fusion, order=20)

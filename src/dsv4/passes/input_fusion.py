@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsv4.kernels.fused_input_proj import PackedInputWeights, pack_input_weights, segment_views
+from dsv4.derived_state import register_restorer
+from dsv4.kernels.fused_input_proj import pack_input_weights, segment_views
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.weight_layout import get_layout
 from dsv4.passes.base import Mutation, Skip
@@ -96,12 +97,19 @@ def pack_layer_inputs(layer: DeepseekV4Attention) -> None:
     layer._input_pack = pack
 
 
-def current_pack(layer: DeepseekV4Attention) -> PackedInputWeights:
-    """The layer's pack with its tensors refreshed from the layer (device moves, offload)."""
-    pack = layer._input_pack
-    assert pack is not None
-    pack.weight = layer._packed_input_weight  # type: ignore[assignment]
-    if pack.fp8_weight is not None:
-        pack.fp8_weight = layer.fused_wqa_wkv.weight.data
-        pack.fp8_scale = layer._packed_fp8_scale  # type: ignore[assignment]
-    return pack
+@torch.no_grad()
+def restore_input_pack(layer: DeepseekV4Attention) -> bool:
+    """After the parameters were rebound: re-pack if a segment no longer views the packed
+    buffer, else re-derive the fp32 copy of new fp8 block scales. False when not packed."""
+    packed = layer._packed_input_weight
+    if not isinstance(packed, torch.Tensor):
+        return False
+    ptr = packed.untyped_storage().data_ptr()
+    if any(p.untyped_storage().data_ptr() != ptr for _, p, _ in input_segments(layer)[1:]):
+        pack_layer_inputs(layer)
+    elif layer.fused_wqa_wkv.scale is not None:
+        layer._packed_fp8_scale = e8m0_to_float(layer.fused_wqa_wkv.scale.data).to(layer.device)
+    return True
+
+
+register_restorer(InputFusionPass.name, restore_input_pack, order=10)
