@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -632,26 +633,33 @@ class DeepseekV4Attention(nn.Module):
         # under CUDA-graph capture, where reading is impossible and they are trusted.
         check = positions.device.type == "cpu" or not (
             positions.is_cuda and torch.cuda.is_current_stream_capturing())
-        pos_host = positions.detach().to("cpu", torch.long) if check else None
-        begin = 0
+        pos_host = positions.detach().to("cpu", torch.long).numpy() if check else None
+        for i, c in enumerate(caches):
+            self._check_cache(c, i)
+        lengths = np.fromiter((c.length for c in caches), dtype=np.int64, count=len(caches))
+        counts = np.asarray(lens, dtype=np.int64)
+        begins = np.cumsum(counts) - counts
+        if pos_host is not None:  # every sequence's positions continue its cache (vectorised)
+            expect = np.repeat(lengths - begins, counts) + np.arange(t)
+            wrong = np.flatnonzero(pos_host != expect)
+            if wrong.size:
+                i = int(np.searchsorted(begins, wrong[0], side="right") - 1)
+                b, n, c = int(begins[i]), lens[i], caches[i]
+                raise AttentionInputError(
+                    f"positions of sequence {i} are {_short(torch.from_numpy(pos_host[b:b + n]))} "
+                    f"but its cache holds {c.length} tokens: they must continue it as "
+                    f"{_short(torch.arange(c.length, c.length + n))}")
         by_pool: dict[int, tuple[CachePool, list[int], list[AttentionCache], list[int]]] = {}
         for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
-            self._check_cache(c, i)
-            expect = torch.arange(c.length, c.length + n)
-            got = expect if pos_host is None else pos_host[begin:begin + n]
-            if not torch.equal(got, expect):
-                raise AttentionInputError(
-                    f"positions of sequence {i} are {_short(got)} but its cache holds {c.length} "
-                    f"tokens: they must continue it as {_short(expect)}")
             if c.length + n > c.max_seq_len:
                 raise AttentionInputError(
                     f"sequence {i}: {c.length} cached + {n} new tokens exceed the cache's "
                     f"max_seq_len={c.max_seq_len}")
             group = by_pool.setdefault(id(c.pool), (c.pool, [], [], []))
+            begin = int(begins[i])
             group[1].extend(range(begin, begin + n))
             group[2].append(c)
             group[3].append(n)
-            begin += n
         if len(by_pool) == 1:
             pool, _, cs, ns = next(iter(by_pool.values()))
             return [(pool, None, cs, ns)]

@@ -235,6 +235,16 @@ def _flat_rows(rows: Tensor, capacity: int, what: str, allow_missing: bool) -> T
     return flat
 
 
+def _zero_missing(out: Tensor, valid: Tensor) -> Tensor:
+    """Rows of ``out`` [n, dim] where ``valid`` is False set to 0. On the CPU only the missing
+    rows are touched (a broadcast masked_fill over every row costs ms on a large gather); on a
+    device one sync-free masked_fill."""
+    if out.device.type == "cpu":
+        missing = (~valid).nonzero().flatten()
+        return out.index_fill_(0, missing, 0) if missing.numel() else out
+    return out.masked_fill(~valid[:, None], 0)
+
+
 def _check_distinct(flat: Tensor, what: str) -> None:
     if flat.device.type != "cpu":  # a device check would cost a sync
         return
@@ -302,8 +312,7 @@ class DenseFormat(RowFormat):
             return torch.zeros(*rows.shape, self.dim, dtype=dtype, device=store.device)
         idx = flat.clamp_min(0)
         out = store[idx // r, idx % r].to(dtype)
-        out = out.masked_fill(~valid[:, None], 0)
-        return out.reshape(*rows.shape, self.dim)
+        return _zero_missing(out, valid).reshape(*rows.shape, self.dim)
 
     def copy_rows(self, store: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
         self._check_store(store)
@@ -407,8 +416,8 @@ class PackedFormat(RowFormat):
         idx = flat.clamp_min(0)
         blk, off = idx // r, idx % r
         out = self._decode(data[blk, off], scales[blk, off], compute_dtype(dtype)).to(dtype)
-        out = out.masked_fill(~valid[:, None], 0)  # also clears garbage of never-written rows
-        return out.reshape(*rows.shape, self.dim)
+        # zeroing also clears the garbage of never-written rows
+        return _zero_missing(out, valid).reshape(*rows.shape, self.dim)
 
     def copy_rows(self, store: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
         data, scales = self._regions(store)
