@@ -85,6 +85,16 @@ def test_prefill_indices_are_visible_distinct_and_padded():
     assert win[0].tolist() == [-1] * 7 + [0]
 
 
+def test_every_model_has_a_layer_of_each_type():
+    from dsv4.bench.prefill import LAYER_RATIO, bench_layer_id
+
+    for model in ("flash", "pro"):
+        cfg = DSV4Config.preset(model)
+        for ratio in LAYER_RATIO.values():
+            assert cfg.compress_ratio(bench_layer_id(cfg, ratio)) == ratio
+    assert bench_layer_id(DSV4Config.preset("pro"), 0) == 61  # the MTP layer
+
+
 def test_case_prediction_skips_only_after_a_measured_row():
     assert predicted_case_s(None, 1 << 17, 3) == 0.0
     assert predicted_case_s((4096, 0.1), 16384, 3) == pytest.approx(0.1 * 4 * 1.5 * 4)

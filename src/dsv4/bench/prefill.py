@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dsv4.config import ATTENTION_BACKENDS, DSV4Config
+from dsv4.config import ATTENTION_BACKENDS, ConfigError, DSV4Config
 
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
@@ -158,6 +158,17 @@ def build_layer(cfg: DSV4Config, layer_id: int, weights: dict[str, torch.Tensor]
     return layer
 
 
+def bench_layer_id(cfg: DSV4Config, ratio: int) -> int:
+    """The first layer of that ratio; for SWA in a model whose main layers are all compressed
+    (Pro), its MTP layer (SWA-only)."""
+    try:
+        return cfg.layer_of_ratio(ratio)
+    except ConfigError:
+        if ratio:
+            raise
+        return cfg.num_hidden_layers
+
+
 def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[int],
                chunk: int, context: int, reps: int, check_tokens: int, rate: float,
                dev: torch.device, max_case_s: float, log: Callable[[dict], None],
@@ -168,7 +179,7 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
 
     base_cfg = DSV4Config.preset(model)
     ratio = LAYER_RATIO[layer_type]
-    layer_id = base_cfg.layer_of_ratio(ratio)
+    layer_id = bench_layer_id(base_cfg, ratio)
     weights = random_layer_weights(base_cfg, layer_id)
     gen = torch.Generator().manual_seed(0)
     longest = max([*tokens, context + chunk if chunk else 0])
