@@ -65,6 +65,7 @@ class Indexer(nn.Module):
         pattern = "thd,nd->thn" if keys.dim() == 2 else "thd,tnd->thn"
         logits = torch.einsum(pattern, q.to(acc_dtype), keys.to(acc_dtype)).relu_()
         scores = torch.einsum("thn,th->tn", logits, w)
+        del logits  # the top-k's scratch reuses it
         visible = (positions + 1) // 4
         invisible = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
         scores = scores.masked_fill(invisible, float("-inf"))
@@ -109,6 +110,9 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     order. ``torch.topk`` finds the k-th largest value v; every entry above v is taken and, of
     those equal to v, the lowest-indexed ones that complete k; a stable sort of those k gives
     the order."""
+    t, n = scores.shape
+    if k >= n:  # every entry: the sort itself
+        return scores.sort(dim=-1, descending=True, stable=True)
     if k == 0:
         return scores[:, :0], torch.zeros_like(scores[:, :0], dtype=torch.long)
     kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
@@ -116,6 +120,11 @@ def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     tied = scores == kth
     room = k - above.sum(dim=-1, keepdim=True, dtype=torch.int32)
     take = above | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
-    idx = take.nonzero()[:, 1].view(scores.shape[0], k)  # ascending entry index per row
+    del above, tied
+    # the k taken entries of each row, ascending: the j-th taken one goes to column j (the rest
+    # to a spare column k); no host sync (nonzero() would wait for the device)
+    slot = (take.cumsum(dim=-1) - 1).masked_fill_(~take, k)
+    entries = torch.arange(n, device=scores.device).expand(t, n)
+    idx = scores.new_empty((t, k + 1), dtype=torch.long).scatter_(1, slot, entries)[:, :k]
     values, order = scores.gather(1, idx).sort(dim=-1, descending=True, stable=True)
     return values, idx.gather(1, order)
