@@ -288,19 +288,27 @@ class DeepseekV4Attention(nn.Module):
         """The tokens of one pool's sequences, in steps of at most ``pool.step_tokens``."""
         pieces = _split_steps(counts, pool.step_tokens)
         txn = CallTransaction(pool, caches, snapshot_rings=len(pieces) > 1)
-        outs = []
+        out: torch.Tensor | None = None
         try:
             for begin, end, part in pieces:
                 idx = [i for i, n in enumerate(part) if n]
                 step = pool.begin_step([caches[i] for i in idx], [part[i] for i in idx])
                 release = None if len(pieces) == 1 else [txn.window_release_from()[i] for i in idx]
-                outs.append(self._step(x[begin:end], step, release))
+                y = self._step(x[begin:end], step, release)
+                if len(pieces) == 1:
+                    out = y
+                else:  # each step's rows go straight to the output (no list + cat: one copy)
+                    if out is None:
+                        out = y.new_empty(x.shape[0], y.shape[1])
+                    out[begin:end] = y
+                del y
         except BaseException:
             txn.rollback()
             raise
         if len(pieces) > 1:
             txn.finish()
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        assert out is not None
+        return out
 
     def _step(self, x: torch.Tensor, step: CacheStep, release_from: list[int] | None
               ) -> torch.Tensor:

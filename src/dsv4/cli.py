@@ -24,6 +24,7 @@ BENCH_SUITES = {
     "pooled-decode": "dsv4.bench.pooled_decode",
     "transformers-decode": "dsv4.bench.transformers_decode",
     "attention-kernels": "dsv4.bench.attention_kernels",
+    "prefill": "dsv4.bench.prefill",
     "kv-memory": "dsv4.bench.kv_memory",
 }
 CPU_SUITES = ("pooled-decode", "transformers-decode", "kv-memory")
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
-                   help="input-proj, decode-step, attention-kernels (CUDA GPU), "
+                   help="input-proj, decode-step, attention-kernels, prefill (CUDA GPU), "
                    "pooled-decode, transformers-decode or kv-memory (any device)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)

@@ -7,12 +7,16 @@ Spies are instance attributes that call the bound method they shadow, removed on
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dsv4.attention import DeepseekV4Attention
 
@@ -85,3 +89,66 @@ def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | N
         yield
     finally:
         layer.__dict__.pop("_select_compressed", None)
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Peak bytes of the tensors that operators create while the mode is active (any device).
+
+    torch's CPU allocator keeps no peak statistic, so this tracks it at the operator level: each
+    operator output whose storage was not seen before counts as a new allocation, held until
+    the last Python tensor seen on that storage (views included) is collected. ``peak`` is the
+    most bytes held at once, ``largest`` the biggest single allocation as (bytes, operator,
+    shape). Scratch memory an operator frees before it returns is not seen; storages that
+    existed before (weights, the cache's stores, written in place) are never counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.largest: tuple[int, str, tuple[int, ...]] = (0, "", ())
+        self._refs: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+        self._before: set[int] = set()
+
+    def __enter__(self) -> AllocationTracker:
+        gc.collect()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        for t in tree_flatten((args, kwargs))[0]:  # storages made before the mode: never new
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in self._refs:
+                self._before.add(_storage_key(t))
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._hold(t, str(func))
+        return out
+
+    def _hold(self, t: torch.Tensor, op: str) -> None:
+        key = _storage_key(t)
+        if key in self._before or key == 0:
+            return
+        if key not in self._refs:
+            nbytes = t.untyped_storage().nbytes()
+            self._refs[key] = 0
+            self._bytes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            if nbytes > self.largest[0]:
+                self.largest = (nbytes, op, tuple(t.shape))
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= self._bytes.pop(key)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    if t.device.type == "meta":
+        return 0
+    return int(t.untyped_storage().data_ptr())

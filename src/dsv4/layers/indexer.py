@@ -71,14 +71,13 @@ class Indexer(nn.Module):
         pattern = "thd,nd->thn" if keys.dim() == 2 else "thd,tnd->thn"
         logits = torch.einsum(pattern, q.to(acc_dtype), keys.to(acc_dtype)).relu_()
         scores = torch.einsum("thn,th->tn", logits, w)
+        del logits  # the top-k's scratch reuses it
         visible = (positions + 1) // 4
         invisible = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
         scores = scores.masked_fill(invisible, float("-inf"))
         k = min(self.topk, n)
-        # A stable descending sort breaks exact ties (common: relu zeroes every head) towards the
-        # lower entry index, so prefill, chunked prefill and decode select the same set.
-        values, idx = scores.sort(dim=-1, descending=True, stable=True)
-        out[:, :k] = idx[:, :k].masked_fill(values[:, :k] == float("-inf"), -1)
+        values, idx = stable_topk(scores, k)
+        out[:, :k] = idx.masked_fill(values == float("-inf"), -1)
         return out
 
     def select_paged(self, step: CacheStep, q: torch.Tensor, head_weights: torch.Tensor,
@@ -91,7 +90,10 @@ class Indexer(nn.Module):
         t = step.num_tokens
         n_all = step.max_visible(4)
         item = torch.finfo(acc_dtype).bits // 8
-        per_query = max(1, n_all) * (self.n_heads + self.head_dim + 4) * item
+        # per query: its logits for every head and entry, its scores and top-k scratch; keys
+        # are read once per chunk of one sequence, once per query in a chunk spanning several
+        own_keys = self.head_dim if step.single_sequence(0, t) is None else 0
+        per_query = max(1, n_all) * (self.n_heads + own_keys + 4) * item
         chunk = max(1, min(t, workspace_bytes // per_query))
         out = []
         for a in range(0, t, chunk):
@@ -105,3 +107,30 @@ class Indexer(nn.Module):
                 keys = store.read(store.flat_rows(step.tok_slot[a:b, None], ents), acc_dtype)
             out.append(self.select(q[a:b], head_weights[a:b], keys, step.pos[a:b], acc_dtype))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` of a stable descending sort of each row of ``scores`` [t, n] (values,
+    indices), without sorting all n: exact ties (common: relu zeroes every head) go to the
+    lower entry index, so prefill, chunked prefill and decode select the same set in the same
+    order. ``torch.topk`` finds the k-th largest value v; every entry above v is taken and, of
+    those equal to v, the lowest-indexed ones that complete k; a stable sort of those k gives
+    the order."""
+    t, n = scores.shape
+    if k >= n:  # every entry: the sort itself
+        return scores.sort(dim=-1, descending=True, stable=True)
+    if k == 0:
+        return scores[:, :0], torch.zeros_like(scores[:, :0], dtype=torch.long)
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    take = above | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
+    del above, tied
+    # the k taken entries of each row, ascending: the j-th taken one goes to column j (the rest
+    # to a spare column k); no host sync (nonzero() would wait for the device)
+    slot = (take.cumsum(dim=-1) - 1).masked_fill_(~take, k)
+    entries = torch.arange(n, device=scores.device).expand(t, n)
+    idx = scores.new_empty((t, k + 1), dtype=torch.long).scatter_(1, slot, entries)[:, :k]
+    values, order = scores.gather(1, idx).sort(dim=-1, descending=True, stable=True)
+    return values, idx.gather(1, order)
