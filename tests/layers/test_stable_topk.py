@@ -24,5 +24,6 @@ def test_stable_topk_matches_a_stable_sort(dtype):
             s = torch.zeros(t, n, dtype=dtype)  # every entry tied
         s = s.masked_fill(torch.rand(t, n, generator=g) < 0.3, float("-inf"))
         v, i = s.sort(dim=-1, descending=True, stable=True)
-        v2, i2 = stable_topk(s, k)
-        assert torch.equal(v[:, :k], v2) and torch.equal(i[:, :k], i2), (trial, t, n, k)
+        for sort_below in (0, n + 1):  # the selection, and the plain sort
+            v2, i2 = stable_topk(s, k, sort_below=sort_below)
+            assert torch.equal(v[:, :k], v2) and torch.equal(i[:, :k], i2), (trial, t, n, k)

@@ -109,16 +109,23 @@ class Indexer(nn.Module):
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+SORT_BELOW = 4096
+"""Rows of fewer entries are simply sorted (one op; faster than the selection's ~15 small ops
+at decode sizes, and the same result)."""
+
+
+def stable_topk(scores: torch.Tensor, k: int, sort_below: int = SORT_BELOW
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``k`` of a stable descending sort of each row of ``scores`` [t, n] (values,
     indices), without sorting all n: exact ties (common: relu zeroes every head) go to the
     lower entry index, so prefill, chunked prefill and decode select the same set in the same
     order. ``torch.topk`` finds the k-th largest value v; every entry above v is taken and, of
     those equal to v, the lowest-indexed ones that complete k; a stable sort of those k gives
-    the order."""
+    the order. Rows of fewer than ``sort_below`` entries are sorted whole."""
     t, n = scores.shape
-    if k >= n:  # every entry: the sort itself
-        return scores.sort(dim=-1, descending=True, stable=True)
+    if k >= n or n < sort_below:  # every entry, or few: the sort itself
+        values, idx = scores.sort(dim=-1, descending=True, stable=True)
+        return values[:, :k], idx[:, :k]
     if k == 0:
         return scores[:, :0], torch.zeros_like(scores[:, :0], dtype=torch.long)
     kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
