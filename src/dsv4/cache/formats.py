@@ -179,11 +179,13 @@ class RowFormat(ABC):
         """Uninitialised storage for ``num_blocks`` blocks (``torch.empty``)."""
 
     @abstractmethod
-    def write(self, store: Tensor, rows: Tensor, values: Tensor) -> None:
-        """Quantise ``values`` [N, dim] into flat rows ``rows`` [N] (all >= 0, distinct)."""
+    def write(self, store: Tensor, rows: Tensor, values: Tensor, validate: bool = True) -> None:
+        """Quantise ``values`` [N, dim] into flat rows ``rows`` [N] (all >= 0, distinct; checked
+        unless ``validate`` is False, for rows a caller built from its own block tables)."""
 
     @abstractmethod
-    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype, validate: bool = True
+             ) -> Tensor:
         """Rows of any shape [*S] -> [*S, dim] in ``dtype``; rows < 0 read as zeros."""
 
     @abstractmethod
@@ -219,8 +221,12 @@ class RowFormat(ABC):
             )
 
 
-def _flat_rows(rows: Tensor, capacity: int, what: str, allow_missing: bool) -> Tensor:
-    """Validate row indices and return them flattened as int64."""
+def _flat_rows(rows: Tensor, capacity: int, what: str, allow_missing: bool,
+               validate: bool = True) -> Tensor:
+    """Validate row indices and return them flattened as int64. ``validate=False``: rows the
+    caller built from its own block tables (the paged store), only flattened."""
+    if not validate:
+        return rows.reshape(-1).to(torch.int64)
     if not isinstance(rows, Tensor) or rows.is_floating_point() or rows.is_complex():
         raise TypeError(f"{what} must be an integer tensor, got {getattr(rows, 'dtype', rows)}")
     if rows.dtype == torch.bool:
@@ -292,21 +298,25 @@ class DenseFormat(RowFormat):
         if store.dtype != self.storage_dtype:
             raise TypeError(f"{self.name}: store must be {self.storage_dtype}, got {store.dtype}")
 
-    def write(self, store: Tensor, rows: Tensor, values: Tensor) -> None:
+    def write(self, store: Tensor, rows: Tensor, values: Tensor, validate: bool = True) -> None:
         self._check_store(store)
         r = store.shape[1]
-        flat = _flat_rows(rows, store.shape[0] * r, "write rows", allow_missing=False)
+        flat = _flat_rows(rows, store.shape[0] * r, "write rows", allow_missing=False,
+                          validate=validate)
         if rows.dim() != 1:
             raise ValueError(f"{self.name}: write rows must be 1-D, got {tuple(rows.shape)}")
         self._check_values(values, flat.numel())
-        _check_distinct(flat, "write rows")
+        if validate:
+            _check_distinct(flat, "write rows")
         store[flat // r, flat % r] = values.to(self.storage_dtype)
 
-    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype, validate: bool = True
+             ) -> Tensor:
         self._check_store(store)
         _check_dtype(dtype, "read dtype")
         r = store.shape[1]
-        flat = _flat_rows(rows, store.shape[0] * r, "read rows", allow_missing=True)
+        flat = _flat_rows(rows, store.shape[0] * r, "read rows", allow_missing=True,
+                          validate=validate)
         valid = flat >= 0
         if flat.numel() and flat.device.type == "cpu" and not bool(valid.any()):
             return torch.zeros(*rows.shape, self.dim, dtype=dtype, device=store.device)
@@ -392,24 +402,28 @@ class PackedFormat(RowFormat):
     def _decode(self, data: Tensor, scales: Tensor, cdt: torch.dtype) -> Tensor:
         """(data, scales) uint8 -> values [N, dim] in the compute dtype ``cdt``."""
 
-    def write(self, store: Tensor, rows: Tensor, values: Tensor) -> None:
+    def write(self, store: Tensor, rows: Tensor, values: Tensor, validate: bool = True) -> None:
         data, scales = self._regions(store)
         r = store.shape[1]
-        flat = _flat_rows(rows, store.shape[0] * r, "write rows", allow_missing=False)
+        flat = _flat_rows(rows, store.shape[0] * r, "write rows", allow_missing=False,
+                          validate=validate)
         if rows.dim() != 1:
             raise ValueError(f"{self.name}: write rows must be 1-D, got {tuple(rows.shape)}")
         self._check_values(values, flat.numel())
-        _check_distinct(flat, "write rows")
+        if validate:
+            _check_distinct(flat, "write rows")
         d, s = self._encode(values)
         blk, off = flat // r, flat % r
         data[blk, off] = d
         scales[blk, off] = s
 
-    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype, validate: bool = True
+             ) -> Tensor:
         data, scales = self._regions(store)
         _check_dtype(dtype, "read dtype")
         r = store.shape[1]
-        flat = _flat_rows(rows, store.shape[0] * r, "read rows", allow_missing=True)
+        flat = _flat_rows(rows, store.shape[0] * r, "read rows", allow_missing=True,
+                          validate=validate)
         valid = flat >= 0
         if flat.numel() and flat.device.type == "cpu" and not bool(valid.any()):
             return torch.zeros(*rows.shape, self.dim, dtype=dtype, device=store.device)

@@ -148,7 +148,7 @@ class PagedStore:
         return torch.where((rows >= 0) & (phys >= 0), phys * b + rows % b, -1)
 
     def read(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.fmt.read(self.data, flat, dtype)
+        return self.fmt.read(self.data, flat, dtype, validate=False)  # rows from the table
 
     def write(self, flat: torch.Tensor, values: torch.Tensor) -> None:
-        self.fmt.write(self.data, flat, values)
+        self.fmt.write(self.data, flat, values, validate=False)
