@@ -308,7 +308,10 @@ class DenseFormat(RowFormat):
         self._check_values(values, flat.numel())
         if validate:
             _check_distinct(flat, "write rows")
-        store[flat // r, flat % r] = values.to(self.storage_dtype)
+        if store.is_contiguous():  # rows are contiguous: one flat index_copy
+            store.view(-1, self.dim).index_copy_(0, flat, values.to(self.storage_dtype))
+        else:
+            store[flat // r, flat % r] = values.to(self.storage_dtype)
 
     def read(self, store: Tensor, rows: Tensor, dtype: torch.dtype, validate: bool = True
              ) -> Tensor:
@@ -321,7 +324,10 @@ class DenseFormat(RowFormat):
         if flat.numel() and flat.device.type == "cpu" and not bool(valid.any()):
             return torch.zeros(*rows.shape, self.dim, dtype=dtype, device=store.device)
         idx = flat.clamp_min(0)
-        out = store[idx // r, idx % r].to(dtype)
+        if store.is_contiguous():
+            out = store.view(-1, self.dim).index_select(0, idx).to(dtype)
+        else:
+            out = store[idx // r, idx % r].to(dtype)
         return _zero_missing(out, valid).reshape(*rows.shape, self.dim)
 
     def copy_rows(self, store: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
