@@ -83,6 +83,10 @@ def _entry(rank: int, fn: Worker, world: int, port: int, backend: str, timeout_s
         result = fn(dist.group.WORLD, *args)
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
+        # every rank done before any tears down: rank 0 hosts the rendezvous store, and a rank
+        # still talking to it when it goes away aborts ("terminate called without an active
+        # exception", seen on a busy 2-core machine)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
