@@ -58,3 +58,33 @@ def random_x(t: int, hidden: int, seed: int | None = None) -> torch.Tensor:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
     return float((a64 - b64).norm() / b64.norm())
+
+
+def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
+                                     ) -> None:
+    """One decode step of ``caches`` run eagerly, rolled back, warmed up on a side stream,
+    rolled back, captured as one CUDA graph and replayed: the replay equals the eager output
+    bitwise."""
+    from dsv4.platforms.cuda import capture_graph
+
+    pos = torch.tensor([c.length for c in caches])
+    lengths = [c.length for c in caches]
+
+    def roll_back() -> None:
+        for c, n in zip(caches, lengths, strict=True):
+            c.truncate(n)
+
+    eager = layer(x, pos, caches)
+    roll_back()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x, pos, caches)
+    torch.cuda.current_stream().wait_stream(side)
+    roll_back()
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        out = layer(x, pos, caches)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

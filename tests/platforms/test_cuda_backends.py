@@ -26,7 +26,7 @@ from dsv4.platforms.cuda_linears import LINEARS, fp8_gemm, fp8_wo_a_wo_b, plan_f
 from dsv4.probes import record_selection, replay_selection
 from dsv4.random_weights import random_layer_weights
 
-from conftest import random_x, rel_err
+from conftest import assert_decode_graph_equals_eager, random_x, rel_err
 
 BF16 = torch.bfloat16
 
@@ -217,8 +217,6 @@ def test_fp8_gemms_off_gives_the_base_path(tiny):
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio, fmt):
-    from dsv4.platforms.cuda import capture_graph
-
     layer, _ = _cuda_pair(tiny.replace(kv_cache_dtype=fmt), ratio, "triton")
     caches = layer.new_caches(3, 300)
     for i, c in enumerate(caches):
@@ -226,24 +224,7 @@ def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio
         layer(random_x(n, tiny.hidden_size).to("cuda", BF16), torch.arange(n), c)
     assert layer.attention_choice(caches[0].pool).backend == "triton"
     x = random_x(3, tiny.hidden_size).to("cuda", BF16)
-    pos = torch.tensor([c.length for c in caches])
-    lengths = [c.length for c in caches]
-    eager = layer(x, pos, caches)
-    for c, n in zip(caches, lengths, strict=True):
-        c.truncate(n)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x, pos, caches)
-    torch.cuda.current_stream().wait_stream(side)
-    for c, n in zip(caches, lengths, strict=True):
-        c.truncate(n)
-    graph = torch.cuda.CUDAGraph()
-    with capture_graph(graph):
-        out = layer(x, pos, caches)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert_decode_graph_equals_eager(layer, caches, x)
 
 
 def _variants_for_test(cfg, device):

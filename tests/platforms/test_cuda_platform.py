@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
-from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
+from dsv4.platforms.cuda import CudaAttention, CudaPlan
 from dsv4.random_weights import random_layer_weights
 
-from conftest import random_x, rel_err
+from conftest import assert_decode_graph_equals_eager, random_x, rel_err
 
 pytestmark = pytest.mark.cuda
 
@@ -83,21 +83,4 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
         n = 20 + 9 * i
         layer(random_x(n, tiny.hidden_size).to("cuda", torch.bfloat16), torch.arange(n), c)
     x = random_x(3, tiny.hidden_size).to("cuda", torch.bfloat16)
-    pos = torch.tensor([c.length for c in caches])
-    lengths = [c.length for c in caches]
-    eager = layer(x, pos, caches)
-    for c, n in zip(caches, lengths, strict=True):
-        c.truncate(n)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x, pos, caches)
-    torch.cuda.current_stream().wait_stream(side)
-    for c, n in zip(caches, lengths, strict=True):
-        c.truncate(n)
-    graph = torch.cuda.CUDAGraph()
-    with capture_graph(graph):
-        out = layer(x, pos, caches)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert_decode_graph_equals_eager(layer, caches, x)
