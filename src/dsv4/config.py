@@ -390,6 +390,8 @@ _TINY: dict[str, Any] = {
     "index_head_dim": 128, "index_topk": 8, "max_position_embeddings": 4096, "vocab_size": 128,
 }
 _PRESETS = {"flash": _FLASH, "pro": _PRO, "tiny": _TINY}
+PRESET_NAMES = tuple(_PRESETS)
+"""The names :meth:`DSV4Config.preset` takes."""
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from dsv4.bench.kv_memory import measure
 from dsv4.cli import main
 
@@ -25,3 +27,11 @@ def test_cli_writes_the_results(tmp_path):
     rows = json.loads((tmp_path / "kv_memory.json").read_text())
     assert {(r["kv_format"], r["index_format"]) for r in rows} == {
         ("bf16", "bf16"), ("fp8_ds_mla", "fp8"), ("fp8_ds_mla", "fp4")}
+
+
+@pytest.mark.parametrize("bad", [["--contexts", "4k"], ["--contexts", "0"], ["--models", "mega"]])
+def test_bad_arguments_are_usage_errors(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kv-memory", "--out", str(tmp_path), *bad])
+    assert e.value.code == 2
+    assert bad[1] in capsys.readouterr().err

@@ -45,9 +45,10 @@ from typing import Any
 
 import torch
 
+from dsv4.bench.args import choice_list, int_list
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
-from dsv4.config import DSV4Config
+from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
@@ -320,18 +321,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path,
                     help="folder for the JSON and markdown results")
-    ap.add_argument("--models", default="flash,pro",
+    ap.add_argument("--models", default=["flash", "pro"],
+                    type=choice_list(PRESET_NAMES, "model preset"),
                     help="comma-separated model presets (default flash,pro)")
-    ap.add_argument("--layers", default="C4",
+    ap.add_argument("--layers", default=["C4"], type=choice_list(LAYER_RATIO, "layer type"),
                     help="comma-separated layer types of C4, C128, SWA (default C4)")
-    ap.add_argument("--ms", default="1,16,64",
+    ap.add_argument("--ms", default=[1, 16, 64], type=int_list,
                     help="comma-separated sequences per decode step (default 1,16,64)")
-    ap.add_argument("--contexts", default="512",
+    ap.add_argument("--contexts", default=[512], type=int_list,
                     help="comma-separated cached tokens per sequence, e.g. 512,8192,65536 "
                     "(default 512)")
     ap.add_argument("--context", type=int, default=None,
                     help="one context (kept for --tp; default 1024 there)")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+    ap.add_argument("--strategies", default=list(STRATEGIES),
+                    type=choice_list(STRATEGIES, "strategy"),
                     help=f"comma-separated subset of {','.join(STRATEGIES)} (default all; the "
                     "first is the reference the others are checked against)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
@@ -360,15 +363,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if args.context is None:
             args.context = 1024
         return main_tp(args)
-    strategies = tuple(v for v in args.strategies.split(",") if v)
-    bad = [v for v in strategies if v not in STRATEGIES]
-    if bad or not strategies:
-        ap.error(f"--strategies: unknown {bad}; valid: {','.join(STRATEGIES)}")
-    layers = args.layers.split(",")
-    if any(lt not in LAYER_RATIO for lt in layers):
-        ap.error(f"--layers: valid layer types are {','.join(LAYER_RATIO)}")
-    contexts = ([args.context] if args.context is not None
-                else [int(v) for v in args.contexts.split(",")])
+    strategies = tuple(args.strategies)
+    layers = args.layers
+    contexts = [args.context] if args.context is not None else args.contexts
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bw(dev)
@@ -376,12 +373,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     t0 = time.time()
     rows: list[dict[str, Any]] = []
     profiles: list[str] | None = [] if args.profile else None
-    for model in args.models.split(","):
+    for model in args.models:
         cfg = DSV4Config.preset(model)
         for layer_type in layers:
             weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
             for context in contexts:
-                for m in (int(v) for v in args.ms.split(",")):
+                for m in args.ms:
                     rows += run_case(cfg, model, layer_type, m, context, dev, bw, args.reps,
                                      weights, profiles, not args.per_sequence, strategies,
                                      args.fill)

@@ -198,9 +198,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"models": ["tiny"] if args.dry_run else args.models.split(","),
-            "layers": args.layers.split(","),
-            "ms": [int(v) for v in args.ms.split(",")], "context": args.context,
+    return {"models": ["tiny"] if args.dry_run else list(args.models),
+            "layers": list(args.layers),
+            "ms": list(args.ms), "context": args.context,
             "reps": args.reps, "pooled": args.pooled, "dry": args.dry_run}
 
 

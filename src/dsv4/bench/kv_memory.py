@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from dsv4.bench.args import choice_list, int_list
 from dsv4.cache.pool import CachePool
-from dsv4.config import DSV4Config
+from dsv4.config import PRESET_NAMES, DSV4Config
 
 FORMATS = (("bf16", "bf16"), ("fp8_ds_mla", "fp8"), ("fp8_ds_mla", "fp4"))
 CONTEXTS = (4096, 65536, 1 << 20)
+MODELS = ("flash", "pro")
 VLLM_BF16_1M_GIB = 9.62
 GIB = 1 << 30
 
@@ -101,7 +103,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, model in zip(axes, ("flash", "pro"), strict=True):
+    for ax, model in zip(axes, MODELS, strict=True):
         for kv, index in FORMATS:
             pts = [r for r in rows if r["model"] == model and r["kv_format"] == kv
                    and r["index_format"] == index]
@@ -124,13 +126,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON, md and PNG")
-    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+    ap.add_argument("--contexts", default=list(CONTEXTS), type=int_list,
                     help="comma-separated token counts (default 4096,65536,1048576)")
-    ap.add_argument("--models", default="flash,pro", help="presets (default flash,pro)")
+    ap.add_argument("--models", default=list(MODELS),
+                    type=choice_list(PRESET_NAMES, "model preset"),
+                    help="comma-separated presets (default flash,pro)")
     args = ap.parse_args(argv)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    rows = [measure(m, kv, index, n) for m in args.models.split(",") for kv, index in FORMATS
-            for n in contexts]
+    rows = [measure(m, kv, index, n) for m in args.models for kv, index in FORMATS
+            for n in args.contexts]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv_memory.json").write_text(json.dumps(rows, indent=1))
     md = ("# Bytes one sequence holds in the paged cache (all layers, MTP included)\n\n"

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from dsv4.bench.args import choice_list, int_list
 from dsv4.config import ATTENTION_BACKENDS, ConfigError, DSV4Config
 
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
@@ -472,43 +473,23 @@ def write_report(res: dict[str, Any], out: Path) -> str:
 # ---------------------------------------------------------------------------------- CLI
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return values
-
-
-def _choices(valid: tuple[str, ...] | list[str], what: str) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        bad = [v for v in values if v not in valid]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"{what} {bad or text!r}: valid are "
-                                             f"{', '.join(valid)}")
-        return values
-    return parse
-
-
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for prefill.json/.md/.png")
-    ap.add_argument("--models", default=["flash", "pro"], type=_choices(("flash", "pro"), "model"),
+    ap.add_argument("--models", default=["flash", "pro"],
+                    type=choice_list(("flash", "pro"), "model"),
                     help="comma-separated presets (default flash,pro)")
     ap.add_argument("--layers", default=["C4", "C128", "SWA"],
-                    type=_choices(tuple(LAYER_RATIO), "layer"),
+                    type=choice_list(tuple(LAYER_RATIO), "layer"),
                     help="comma-separated layer types (default C4,C128,SWA)")
-    ap.add_argument("--tokens", default=[4096, 16384, 65536, 131072], type=_int_list,
+    ap.add_argument("--tokens", default=[4096, 16384, 65536, 131072], type=int_list,
                     help="tokens of the single-call prefills (default 4096,16384,65536,131072)")
     ap.add_argument("--chunk", type=int, default=8192,
                     help="chunked prefill: tokens of the appended chunk (0: no chunked row)")
     ap.add_argument("--context", type=int, default=65536,
                     help="chunked prefill: tokens already in the cache (default 65536)")
     ap.add_argument("--attention-backend", default=["torch"],
-                    type=_choices(ATTENTION_BACKENDS, "attention backend"),
+                    type=choice_list(ATTENTION_BACKENDS, "attention backend"),
                     help=f"comma-separated, of {', '.join(ATTENTION_BACKENDS)} (default torch)")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check-tokens", type=int, default=1024,

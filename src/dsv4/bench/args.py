@@ -1,0 +1,33 @@
+"""Argument types the ``dsv4 bench`` suites share: comma-separated lists checked by argparse, so
+that a bad value is one ``usage`` line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,16,64"`` -> [1, 16, 64]; positive integers only."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return values
+
+
+def choice_list(valid: Iterable[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated subset of ``valid`` (order kept), else an error
+    naming the unknown ``what``."""
+    valid = tuple(valid)
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        bad = [v for v in values if v not in valid]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"{what} {bad or text!r}: valid are "
+                                             f"{', '.join(valid)}")
+        return values
+    return parse
