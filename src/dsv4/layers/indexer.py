@@ -38,17 +38,13 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, dim=self.head_dim, ratio=4, for_indexer=True,
                                      dtype=dtype, f32_dtype=f32_dtype, device=device)
 
-    def query(self, qr: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-              acc_dtype: torch.dtype, numerics: str | None) -> torch.Tensor:
-        """q_I [T, n_heads, head_dim]: wq_b of the normalised latent, RoPE, then the indexer
-        numerics' simulation (``hadamard_fp4``: the official Hadamard + FP4; ``fp8``: the
-        engines' fp8 with a power-of-two scale per vector; None: none)."""
-        return self.rotate_query(self.wq_b(qr), positions, rotary, acc_dtype, numerics)
-
     def rotate_query(self, q: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                      acc_dtype: torch.dtype, numerics: str | None) -> torch.Tensor:
-        """:meth:`query` from the projected latent ``q`` [T, n_heads * head_dim] (the layer
-        computes ``wq_b`` through its ``_indexer_wq_b_gemm`` override point)."""
+        """q_I [T, n_heads, head_dim] from the projected latent ``q`` [T, n_heads * head_dim] (the
+        layer computes ``wq_b`` of the normalised latent through its ``_indexer_wq_b_gemm``
+        override point): RoPE, then the indexer numerics' simulation (``hadamard_fp4``: the
+        official Hadamard + FP4; ``fp8``: the engines' fp8 with a power-of-two scale per vector;
+        None: none)."""
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         q = rotary.rotate(q, positions, acc_dtype)
         return index_numerics_sim(q, numerics)

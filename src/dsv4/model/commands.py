@@ -46,13 +46,14 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
     """(passed, a one-line verdict): ``runs[0]`` is ``reference`` without fusion; it must reach
     ``MIN_ACCURACY`` and every other run be within ``MAX_GAP`` problems of it with at least
     ``MIN_AGREEMENT`` token agreement."""
+    from dsv4.model.evaluate import run_label
+
     ref = runs[0]
     bad = []
     if ref.accuracy < MIN_ACCURACY:
         bad.append(f"reference accuracy {ref.accuracy:.3f} < {MIN_ACCURACY}")
     for r in runs[1:]:
-        name = f"{r.platform} fusion {'on' if r.fusion else 'off'} {r.mode}" + (
-            "" if r.cache == "auto/auto" else f" cache {r.cache}")
+        name = run_label(r.platform, r.fusion, r.mode, r.cache)
         if r.error:
             bad.append(f"{name}: {r.error}")
         elif abs(r.correct - ref.correct) > MAX_GAP or r.token_agreement < MIN_AGREEMENT:
@@ -76,6 +77,7 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
         runs_to_json,
     )
 
+    formats = cache_formats or [EXACT_CACHE]
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
     t0 = time.perf_counter()
@@ -87,7 +89,7 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
                         f"[eval {k}/{total}] {name}: answering {n} problems ..."),
                     log=lambda row: progress(f"[eval] done: {_one_line(row)} "
                                              f"({time.perf_counter() - t0:.0f} s so far)"),
-                    cache_formats=cache_formats or [EXACT_CACHE])
+                    cache_formats=formats)
     seconds = time.perf_counter() - t0
     print(format_table(runs))
     ok, verdict = eval_verdict(runs)
@@ -95,8 +97,7 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
     if json_path is not None:
         runs_to_json(runs, json_path, {"model": str(model), "device": device, "dtype": dtype,
                                        "decode_batch": decode_batch, "seconds": seconds,
-                                       "cache_formats": ["/".join(c) for c in
-                                                         cache_formats or [EXACT_CACHE]],
+                                       "cache_formats": ["/".join(c) for c in formats],
                                        "ok": ok, "verdict": verdict, "torch": torch.__version__})
     return 0 if ok else 1
 

@@ -76,6 +76,12 @@ def graph_modes(platform: str, device: str) -> tuple[str, ...]:
 EXACT_CACHE = ("auto", "auto")
 
 
+def run_label(platform: str, fusion: bool, mode: str, cache: str) -> str:
+    """A run's name in progress lines and verdicts (the cache only when it is not exact)."""
+    name = f"{platform} fusion {'on' if fusion else 'off'} {mode}"
+    return name if cache == "/".join(EXACT_CACHE) else f"{name} cache {cache}"
+
+
 def parse_cache_format(text: str) -> tuple[str, str]:
     """``KV/INDEX`` (e.g. ``fp8_ds_mla/fp4``) -> (kv_cache_dtype, index_cache_dtype), checked
     against the formats the cache knows."""
@@ -149,15 +155,12 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     base_combo = ("reference", False, "eager", EXACT_CACHE)
     combos = [base_combo] + [
         (p, f, m, c) for p in names for f in fusions for m in graph_modes(p, device)
-        for c in cache_formats if (p, f, m, c) != base_combo
-        and (p, f, c) != ("reference", False, EXACT_CACHE)]
+        for c in cache_formats if (p, f, c) != ("reference", False, EXACT_CACHE)]
     runs: list[EvalRun] = []
     base: list[list[int]] | None = None
     for k, (platform, fusion, mode, cache) in enumerate(combos, 1):
         if on_start is not None:
-            name = f"{platform} fusion {'on' if fusion else 'off'} {mode}"
-            on_start(k, len(combos), name if cache == EXACT_CACHE
-                     else f"{name} cache {'/'.join(cache)}")
+            on_start(k, len(combos), run_label(platform, fusion, mode, "/".join(cache)))
         try:
             run = answer_problems(model_dir, problems, platform, fusion, device, dtype, mode,
                                   decode_batch, cache)

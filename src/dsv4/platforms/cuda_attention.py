@@ -33,14 +33,11 @@ import torch
 
 from dsv4.cache.formats import DenseFormat, Fp8DsMlaFormat
 from dsv4.cache.store import PagedStore
-from dsv4.config import DSV4Config
+from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
     from dsv4.cache.step import CacheStep
-
-BACKENDS = ("auto", "torch", "triton", "flashmla")
-
 
 @dataclass(frozen=True)
 class BackendChoice:
@@ -98,8 +95,8 @@ def choose_backend(requested: str, *, dtype: torch.dtype, heads: int, head_dim: 
     pool's; ``kv`` and, if present, ``compressed``). Host work only. ``kernels_available``:
     Triton is installed and the device runs it. Raises :class:`AttentionBackendError` when
     ``flashmla`` is requested and cannot run."""
-    if requested not in BACKENDS:
-        raise ValueError(f"attention_backend={requested!r}; valid: {', '.join(BACKENDS)}")
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={requested!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     if requested == "torch":
         return BackendChoice(requested, "torch")
     fmt, why = kernel_format(stores["kv"])
