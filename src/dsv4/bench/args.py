@@ -1,10 +1,14 @@
-"""Argument types the ``dsv4 bench`` suites share: comma-separated lists checked by argparse, so
-that a bad value is one ``usage`` line and exit code 2, never a traceback."""
+"""What the ``dsv4 bench`` suites' command lines share: the layer-type names, and comma-separated
+list types checked by argparse, so that a bad value is a usage error (exit code 2), never a
+traceback."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable
+
+LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
+"""Layer types by name: their compress ratio."""
 
 
 def int_list(text: str) -> list[int]:

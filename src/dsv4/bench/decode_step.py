@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import choice_list, int_list
+from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import PRESET_NAMES, DSV4Config
@@ -57,7 +57,6 @@ UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_triton", "ours_triton_fp8", "ours_flashmla")
 STRATEGIES = UPSTREAM + OURS
 NEW_PATH = ("ours_triton", "ours_triton_fp8", "ours_flashmla")
-LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 
 
 @dataclass(frozen=True)

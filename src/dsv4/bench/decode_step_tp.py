@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from dsv4.attention import DeepseekV4Attention
+from dsv4.bench.args import LAYER_RATIO
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPInfo, comm_device
 from dsv4.tp_launch import run_here, spawn, under_torchrun
 
-LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 TIMEOUT_S = 600.0
 """Collective timeout of the benchmark's group (building full-size random weights on the host
 takes a while, and rank 0 also builds the TP=1 layer)."""

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import choice_list, int_list
+from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
+from dsv4.bench.attention_kernels import rel
 from dsv4.config import ATTENTION_BACKENDS, ConfigError, DSV4Config
 
-LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
 ATTN_CONTEXT = 65536
@@ -138,11 +138,6 @@ def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
         peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
         del out
     return statistics.median(times), peak
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------------------------- layer
