@@ -51,6 +51,12 @@ class DeepseekV4Attention(nn.Module):
         "_fused_input_projections_gemm",
         "_wq_b_gemm",
         "_indexer_wq_b_gemm",
+        "_latent_norms",
+        "_query_heads",
+        "_kv_rows",
+        "_indexer_query",
+        "_indexer_select",
+        "_compress_entries",
         "forward_mqa",
         "_o_proj",
     )
@@ -318,12 +324,7 @@ class DeepseekV4Attention(nn.Module):
         qr, kv = self._latent_norms(qr_kv)
         q = self._query_heads(qr, pos)
         kv = self._kv_rows(kv, pos)
-        idx_q = None
-        if self.indexer is not None:
-            idx_q = self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
-                                              self.acc_dtype,
-                                              self.cfg.index_numerics if self.cfg.simulate_quant
-                                              else None)
+        idx_q = None if self.indexer is None else self._indexer_query(qr, pos)
         step.write_window(kv)
         raw = self._write_entries(step, kv_score, idx_kv_score)
         entries = self._select_compressed(step, idx_q, idx_weights)
@@ -464,6 +465,80 @@ class DeepseekV4Attention(nn.Module):
         assert self.indexer is not None
         return self.indexer.wq_b(qr)
 
+    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``
+        [T, q_lora_rank + head_dim] (weighted RMSNorm in the acc dtype, layer dtype out).
+
+        May change: the kernel (e.g. both norms in one launch).
+        Must keep: shapes, the layer dtype out, fp32 (acc dtype) statistics."""
+        q_r = self.cfg.q_lora_rank
+        qr = self.q_norm(qr_kv[:, :q_r], acc_dtype=self.acc_dtype)
+        kv = self.kv_norm(qr_kv[:, q_r:], acc_dtype=self.acc_dtype)
+        return qr, kv
+
+    def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Query heads [T, heads, head_dim] in the layer dtype: :meth:`_wq_b_gemm` of ``qr``,
+        an RMS normalisation per head (no weight), RoPE at ``pos`` on the last rope dims.
+
+        May change: the kernels after the GEMM (e.g. norm and RoPE in one launch).
+        Must keep: the GEMM through :meth:`_wq_b_gemm`, fp32 (acc dtype) math, the layer dtype out."""
+        q = self._wq_b_gemm(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rms_normalize(q, self.cfg.rms_norm_eps, self.acc_dtype)  # per head, no weight
+        return self.rotary.rotate(q, pos, self.acc_dtype).to(self.dtype)
+
+    def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The window rows [T, head_dim] this step stores: RoPE of the normalised kv at ``pos``
+        (and, under ``simulate_quant``, the official fp8 simulation of the non-RoPE dims).
+
+        May change: the kernel.
+        Must keep: fp32 (acc dtype) math; the rows still go to the cache through the step."""
+        kv = self.rotary.rotate(kv, pos, self.acc_dtype)
+        if self.cfg.simulate_quant:
+            nope = self.head_dim - self.rope_dim
+            kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
+        return kv
+
+    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries q_I [T, index_n_heads, index_head_dim]: :meth:`_indexer_wq_b_gemm`
+        of the normalised latent ``qr``, RoPE at ``pos``, then the indexer numerics' simulation
+        (``cfg.index_numerics`` under ``simulate_quant``).
+
+        May change: the kernels after the GEMM.
+        Must keep: the GEMM through :meth:`_indexer_wq_b_gemm`, the numerics the config names."""
+        assert self.indexer is not None
+        numerics = self.cfg.index_numerics if self.cfg.simulate_quant else None
+        return self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
+                                         self.acc_dtype, numerics)
+
+    def _indexer_select(self, step: CacheStep, idx_q: torch.Tensor, idx_weights: torch.Tensor
+                        ) -> torch.Tensor:
+        """The indexer's top-k entries [T, index_topk] per query of ``step`` (-1 pads), scored
+        over the keys in the step's paged ``idx_keys`` store (dsv4-attention.md §5.7).
+
+        May change: the kernels (scoring and top-k), their chunking and workspace.
+        Must keep: the visibility rule (entry j is visible to position p iff j < (p + 1) // 4),
+        min(index_topk, visible) entries per query, the tie rule (of equal scores the lower entry
+        index is taken: prefill, chunks and decode pick the same set), -1 pads; bounded memory
+        (never a full queries x entries matrix beyond ``attention_workspace_bytes``)."""
+        assert self.indexer is not None
+        return self.indexer.select_paged(step, idx_q, idx_weights, self.acc_dtype,
+                                         self.cfg.attention_workspace_bytes)
+
+    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
+                          rows: torch.Tensor) -> torch.Tensor:
+        """The entries [E, comp.dim] (layer dtype) that ``step`` completes for the store
+        ``name`` ("compressed" or "idx_keys"), from the ring's raw rows and this step's ``rows``
+        (``comp.raw_rows``) as ``step.jobs[name]`` maps them; called only when E > 0.
+
+        May change: the kernel (gather, gated softmax pooling, RMSNorm, RoPE at j * ratio, the
+        numerics simulation, in one launch).
+        Must keep: the compressor's math (:meth:`Compressor.compress_jobs`), fp32 (acc dtype)
+        pooling, the layer dtype out; the entries are stored by the step, not here."""
+        job = step.jobs[name]
+        return comp.compress_jobs(step.ring(name), rows, job.ring_src, job.call_src, job.entries,
+                                  self.rotary, self.dtype, self.cfg.simulate_quant,
+                                  self.cfg.index_numerics)
+
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
                     ) -> torch.Tensor:
         """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
@@ -507,24 +582,6 @@ class DeepseekV4Attention(nn.Module):
         z = torch.einsum("tgc,grc->tgr", o.reshape(o.shape[0], g, -1), w)
         return z.flatten(1)
 
-    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q_r = self.cfg.q_lora_rank
-        qr = self.q_norm(qr_kv[:, :q_r], acc_dtype=self.acc_dtype)
-        kv = self.kv_norm(qr_kv[:, q_r:], acc_dtype=self.acc_dtype)
-        return qr, kv
-
-    def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        q = self._wq_b_gemm(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rms_normalize(q, self.cfg.rms_norm_eps, self.acc_dtype)  # per head, no weight
-        return self.rotary.rotate(q, pos, self.acc_dtype).to(self.dtype)
-
-    def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        kv = self.rotary.rotate(kv, pos, self.acc_dtype)
-        if self.cfg.simulate_quant:
-            nope = self.head_dim - self.rope_dim
-            kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
-        return kv
-
     def _compressor_jobs(self, kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None
                          ) -> list[tuple[Compressor, str, torch.Tensor]]:
         """(compressor, the store its entries go to, this step's score rows) for the main and
@@ -546,11 +603,8 @@ class DeepseekV4Attention(nn.Module):
         raw = {}
         for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score):
             rows = comp.raw_rows(score, step.pos, self.acc_dtype)
-            job = step.jobs[name]
-            if job.count:
-                step.write_entries(name, comp.compress_jobs(
-                    step.ring(name), rows, job.ring_src, job.call_src, job.entries, self.rotary,
-                    self.dtype, self.cfg.simulate_quant, self.cfg.index_numerics))
+            if step.jobs[name].count:
+                step.write_entries(name, self._compress_entries(comp, step, name, rows))
             raw[name] = rows
         return raw
 
@@ -564,8 +618,7 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is None:
             return _every_visible_entry(step.pos, step.max_visible(r), r)
         assert idx_q is not None and idx_weights is not None
-        return self.indexer.select_paged(step, idx_q, idx_weights, self.acc_dtype,
-                                         self.cfg.attention_workspace_bytes)
+        return self._indexer_select(step, idx_q, idx_weights)
 
     # ---- validation ---------------------------------------------------------------------
     def _check_weights_loaded(self) -> None:

@@ -53,14 +53,20 @@ def structural_violations(cls: type[Any], base: type[Any] = DeepseekV4Attention)
     return problems
 
 
-def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None) -> set[str]:
+def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
+                    tokens: int = 0) -> set[str]:
     """The override points a forward of this layer must pass through. A layer with packed input
     weights may take the one-launch path (``packed_path``) or, for calls its platform plans
-    otherwise, the separate GEMMs; default: packed iff the layer is packed."""
+    otherwise, the separate GEMMs; default: packed iff the layer is packed. A prefill of
+    ``tokens`` tokens from position 0 completes compressed entries, hence passes through
+    ``_compress_entries``, once it reaches the layer's ratio."""
     packed = layer._input_pack is not None if packed_path is None else packed_path
-    common = {"_wq_b_gemm", "forward_mqa", "_o_proj"}
+    common = {"_latent_norms", "_query_heads", "_kv_rows", "_wq_b_gemm", "forward_mqa",
+              "_o_proj"}
     if layer.indexer is not None:
-        common.add("_indexer_wq_b_gemm")
+        common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
+    if layer.compress_ratio and tokens >= layer.compress_ratio:
+        common.add("_compress_entries")
     if packed:  # one launch replaces the four GEMMs
         return {"_run_parallel_input_projections", "_fused_input_projections_gemm", *common}
     pts = {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", *common}
@@ -99,7 +105,7 @@ def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
             layer.__dict__.pop(n, None)
     called = {n for kind, n in order if kind == "enter"}
     packed_path = layer._input_pack is not None and "_fused_input_projections_gemm" in called
-    expected = expected_points(layer, packed_path)
+    expected = expected_points(layer, packed_path, tokens=x.shape[0])
     problems = [f"forward never called {n}" for n in sorted(expected - called)]
     active: list[str] = []
     for kind, n in order:

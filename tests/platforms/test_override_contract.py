@@ -38,9 +38,11 @@ def test_platform_classes_override_only_base_names(platform):
 @pytest.mark.parametrize("fusion", [False, True])
 def test_forward_passes_through_every_override_point(tiny, platform, ratio, fusion):
     _, layer, _ = build_pair(tiny, ratio, platform, fusion, "cpu", torch.bfloat16, 0)
-    pts = expected_points(layer)
+    pts = expected_points(layer, tokens=40)
     assert {"_run_parallel_input_projections", "_fused_wqa_wkv_gemm", "forward_mqa",
-            "_o_proj"} <= pts
+            "_o_proj", "_latent_norms", "_query_heads", "_kv_rows"} <= pts
+    assert ({"_indexer_query", "_indexer_select"} <= pts) == (ratio == 4)
+    assert ("_compress_entries" in pts) == (ratio == 4)  # 40 tokens: C4 entries, no C128 one
     assert path_violations(layer, random_x(40, tiny.hidden_size).bfloat16()) == []
 
 
@@ -98,10 +100,10 @@ def test_removed_base_method_with_a_subclass_override_is_reported():
 
 def test_redefining_a_non_override_method_is_reported():
     class Sneaky(DeepseekV4Attention):
-        def _kv_rows(self, kv, pos):
-            return kv
+        def _wo_a_grouped(self, o):
+            return o
 
-    assert any("Sneaky._kv_rows redefines a base method" in p
+    assert any("Sneaky._wo_a_grouped redefines a base method" in p
                for p in structural_violations(Sneaky))
 
 
