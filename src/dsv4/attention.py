@@ -481,7 +481,8 @@ class DeepseekV4Attention(nn.Module):
         an RMS normalisation per head (no weight), RoPE at ``pos`` on the last rope dims.
 
         May change: the kernels after the GEMM (e.g. norm and RoPE in one launch).
-        Must keep: the GEMM through :meth:`_wq_b_gemm`, fp32 (acc dtype) math, the layer dtype out."""
+        Must keep: the GEMM through :meth:`_wq_b_gemm`, fp32 (acc dtype) math, the layer dtype
+        out."""
         q = self._wq_b_gemm(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = rms_normalize(q, self.cfg.rms_norm_eps, self.acc_dtype)  # per head, no weight
         return self.rotary.rotate(q, pos, self.acc_dtype).to(self.dtype)
