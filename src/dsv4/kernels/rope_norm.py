@@ -107,34 +107,34 @@ if triton_available():
         return (f + up.to(tl.float32)) * _pow2(s) * _pow2(k)
 
     @triton.jit
-    def _rounded(x, DT: tl.constexpr):
-        """fp32 x rounded to DT (to nearest, ties to even), still as fp32. bf16 is rounded on the
-        bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, the GPU rounds; this way
-        both give the torch result (and the cast of the rounded value is exact)."""
-        if DT == tl.bfloat16:
+    def _rounded(x, dtype: tl.constexpr):
+        """fp32 x rounded to ``dtype`` (to nearest, ties to even), still as fp32. bf16 is rounded
+        on the bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, the GPU rounds; this
+        way both give the torch result (and the cast of the rounded value is exact)."""
+        if dtype == tl.bfloat16:
             b = x.to(tl.int32, bitcast=True)
             b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
             return b.to(tl.float32, bitcast=True)
         else:
-            return x.to(DT).to(tl.float32)
+            return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps,
-                             QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
+    def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps_q,
+                             eps_kv, QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
                              BKV: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         row = x_ptr + t * sxt
         oq = tl.arange(0, BQ)
         mq = oq < QR
         xq = tl.load(row + oq, mask=mq, other=0.0).to(tl.float32)
-        rq = tl.rsqrt(tl.sum(xq * xq, axis=0) / QR + eps)
+        rq = tl.rsqrt(tl.sum(xq * xq, axis=0) / QR + eps_q)
         wq = tl.load(wq_ptr + oq, mask=mq, other=0.0).to(tl.float32)
         q_dt = q_ptr.dtype.element_ty
         tl.store(q_ptr + t * sqt + oq, _rounded(xq * rq * wq, q_dt).to(q_dt), mask=mq)
         ok = tl.arange(0, BKV)
         mk = ok < KV
         xk = tl.load(row + QR + ok, mask=mk, other=0.0).to(tl.float32)
-        rk = tl.rsqrt(tl.sum(xk * xk, axis=0) / KV + eps)
+        rk = tl.rsqrt(tl.sum(xk * xk, axis=0) / KV + eps_kv)
         wk = tl.load(wkv_ptr + ok, mask=mk, other=0.0).to(tl.float32)
         kv_dt = kv_ptr.dtype.element_ty
         tl.store(kv_ptr + t * skt + ok, _rounded(xk * rk * wk, kv_dt).to(kv_dt), mask=mk)
@@ -265,9 +265,10 @@ def _pair_dims(d: int, inv_freq: torch.Tensor) -> tuple[int, int]:
 
 
 def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps_q: float, eps_kv: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_norm(qr_kv[:, :R]), kv_norm(qr_kv[:, R:])) with R = len(q_weight), in one launch:
-    weighted RMSNorms, fp32 statistics, outputs in qr_kv's dtype."""
+    weighted RMSNorms (:class:`dsv4.layers.norm.RMSNorm`), fp32 statistics, outputs in qr_kv's
+    dtype."""
     _require(qr_kv)
     qr_rank, kv_dim = q_weight.numel(), kv_weight.numel()
     if qr_kv.dim() != 2 or qr_kv.shape[1] != qr_rank + kv_dim:
@@ -280,7 +281,7 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
         bq, bkv = triton.next_power_of_2(qr_rank), triton.next_power_of_2(kv_dim)
         _latent_norms_kernel[(t,)](
             x, x.stride(0), q_weight.contiguous(), kv_weight.contiguous(), qr, qr.stride(0), kv,
-            kv.stride(0), eps, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
+            kv.stride(0), eps_q, eps_kv, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
             num_warps=8 if bq >= 2048 else 4)
     return qr, kv
 
@@ -297,6 +298,7 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     x's shape in ``out_dtype`` (default x's dtype)."""
     _require(x)
     xh = _heads_view(x)
+    positions = positions.contiguous()
     t, n_heads, d = xh.shape
     d2, nope2 = _pair_dims(d, inv_freq)
     if fp8_block and (fp8_block % 2 or fp8_dims % fp8_block or fp8_dims > d):
@@ -323,6 +325,7 @@ def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     torch path rounds. Returns a new contiguous tensor of x's shape and dtype."""
     _require(x)
     xh = _heads_view(x)
+    positions = positions.contiguous()
     t, n_heads, d = xh.shape
     if d < 2 * MMA_MIN or d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two >= {2 * MMA_MIN}")
