@@ -216,8 +216,8 @@ if triton_available():
         c = tl.arange(0, FP4_BLK)
         for b in tl.static_range(2 * D2 // FP4_BLK):
             col = (c + b * FP4_BLK)[None, :]
-            he = _hadamard_sign(row & col).to(DOT_DT)  # H rows 2j, columns of output block b
-            ho = _hadamard_sign((row + 1) & col).to(DOT_DT)
+            he = _hadamard_sign(row & col).to(tl.float32).to(DOT_DT)  # H rows 2j, block b's columns
+            ho = _hadamard_sign((row + 1) & col).to(tl.float32).to(DOT_DT)
             acc = tl.dot(ye, he, input_precision=DOT_PREC)
             acc = tl.dot(yo, ho, acc, input_precision=DOT_PREC)
             v = _rounded(acc * HSCALE, out_dt)
