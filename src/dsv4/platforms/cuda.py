@@ -13,6 +13,9 @@
 * fp8 ``wq_b``, ``wo_a`` (grouped, one launch), ``wo_b`` and the indexer's ``wq_b`` run through
   weight-streaming GEMMs that read e4m3 + ue8m0 scales in place for decode-sized calls
   (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
+* The small elementwise stages (latent norms, query heads' RMS + RoPE, kv rows' RoPE + fp8
+  simulation, indexer queries' RoPE + numerics, the output's inverse RoPE) run as one Triton
+  launch each on bf16 layers (:mod:`dsv4.platforms.cuda_elementwise`).
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 """
@@ -41,6 +44,14 @@ from dsv4.platforms.cuda_attention import (
     flashmla_forward_mqa,
     format_key,
     triton_forward_mqa,
+)
+from dsv4.platforms.cuda_elementwise import (
+    elementwise_usable,
+    fused_indexer_query,
+    fused_inverse_rope,
+    fused_kv_rows,
+    fused_latent_norms,
+    fused_query_heads,
 )
 from dsv4.platforms.cuda_linears import (
     FP8_GEMM_MAX_TOKENS,
@@ -98,7 +109,8 @@ class CudaPlan:
 class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
     HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
-               "attention_choice")
+               "attention_choice", "use_fused_elementwise", "_elementwise_ready",
+               "_inverse_rope")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -113,11 +125,17 @@ class CudaAttention(DeepseekV4Attention):
         self.fp8_plan = Fp8LinearPlan()
         """Which fp8 linears run through the weight-streaming kernels (set after each load)."""
         self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
+        self._elementwise_enabled = True
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
         dequantise + GEMM per call): comparisons and benchmarks of the earlier path."""
         self._fp8_enabled = enabled
+
+    def use_fused_elementwise(self, enabled: bool) -> None:
+        """Turn the one-launch elementwise stages on (the default) or off (the base path's
+        PyTorch ops): comparisons and benchmarks of the earlier path."""
+        self._elementwise_enabled = enabled
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
@@ -202,8 +220,38 @@ class CudaAttention(DeepseekV4Attention):
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self._fp8_ready("wo_a", o):
             return super()._o_proj(o, positions)
-        o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
+        o = self._inverse_rope(o, positions)
         return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
+
+    # ---- fused elementwise stages (dsv4.platforms.cuda_elementwise) -------------------
+    def _elementwise_ready(self, x: torch.Tensor) -> bool:
+        """Host-side test, no sync: the one-launch kernels take this stage's input."""
+        return self._elementwise_enabled and elementwise_usable(self, x)
+
+    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._elementwise_ready(qr_kv):
+            return fused_latent_norms(self, qr_kv)
+        return super()._latent_norms(qr_kv)
+
+    def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._elementwise_ready(qr):
+            return fused_query_heads(self, self._wq_b_gemm(qr), pos)
+        return super()._query_heads(qr, pos)
+
+    def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._elementwise_ready(kv):
+            return fused_kv_rows(self, kv, pos)
+        return super()._kv_rows(kv, pos)
+
+    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._elementwise_ready(qr):
+            return fused_indexer_query(self, self._indexer_wq_b_gemm(qr), pos)
+        return super()._indexer_query(qr, pos)
+
+    def _inverse_rope(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._elementwise_ready(o):
+            return fused_inverse_rope(self, o, pos)
+        return self.rotary.rotate(o, pos, self.acc_dtype, inverse=True)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
