@@ -5,12 +5,13 @@ width, topk, weight_scale)`` -> entry indices [T, topk] int64 (-1 pads), the con
 :meth:`dsv4.layers.indexer.Indexer.select_paged`, which is the oracle (and the path off CUDA
 without Triton's interpreter):
 
-1. **Scores** (``_score_kernel``, one program per query and block of ``SCORE_BLOCK`` entries):
+1. **Scores** (``_score_kernel``, one program per query and run of tiles of ``SCORE_BLOCK``
+   entries, about ``SCORE_PROGRAMS_PER_SM`` programs per SM over all queries):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
    table of the query's sequence), dequantised in registers, and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
-   workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Programs whose block lies
-   wholly beyond the query's visible entries only write -inf.
+   workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
+   query's visible entries only write -inf.
 2. **Top-k** (``_topk_kernel``, one program per query): a radix select on order-preserving 32-bit
    keys of the fp32 scores (4 passes of 8-bit histograms over the visible entries) finds the
    k-th largest score v and how many entries equal to v are still needed; a compaction pass then
@@ -52,6 +53,7 @@ import torch
 
 from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowFormat
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "index_kernel_format", "indexer_scores", "indexer_topk",
            "topk_entries"]
@@ -61,6 +63,9 @@ KERNEL_MAX_TOKENS = 64
 """Steps of more queries take the torch path (prefill: its GEMMs share the keys)."""
 SCORE_BLOCK = 64
 """Entries per scoring program (one page of the default block size)."""
+SCORE_PROGRAMS_PER_SM = 4
+"""Scoring programs per SM (fewer: each loads its query once for more tiles; the interpreter
+counts one SM, so its tests run programs of several tiles)."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes."""
 
@@ -132,35 +137,39 @@ if triton_available():
             k = (val * sc).to(DT)
         return k
 
-    @triton.jit(do_not_specialize=["width"])
+    @triton.jit(do_not_specialize=["width", "tiles"])
     def _score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
-                      tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, B, weight_scale,
-                      H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                      FMT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                      tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
+                      weight_scale, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                      BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr):
+        """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1."""
         t = tl.program_id(0)
-        jb = tl.program_id(1)
-        j = jb * BN + tl.arange(0, BN)
         visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
-        if jb * BN < visible:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            logical = j // B
-            seen = (j < visible) & (logical < max_logical)
-            phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-            valid = seen & (phys >= 0)
-            k = _load_index_keys(keys_ptr, phys, j % B, valid, blk_stride, B, D, FMT, BN, DT)
-            heads = tl.arange(0, HP)
-            h_ok = heads < H
-            cols = tl.arange(0, D)
-            q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
-                        mask=h_ok[:, None], other=0.0).to(DT)
-            logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-            w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
-            w = w.to(tl.float32) * weight_scale
-            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
-            s = tl.where(j < visible, s, float("-inf"))
-        else:
-            s = tl.full([BN], float("-inf"), tl.float32)
-        tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        heads = tl.arange(0, HP)
+        h_ok = heads < H
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
+                    mask=h_ok[:, None], other=0.0).to(DT)
+        w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
+        w = w.to(tl.float32) * weight_scale
+        for i in range(0, tiles):
+            jb = tl.program_id(1) * tiles + i
+            j = jb * BN + tl.arange(0, BN)
+            if jb * BN < visible:
+                logical = j // B
+                seen = (j < visible) & (logical < max_logical)
+                phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
+                valid = seen & (phys >= 0)
+                k = _load_index_keys(keys_ptr, phys, j % B, valid, blk_stride, B, D, FMT, BN,
+                                     DT)
+                logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
+                s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+                s = tl.where(j < visible, s, float("-inf"))
+            else:
+                s = tl.full([BN], float("-inf"), tl.float32)
+            tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
 
     @triton.jit
     def _order_key(x):
@@ -261,10 +270,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         raise ValueError(f"an {fmt} key store must be uint8 with contiguous bytes and a block "
                          "stride that is a multiple of 4 bytes")
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
-    grid = (t, -(-width // SCORE_BLOCK))
-    _score_kernel[grid](
+    # about SCORE_PROGRAMS_PER_SM programs per SM, each loading its query once for its tiles
+    n_tiles = -(-width // SCORE_BLOCK)
+    n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
+    progs = max(1, min(n_tiles, -(-SCORE_PROGRAMS_PER_SM * n_sm // t)))
+    tiles = -(-n_tiles // progs)
+    _score_kernel[(t, -(-n_tiles // tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
-        keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width,
+        keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
         rows_per_block, float(weight_scale),
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=SCORE_BLOCK,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
