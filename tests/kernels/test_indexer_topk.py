@@ -160,6 +160,7 @@ CASES = {  # lengths, tokens per sequence, index_topk, rows per block
     "multi_token": ([37, 130], [3, 5], 8, 16),
     "long_row": ([4500], [2], 32, 64),  # > one scan block of 1024 entries
     "few_visible": ([0, 2, 9, 40], [1, 1, 1, 1], 16, 16),  # 0, 0, 2, 10 visible < k
+    "none_visible": ([0, 1], [1, 2], 4, 16),  # width 0
 }
 
 

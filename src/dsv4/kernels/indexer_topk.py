@@ -227,7 +227,8 @@ if triton_available():
         if SORT:  # by score descending, equal scores by ascending entry index
             tl.debug_barrier()
             got = slots < take_n
-            idx = tl.load(out + slots, mask=got, other=0).to(tl.int32)
+            # written by other threads of this program: read through L2 (".cg"), not L1
+            idx = tl.load(out + slots, mask=got, other=0, cache_modifier=".cg").to(tl.int32)
             key = _order_key(tl.load(row + idx, mask=got, other=0.0)).to(tl.int64)
             packed = (key << 32) | (2147483647 - idx).to(tl.int64)
             packed = tl.where(got, packed, -9223372036854775808)
