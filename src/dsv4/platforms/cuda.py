@@ -18,6 +18,9 @@
   launch each on bf16 layers (:mod:`dsv4.platforms.cuda_elementwise`).
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
+* The C4 indexer's selection of decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, bf16
+  queries, an index key format the kernels read) runs as two Triton launches over the paged
+  ``idx_keys`` store (:mod:`dsv4.kernels.indexer_topk`); other steps take the torch path.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
-from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
     BackendChoice,
@@ -110,7 +114,7 @@ class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
     HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
                "attention_choice", "use_fused_elementwise", "_elementwise_ready",
-               "_inverse_rope")
+               "_inverse_rope", "_indexer_kernel_format")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -262,6 +266,29 @@ class CudaAttention(DeepseekV4Attention):
         if choice.backend == "flashmla":
             return flashmla_forward_mqa(self, q, step, selection, choice.fmt)
         return super().forward_mqa(q, step, selection)
+
+    # ---- the indexer's top-k (dsv4.kernels.indexer_topk) ------------------------------
+    def _indexer_kernel_format(self, step: CacheStep, idx_q: torch.Tensor) -> str:
+        """Host-side test, no sync: the index key format name the kernels read this step's
+        selection in, or "" for the torch path (prefill-sized steps, non-bf16 queries, no
+        Triton or CUDA device, a key store the kernels cannot read)."""
+        if (self.indexer is None or not triton_available() or idx_q.dtype != torch.bfloat16
+                or step.num_tokens > KERNEL_MAX_TOKENS
+                or not (idx_q.device.type == "cuda" or _INTERPRET)):
+            return ""
+        return index_kernel_format(step.pool.stores["idx_keys"].fmt)
+
+    def _indexer_select(self, step: CacheStep, idx_q: torch.Tensor, idx_weights: torch.Tensor
+                        ) -> torch.Tensor:
+        fmt = self._indexer_kernel_format(step, idx_q)
+        if not fmt:
+            return super()._indexer_select(step, idx_q, idx_weights)
+        assert self.indexer is not None
+        store = step.pool.stores["idx_keys"]
+        return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
+                            store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
+                            self.indexer.topk, self.indexer.weight_scale,
+                            workspace_bytes=self.cfg.attention_workspace_bytes)
 
     # ---- fp32-output GEMMs ------------------------------------------------------------
     def _score_gemm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:

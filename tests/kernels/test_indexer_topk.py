@@ -1,0 +1,413 @@
+"""The indexer's decode selection kernels (``dsv4.kernels.indexer_topk``) against the torch path
+(``Indexer.select_paged``) and a float64 evaluation: every index key format, several sequences of
+one pool at different positions, multi-token steps, exact ties, rows with fewer visible entries
+than k. Small shapes under Triton's CPU interpreter (TRITON_INTERPRET=1) or on a GPU; Flash / Pro
+shapes, long contexts and CUDA-graph capture on a GPU only.
+
+Keys are written through the cache's own formats (``fill_history`` / ``store.write``), so the
+kernels read exactly the bytes the layer stores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dsv4 import DSV4Config
+from dsv4.bench.synthetic_cache import fill_history
+from dsv4.cache.pool import CachePool
+from dsv4.cache.step import CacheStep
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.indexer_topk import (
+    index_kernel_format,
+    indexer_scores,
+    indexer_topk,
+    topk_entries,
+)
+from dsv4.layers.indexer import Indexer, stable_topk
+
+HAS_CUDA = torch.cuda.is_available()
+kernel_runs = pytest.mark.skipif(
+    not (triton_available() and (_INTERPRET or HAS_CUDA)),
+    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
+                               reason="needs Triton and a CUDA GPU (not the interpreter)")
+DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+FORMATS = ("bf16", "fp8", "fp4")
+BF16 = torch.bfloat16
+
+
+def tiny_cfg(topk: int = 8, max_len: int = 4096) -> DSV4Config:
+    return DSV4Config.preset("tiny").replace(index_topk=topk,
+                                             max_position_embeddings=max(4096, max_len))
+
+
+def make_step(cfg: DSV4Config, fmt: str, lengths: list[int], counts: list[int], *,
+              block_size: int = 16, seed: int = 0, device: str = DEV) -> CacheStep:
+    """A step of ``counts[i]`` tokens after ``lengths[i]`` positions of random history for each
+    sequence of one pool (the entries the step completes written too, as the layer does before
+    it selects). A sequence added and freed first scatters the others' blocks."""
+    max_len = max(n + c for n, c in zip(lengths, counts, strict=True)) + 1
+    pool = CachePool(cfg, cfg.layer_of_ratio(4), max_seqs=len(lengths) + 1, max_seq_len=max_len,
+                     dtype=BF16, acc_dtype=torch.float32, device=device,
+                     index_format_name=fmt, block_size=block_size)
+    spacer = pool.add_sequence()
+    fill_history([spacer], min(max_len - 1, 4 * 3 * block_size), seed=seed + 100)
+    caches = [pool.add_sequence() for _ in lengths]
+    spacer.free()
+    for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
+        if n:
+            fill_history([c], n, seed=seed + i)
+    step = pool.begin_step(caches, counts)
+    job = step.jobs["idx_keys"]
+    if job.count:
+        g = torch.Generator(device=device).manual_seed(seed + 50)
+        step.write_entries("idx_keys", torch.randn(job.count, cfg.index_head_dim, generator=g,
+                                                   device=device).to(BF16))
+    return step
+
+
+def queries(cfg: DSV4Config, t: int, seed: int = 0, device: str = DEV
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(t, cfg.index_n_heads, cfg.index_head_dim, generator=g, device=device)
+    w = torch.randn(t, cfg.index_n_heads, generator=g, device=device)
+    return q.to(BF16), w.to(BF16)
+
+
+def indexer(cfg: DSV4Config) -> Indexer:
+    return Indexer(cfg, dtype=BF16, f32_dtype=torch.float32, device="meta")
+
+
+def run_kernels(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, *,
+                width: int | None = None, sort: bool = True,
+                workspace_bytes: int = 256 << 20) -> torch.Tensor:
+    store = step.pool.stores["idx_keys"]
+    return indexer_topk(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
+                        store.table_dev, step.tok_slot, step.pos,
+                        step.max_visible(4) if width is None else width, cfg.index_topk,
+                        cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort)
+
+
+def torch_path(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor
+               ) -> torch.Tensor:
+    """``Indexer.select_paged`` in full fp32 (TF32 off: another test may have turned it on)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return indexer(cfg).select_paged(step, q, w, torch.float32, 256 << 20)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def scores_f64(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 scores [T, width], -inf where invisible; a bound on each row's rounding error)
+    from the keys read back through the store's format."""
+    store = step.pool.stores["idx_keys"]
+    ents = torch.arange(width, device=q.device)
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float64, device=q.device)
+    tol = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
+    for t in range(q.shape[0]):
+        keys = store.read(store.flat_rows(step.tok_slot[t:t + 1], ents), torch.float64)
+        qt, wt = q[t].double(), w[t].double() * cfg.index_weight_scale
+        s = (qt @ keys.T).relu().T @ wt
+        vis = int(step.pos_host[t] + 1) // 4
+        out[t, :vis] = s[:vis]
+        bound = (qt.abs() @ keys.abs().T).T @ wt.abs()
+        tol[t] = 1e-5 * float(bound[:vis].max()) if vis else 0.0
+    return out, tol
+
+
+def assert_valid_selection(got: torch.Tensor, scores: torch.Tensor, tol: torch.Tensor, k: int
+                           ) -> None:
+    """Each row: min(k, visible) distinct visible entries, then -1; sorted by score (within
+    ``tol``); no entry left out scores more than ``tol`` above one taken."""
+    got, scores, tol = got.cpu(), scores.cpu(), tol.cpu()
+    for t in range(got.shape[0]):
+        vis = int(torch.isfinite(scores[t]).sum())
+        n = min(k, vis)
+        row = got[t]
+        assert (row[n:] == -1).all(), (t, row)
+        taken = row[:n]
+        assert (taken >= 0).all() and (taken < vis).all(), (t, row)
+        assert taken.unique().numel() == n
+        s = scores[t, taken]
+        assert (s[1:] <= s[:-1] + tol[t]).all(), (t, s)
+        left = torch.ones(vis, dtype=torch.bool)
+        left[taken] = False
+        if n and left.any():
+            assert float(scores[t, :vis][left].max()) <= float(s.min()) + float(tol[t])
+
+
+def assert_matches_torch_path(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
+                              tol: torch.Tensor, k: int) -> None:
+    """The torch path's sets, in score order. Under the interpreter both sum in fp32 alike
+    enough to give its order too; on a GPU the kernel's MMA sums in another order than cuBLAS,
+    so two scores within rounding of each other may come in either order."""
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    assert_valid_selection(got, scores, tol, k)
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------- small shapes
+
+
+CASES = {  # lengths, tokens per sequence, index_topk, rows per block
+    "decode": ([100, 7, 250, 61], [1, 1, 1, 1], 16, 16),
+    "multi_token": ([37, 130], [3, 5], 8, 16),
+    "long_row": ([4500], [2], 32, 64),  # > one scan block of 1024 entries
+    "few_visible": ([0, 2, 9, 40], [1, 1, 1, 1], 16, 16),  # 0, 0, 2, 10 visible < k
+    "none_visible": ([0, 1], [1, 2], 4, 16),  # width 0
+}
+
+
+@kernel_runs
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_the_torch_path(fmt, case):
+    lengths, counts, topk, block = CASES[case]
+    cfg = tiny_cfg(topk, max(lengths) + 8)
+    step = make_step(cfg, fmt, lengths, counts, block_size=block, seed=len(case))
+    q, w = queries(cfg, step.num_tokens, seed=3)
+    got = run_kernels(cfg, step, q, w)
+    assert got.dtype == torch.long and got.shape == (step.num_tokens, topk)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_matches_torch_path(got, torch_path(cfg, step, q, w), s64, tol, topk)
+
+
+@kernel_runs
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scores_match_float64_and_mask_the_invisible(fmt):
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, fmt, [90, 33, 200], [1, 2, 1], seed=1)
+    q, w = queries(cfg, step.num_tokens, seed=4)
+    width = step.max_visible(4) + 37  # an upper bound beyond every query's entries
+    store = step.pool.stores["idx_keys"]
+    s = indexer_scores(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
+                       store.table_dev, step.tok_slot, step.pos, width, cfg.index_weight_scale)
+    want, tol = scores_f64(cfg, step, q, w, width)
+    assert s.dtype == torch.float32 and s.shape == (step.num_tokens, width)
+    assert torch.equal(torch.isinf(s), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert ((s.double() - want).abs()[fin] <= tol[:, None].expand_as(want)[fin]).all()
+    # the same selection with the wider bound, and in ascending entry order unsorted
+    got = run_kernels(cfg, step, q, w)
+    assert torch.equal(run_kernels(cfg, step, q, w, width=width), got)
+    unsorted = run_kernels(cfg, step, q, w, sort=False)
+    n = (got >= 0).sum(dim=1)
+    for t in range(got.shape[0]):
+        assert torch.equal(unsorted[t, :n[t]], got[t, :n[t]].sort().values)
+        assert (unsorted[t, n[t]:] == -1).all()
+
+
+def integer_keys(step: CacheStep, distinct: int, seed: int) -> None:
+    """Overwrite every held key with one of ``distinct`` integer rows (exact in every format, and
+    their scores exact in fp32 in any order): many exact ties at every score."""
+    store = step.pool.stores["idx_keys"]
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-4, 5, (distinct, store.fmt.dim), generator=g).float()
+    dev = step.tok_slot.device
+    for c, start, count in zip(step.caches, step.starts, step.counts, strict=True):
+        ents = torch.arange((start + count) // 4, device=dev)
+        flat = store.flat_rows(torch.full_like(ents, c.slot), ents)
+        pick = torch.randint(0, distinct, (flat.numel(),), generator=g)
+        store.write(flat, rows[pick].to(flat.device, BF16))
+
+
+@kernel_runs
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_exact_ties_go_to_the_lower_entry_index(fmt):
+    cfg = tiny_cfg(16)
+    step = make_step(cfg, fmt, [180, 97, 300], [1, 1, 2], seed=2)
+    integer_keys(step, distinct=3, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-2, 3, (step.num_tokens, 8, 128), generator=g).to(DEV, BF16)
+    w = torch.randint(-3, 4, (step.num_tokens, 8), generator=g).to(DEV, BF16)
+    got = run_kernels(cfg, step, q, w)
+    assert torch.equal(got, torch_path(cfg, step, q, w))
+    # zero queries: every score is 0 (+0 or -0), the lowest entries in index order
+    zero = run_kernels(cfg, step, torch.zeros_like(q), w)
+    want = torch.arange(16, device=got.device).expand_as(got)
+    assert torch.equal(zero, want)
+    assert torch.equal(zero, torch_path(cfg, step, torch.zeros_like(q), w))
+
+
+@kernel_runs
+@pytest.mark.parametrize("k", [1, 5, 64])
+def test_topk_of_constructed_scores(k):
+    """The top-k kernel alone on rows built to be hard: many exact ties (and -0.0 beside +0.0),
+    visible counts above, at and below k and the width (capped at it), none visible."""
+    width = 2100
+    g = torch.Generator().manual_seed(k)
+    s = torch.randint(-3, 4, (6, width), generator=g).float() * 0.25
+    s[0] = torch.randn(width, generator=g)
+    s[1, ::2], s[1, 1::2] = -0.0, 0.0
+    pos = torch.tensor([4 * width - 1, 4 * width + 50, 4 * 1000 - 1, 4 * 3 - 1, 2, 4 * 1025 + 2])
+    got = topk_entries(s.to(DEV), pos.to(DEV), k).cpu()
+    vis = ((pos + 1) // 4).clamp(max=width)
+    masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
+    values, idx = stable_topk(masked, k)
+    assert torch.equal(got, idx.masked_fill(values == float("-inf"), -1))
+    assert torch.equal(got[1], torch.arange(k))
+
+
+@kernel_runs
+def test_chunked_workspace_gives_the_same_selection():
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, "fp8", [120, 40, 77], [2, 1, 3], seed=5)
+    q, w = queries(cfg, step.num_tokens, seed=6)
+    whole = run_kernels(cfg, step, q, w)
+    one_row = run_kernels(cfg, step, q, w, workspace_bytes=4 * step.max_visible(4))
+    assert torch.equal(whole, one_row)
+
+
+def cuda_layer_shell(cfg: DSV4Config):
+    """A CudaAttention holding only what ``_indexer_select`` reads: its constructor needs a CUDA
+    device (streams, events), the interpreter runs on the CPU."""
+    from dsv4.platforms.cuda import CudaAttention
+
+    layer = CudaAttention.__new__(CudaAttention)
+    nn.Module.__init__(layer)
+    layer.cfg = cfg
+    layer.acc_dtype = torch.float32
+    layer.indexer = indexer(cfg)
+    return layer
+
+
+@kernel_runs
+def test_cuda_platform_takes_the_kernels_for_decode_sized_steps():
+    from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS
+
+    cfg = tiny_cfg(8)
+    layer = cuda_layer_shell(cfg)
+    step = make_step(cfg, "fp4", [60, 150], [1, 1], seed=9)
+    q, w = queries(cfg, 2, seed=10)
+    assert layer._indexer_kernel_format(step, q) == "fp4"
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_matches_torch_path(layer._indexer_select(step, q, w), torch_path(cfg, step, q, w),
+                              s64, tol, 8)
+    assert layer._indexer_kernel_format(step, q.float()) == ""  # a float32 layer's queries
+    big = make_step(cfg, "bf16", [0], [KERNEL_MAX_TOKENS + 1], seed=11)
+    assert layer._indexer_kernel_format(big, q) == ""  # prefill-sized: the torch path
+    qb, wb = queries(cfg, KERNEL_MAX_TOKENS + 1, seed=12)
+    from dsv4 import DeepseekV4Attention
+
+    assert torch.equal(layer._indexer_select(big, qb, wb),
+                       DeepseekV4Attention._indexer_select(layer, big, qb, wb))
+
+
+def test_formats_the_kernels_read():
+    from dsv4.cache.formats import index_format
+
+    assert [index_kernel_format(index_format(n, 128, BF16)) for n in ("auto", "bf16", "fp8",
+                                                                       "fp4")] == \
+        ["bf16", "bf16", "fp8", "fp4"]
+    assert index_kernel_format(index_format("auto", 128, torch.float32)) == ""
+    assert index_kernel_format(index_format("bf16", 128, torch.float32)) == "bf16"
+
+
+# ---------------------------------------------------------------------------- GPU: full shapes
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset", ["flash", "pro"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_flash_and_pro_shapes(preset, fmt):
+    cfg = DSV4Config.preset(preset)
+    lengths = [65536, 1000, 20001, 4099, 2050, 130]
+    step = make_step(cfg, fmt, lengths, [1] * len(lengths), block_size=64, seed=1,
+                     device="cuda")
+    q, w = queries(cfg, step.num_tokens, seed=2, device="cuda")
+    got = run_kernels(cfg, step, q, w)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_valid_selection(got, s64, tol, cfg.index_topk)
+    want = torch_path(cfg, step, q, w)
+    # the same selection as the torch path, up to swaps of scores within rounding of each other
+    same = (got.sort(dim=1).values == want.sort(dim=1).values).all(dim=1)
+    assert int(same.sum()) >= got.shape[0] - 1
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sixty_four_queries_of_sixteen_sequences(fmt):
+    cfg = DSV4Config.preset("flash")
+    lengths = [1000 * (i + 1) + 3 * i for i in range(16)]
+    step = make_step(cfg, fmt, lengths, [4] * 16, block_size=64, seed=3, device="cuda")
+    q, w = queries(cfg, 64, seed=4, device="cuda")
+    got = run_kernels(cfg, step, q, w)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_valid_selection(got, s64, tol, cfg.index_topk)
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_a_million_positions():
+    cfg = DSV4Config.preset("pro")
+    step = make_step(cfg, "fp8", [1_000_000, 300_001], [1, 1], block_size=64, seed=5,
+                     device="cuda")
+    q, w = queries(cfg, 2, seed=6, device="cuda")
+    got = run_kernels(cfg, step, q, w)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_valid_selection(got, s64, tol, cfg.index_topk)
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_ties_at_flash_shapes():
+    cfg = DSV4Config.preset("flash")
+    step = make_step(cfg, "fp4", [9000, 3000], [1, 1], block_size=64, seed=7, device="cuda")
+    integer_keys(step, distinct=5, seed=8)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(-2, 3, (2, 64, 128), generator=g).to("cuda", BF16)
+    w = torch.randint(-3, 4, (2, 64), generator=g).to("cuda", BF16)
+    assert torch.equal(run_kernels(cfg, step, q, w), torch_path(cfg, step, q, w))
+    zero = run_kernels(cfg, step, torch.zeros_like(q), w)
+    assert torch.equal(zero, torch.arange(512, device="cuda").expand(2, 512))
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_graph_replay_equals_eager():
+    from dsv4.platforms.cuda import capture_graph
+
+    cfg = DSV4Config.preset("flash")
+    step = make_step(cfg, "fp8", [30000, 5000, 777], [1, 1, 1], block_size=64, seed=10,
+                     device="cuda")
+    q, w = queries(cfg, 3, seed=11, device="cuda")
+    eager = run_kernels(cfg, step, q, w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_kernels(cfg, step, q, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        out = run_kernels(cfg, step, q, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_cuda_layer_decode_selects_like_the_reference():
+    from dsv4 import DeepseekV4Attention
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.random_weights import random_layer_weights
+
+    cfg = DSV4Config.preset("tiny")
+    lid = cfg.layer_of_ratio(4)
+    layer = CudaAttention(cfg, lid, device="cuda", dtype=BF16)
+    layer.load_weights(random_layer_weights(cfg, lid, seed=1).items())
+    step = make_step(cfg, "fp8", [300, 41], [1, 1], block_size=64, seed=12, device="cuda")
+    q, w = queries(cfg, 2, seed=13, device="cuda")
+    assert layer._indexer_kernel_format(step, q) == "fp8"
+    got = layer._indexer_select(step, q, w)
+    want = DeepseekV4Attention._indexer_select(layer, step, q, w)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
