@@ -41,7 +41,7 @@ from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
 from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["compress_entries", "kernel_unsupported", "sim_mode"]
+__all__ = ["compress_entries", "kernel_unsupported", "launch_constants", "sim_mode"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -146,50 +146,55 @@ if triton_available():
         return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
     @triton.jit
-    def _round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    def _rint(x, LIBDEVICE: tl.constexpr):
+        """x (|x| < 2^22) rounded to an integer, ties to even."""
+        if LIBDEVICE:
+            return libdevice.rint(x)
+        else:  # NumPy's fp32 adds round to nearest even: 1.5 * 2^23 leaves no fraction bits
+            return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
         """y rounded to a float format of MANT mantissa bits and smallest normal 2^MIN_EXP (ties
         to even, no saturation): scaled so the grid step is 1, rounded, scaled back (exact)."""
         e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
-        q = y * _pow2(MANT - e)
-        q = (q + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 adds round to an integer, to even
-        return q * _pow2(e - MANT)
+        return _rint(y * _pow2(MANT - e), LIBDEVICE) * _pow2(e - MANT)
 
     @triton.jit
     def _block_quant_dequant(v, FLOOR: tl.constexpr, QMAX: tl.constexpr, MANT: tl.constexpr,
-                             MIN_EXP: tl.constexpr):
+                             MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Quant-dequant of the rows of v [blocks, block], a power-of-two scale per row:
         2^ceil(log2(max(amax, FLOOR) * (1 / QMAX)))."""
         amax = tl.maximum(tl.max(tl.abs(v), 1), FLOOR)
         k = _ceil_log2(amax * (1.0 / QMAX))
         y = v * _pow2(-k)[:, None]
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        return _round_minifloat(y, MANT, MIN_EXP) * _pow2(k)[:, None]
+        return _round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * _pow2(k)[:, None]
 
     @triton.jit
     def _hadamard(v, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr):
         """H_D v / sqrt(D), H_D the Sylvester Hadamard: log2(D) butterfly stages, each on groups
         of 2h consecutive values (a, b) -> (a + b, a - b), as ``quant_sim.hadamard_rotate``."""
-        for s in tl.static_range(LOG2D):
-            h: tl.constexpr = 1 << s
-            g = tl.permute(tl.reshape(v, (D // (2 * h), 2, h)), (0, 2, 1))
+        for s in tl.static_range(LOG2D):  # h = 2 ** s, inline: shapes need constexprs
+            g = tl.permute(tl.reshape(v, (D // (2 ** (s + 1)), 2, 2 ** s)), (0, 2, 1))
             a, b = tl.split(g)
             v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
         return v * SCALE
 
     @triton.jit
     def _simulate(u, D: tl.constexpr, ROPE: tl.constexpr, SIM: tl.constexpr,
-                  LOG2D: tl.constexpr, HSCALE: tl.constexpr):
+                  LOG2D: tl.constexpr, HSCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
         if SIM == 1:  # main compressor: FP8 E4M3 block-64 on the non-rope channels
             blocks = tl.reshape(u, (D // 64, 64))
-            q = _block_quant_dequant(blocks, _FP8_FLOOR, _FP8_MAX, 3, -6)
+            q = _block_quant_dequant(blocks, _FP8_FLOOR, _FP8_MAX, 3, -6, LIBDEVICE)
             nope = tl.arange(0, D // 64) < (D - ROPE) // 64
             u = tl.reshape(tl.where(nope[:, None], q, blocks), (D,))
         elif SIM == 2:  # indexer fp8: E4M3, one scale per 128 channels
             u = tl.reshape(_block_quant_dequant(tl.reshape(u, (D // 128, 128)), _FP8_FLOOR,
-                                                _FP8_MAX, 3, -6), (D,))
+                                                _FP8_MAX, 3, -6, LIBDEVICE), (D,))
         elif SIM == 3:  # indexer hadamard_fp4: Hadamard, then E2M1 block-32
             v = tl.reshape(_hadamard(u, D, LOG2D, HSCALE), (D // 32, 32))
-            u = tl.reshape(_block_quant_dequant(v, _FP4_FLOOR, _FP4_MAX, 1, 0), (D,))
+            u = tl.reshape(_block_quant_dequant(v, _FP4_FLOOR, _FP4_MAX, 1, 0, LIBDEVICE), (D,))
         return u
 
     @triton.jit
@@ -206,7 +211,7 @@ if triton_available():
         m = tl.full([D], -1e30, tl.float32)  # finite: a tile of missing candidates adds 0
         den = tl.zeros([D], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for c0 in tl.static_range(0, COFF * R, BC):
+        for c0 in range(0, COFF * R, BC):
             ci = c0 + tl.arange(0, BC)
             rs = tl.load(rsrc_ptr + e * s_src + ci)
             cs = tl.load(csrc_ptr + e * s_src + ci)
@@ -232,7 +237,7 @@ if triton_available():
         inv_rms = _rsqrt(tl.sum(pooled * pooled, 0) / D + eps, LIBDEVICE)
         u = pooled * inv_rms * tl.load(w_ptr + ch).to(tl.float32)
         u = _rope_interleaved(u, tl.load(ent_ptr + e) * R, freq_ptr, D, ROPE, LIBDEVICE)
-        u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE)
+        u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE, LIBDEVICE)
         tl.store(out_ptr + e * s_out + ch, u.to(out_ptr.dtype.element_ty))
 
 
@@ -245,9 +250,7 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
-    d, r, coff = comp.dim, comp.ratio, comp.coff
-    width = comp.raw_width
-    n = coff * r
+    d, width, n = comp.dim, comp.raw_width, comp.coff * comp.ratio
     if ring.dtype != torch.float32 or ring.shape[-1] != width or not ring.is_contiguous():
         raise ValueError(f"ring must be contiguous float32 [..., {width}], got {ring.dtype} "
                          f"{tuple(ring.shape)}")
@@ -263,14 +266,21 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     out = torch.empty(e, d, dtype=torch.float32 if _INTERPRET else out_dtype, device=rows.device)
     if e == 0:
         return out.to(out_dtype)
-    rows = rows.contiguous()
+    rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
     _compress_entries_kernel[(e,)](
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
-        R=r, COFF=coff, D=d, ROPE=comp.rope_dim, BC=min(n, 16),
-        SIM=sim_mode(comp, simulate_quant, index_numerics), LOG2D=d.bit_length() - 1,
-        HSCALE=d ** -0.5,
-        LIBDEVICE=not _INTERPRET, num_warps=4 if d <= 128 else 8,
+        **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),
     )
     return out.to(out_dtype)
+
+
+def launch_constants(comp: Compressor, simulate_quant: bool, index_numerics: str | None,
+                     libdevice: bool = True) -> dict[str, int | float | bool]:
+    """The kernel's compile-time constants and warps for ``comp`` (one program an entry:
+    candidates in tiles of at most 16, d channels)."""
+    d, n = comp.dim, comp.coff * comp.ratio
+    return {"R": comp.ratio, "COFF": comp.coff, "D": d, "ROPE": comp.rope_dim, "BC": min(n, 16),
+            "SIM": sim_mode(comp, simulate_quant, index_numerics), "LOG2D": d.bit_length() - 1,
+            "HSCALE": d ** -0.5, "LIBDEVICE": libdevice, "num_warps": 4 if d <= 128 else 8}

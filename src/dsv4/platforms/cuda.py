@@ -13,6 +13,9 @@
 * fp8 ``wq_b``, ``wo_a`` (grouped, one launch), ``wo_b`` and the indexer's ``wq_b`` run through
   weight-streaming GEMMs that read e4m3 + ue8m0 scales in place for decode-sized calls
   (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
+* ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
+  Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
+  base path.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 """
@@ -33,7 +36,9 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
+from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported
 from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
     BackendChoice,
@@ -204,6 +209,16 @@ class CudaAttention(DeepseekV4Attention):
             return super()._o_proj(o, positions)
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
         return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
+
+    # ---- compressed entries (dsv4.kernels.compress_entries) ---------------------------
+    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
+                          rows: torch.Tensor) -> torch.Tensor:
+        sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
+        if kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None:
+            return super()._compress_entries(comp, step, name, rows)
+        job = step.jobs[name]
+        return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
+                                job.entries, self.rotary, self.dtype, sim, numerics)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
