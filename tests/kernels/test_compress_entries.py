@@ -113,7 +113,7 @@ def compare(got: torch.Tensor, want: torch.Tensor, simulated: bool) -> float:
     assert got.shape == want.shape and got.dtype == want.dtype == BF16
     g, w = got.double().cpu(), want.double().cpu()
     assert torch.isfinite(g).all()
-    far = ~torch.isclose(g, w, rtol=2**-7, atol=1e-6)
+    far = ~torch.isclose(g, w, rtol=2**-7, atol=1e-5)  # entries are O(1) after RMSNorm
     if simulated:
         assert far.double().mean() <= 0.01, f"{int(far.sum())} of {far.numel()} values differ"
         assert float((g - w).norm() / w.norm()) < 2e-2
