@@ -16,6 +16,10 @@
 * The small elementwise stages (latent norms, query heads' RMS + RoPE, kv rows' RoPE + fp8
   simulation, indexer queries' RoPE + numerics, the output's inverse RoPE) run as one Triton
   launch each on bf16 layers (:mod:`dsv4.platforms.cuda_elementwise`).
+
+* ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
+  Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
+  base path.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 * The C4 indexer's selection of decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, bf16
@@ -39,8 +43,10 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
+from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
+from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
     BackendChoice,
@@ -256,6 +262,16 @@ class CudaAttention(DeepseekV4Attention):
         if self._elementwise_ready(o):
             return fused_inverse_rope(self, o, pos)
         return self.rotary.rotate(o, pos, self.acc_dtype, inverse=True)
+
+    # ---- compressed entries (dsv4.kernels.compress_entries) ---------------------------
+    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
+                          rows: torch.Tensor) -> torch.Tensor:
+        sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
+        if kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None:
+            return super()._compress_entries(comp, step, name, rows)
+        job = step.jobs[name]
+        return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
+                                job.entries, self.rotary, self.dtype, sim, numerics)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None

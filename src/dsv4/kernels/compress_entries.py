@@ -1,0 +1,286 @@
+"""One-launch compressed entries: :meth:`Compressor.compress_jobs` as a single Triton kernel.
+
+A step completes E entries per compressor. The PyTorch path builds them in ~40 small ops (gather
+of the source raw rows from the ring or this step's rows, the entry-0 stand-in, softmax, weighted
+sum, RMSNorm, RoPE, the numerics simulation, cast). Here one program makes one entry, all ``d``
+channels of it (d = 512 at most: the main compressor's head dim), so RMSNorm's sum of squares
+stays in the program:
+
+1. gather: source position i of the entry (``coff * ratio`` of them, oldest first) is ring row
+   ``ring_src[e, i]`` or step row ``call_src[e, i]``; both -1 is entry 0's missing previous block
+   (a = 0, score -inf: weight 0). Candidate i reads a from channels ``[blk * d, blk * d + d)`` and
+   its score from ``coff * d`` further on, blk = i // ratio (ratio 4: the previous block uses the
+   first half of a and of the score, the current block the second half; ratio 128: blk = 0);
+2. a per-channel softmax over the candidates, online in tiles of candidates (ratio 128 has 128),
+   and the weighted sum of a, in fp32;
+3. RMSNorm with the norm weight, RoPE at position j * ratio on the last ``rope_dim`` channels
+   (interleaved pairs);
+4. the numerics simulation: the main compressor's FP8 block-64 quant-dequant of the non-rope
+   channels, or the indexer's ``fp8`` (E4M3, one scale per 128) or ``hadamard_fp4`` (Sylvester
+   Hadamard butterflies, then E2M1 block-32); scales are powers of two from the float's bits and
+   rounding is exact (ties to even), as :mod:`dsv4.layers.quant_sim` does;
+5. the cast to the layer dtype.
+
+Numerics against the PyTorch path: the same fp32 operations, in another summation order (the
+softmax denominator, the weighted sum, the sum of squares), so the values before the simulation
+agree to a few fp32 ulps; a quantiser's rounding can then differ on a value sitting at a tie
+of the grid (one grid step), rarely. On a GPU cos / sin are libdevice's (torch's own functions
+for float32); under Triton's CPU interpreter NumPy's.
+
+E comes from the host (the jobs' shape), nothing is read back: the launch can be captured in a
+CUDA graph. Triton is imported guarded: this module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.layers.compressor import Compressor
+from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
+from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
+from dsv4.layers.rotary import RotaryEmbedding
+
+__all__ = ["compress_entries", "kernel_unsupported", "launch_constants", "sim_mode"]
+
+SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
+KV_FP8_BLOCK = 64
+FP4_BLOCK = 32
+MAX_DIM = 512
+
+
+def sim_mode(comp: Compressor, simulate_quant: bool, index_numerics: str | None) -> int:
+    """Which numerics simulation the kernel applies (``SIM_*``), as ``Compressor._pool`` does."""
+    if not simulate_quant:
+        return SIM_NONE
+    if not comp.for_indexer:
+        return SIM_KV_FP8
+    if index_numerics is None:
+        return SIM_NONE
+    modes = {"fp8": SIM_INDEX_FP8, "hadamard_fp4": SIM_INDEX_FP4}
+    if index_numerics not in modes:
+        raise ValueError(f"unknown indexer numerics {index_numerics!r}; valid: {sorted(modes)}")
+    return modes[index_numerics]
+
+
+def kernel_unsupported(comp: Compressor, rows: torch.Tensor, out_dtype: torch.dtype,
+                       simulate_quant: bool, index_numerics: str | None) -> str | None:
+    """Why the kernel cannot take this compress (host-side test), or None when it can."""
+    if not triton_available():
+        return "Triton is not installed"
+    if rows.device.type != "cuda" and not _INTERPRET:
+        return f"the kernel runs on CUDA (rows are on {rows.device.type})"
+    if rows.dtype != torch.float32:
+        return f"the kernel pools in float32 (raw rows are {rows.dtype})"
+    if out_dtype != torch.bfloat16:
+        return f"the kernel writes bf16 entries (layer dtype {out_dtype})"
+    d, rope = comp.dim, comp.rope_dim
+    if d & (d - 1) or d > MAX_DIM or rope > d or rope % 2:
+        return f"dim {d} / rope dim {rope}: the kernel takes a power of two dim <= {MAX_DIM}"
+    mode = sim_mode(comp, simulate_quant, index_numerics)
+    block = {SIM_KV_FP8: KV_FP8_BLOCK, SIM_INDEX_FP8: INDEX_FP8_BLOCK,
+             SIM_INDEX_FP4: FP4_BLOCK}.get(mode, 1)
+    if (mode == SIM_KV_FP8 and (d - rope) % block) or d % block:
+        return f"dim {d} / rope dim {rope} do not split into the simulation's blocks of {block}"
+    return None
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+if triton_available():
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    if _INTERPRET:
+        from dsv4.kernels._interpreter import patch_interpreter_index
+
+        patch_interpreter_index()
+
+    _FP8_FLOOR: tl.constexpr = tl.constexpr(FP8_AMAX_FLOOR)
+    _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
+    _FP4_FLOOR: tl.constexpr = tl.constexpr(FP4_AMAX_FLOOR)
+    _FP4_MAX: tl.constexpr = tl.constexpr(FP4_E2M1_MAX)
+
+    @triton.jit
+    def _exp(x, LIBDEVICE: tl.constexpr):
+        if LIBDEVICE:  # the CUDA math library's expf (torch's)
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _rsqrt(x, LIBDEVICE: tl.constexpr):
+        if LIBDEVICE:  # the CUDA math library's rsqrtf (torch's)
+            return libdevice.rsqrt(x)
+        else:
+            return 1.0 / tl.sqrt(x)
+
+    @triton.jit
+    def _rope_interleaved(x, pos, freq_ptr, D: tl.constexpr, ROPE: tl.constexpr,
+                          LIBDEVICE: tl.constexpr):
+        """GPT-J RoPE of the last ROPE channels of x [D] (fp32) at position ``pos`` (int):
+        pairs (x[2i], x[2i+1]), angle = float32(pos) * inv_freq, cos / sin in fp32."""
+        even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
+        k = tl.arange(0, D // 2) - (D - ROPE) // 2
+        is_rope = k >= 0
+        freq = tl.load(freq_ptr + tl.where(is_rope, k, 0), mask=is_rope, other=0.0)
+        angle = pos.to(tl.float32) * freq
+        if LIBDEVICE:  # the CUDA math library's cosf / sinf (torch's), full range reduction
+            cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+        else:
+            cos, sin = tl.cos(angle), tl.sin(angle)
+        cos = tl.where(is_rope, cos, 1.0)
+        sin = tl.where(is_rope, sin, 0.0)
+        return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (D,))
+
+    @triton.jit
+    def _pow2(k):
+        """2^k as fp32 for an int32 k in the normal range [-126, 127], from the bits."""
+        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _ceil_log2(x):
+        """ceil(log2(x)) of a positive normal fp32 x, from its exponent and mantissa bits."""
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def _rint(x, LIBDEVICE: tl.constexpr):
+        """x (|x| < 2^22) rounded to an integer, ties to even."""
+        if LIBDEVICE:
+            return libdevice.rint(x)
+        else:  # NumPy's fp32 adds round to nearest even: 1.5 * 2^23 leaves no fraction bits
+            return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """y rounded to a float format of MANT mantissa bits and smallest normal 2^MIN_EXP (ties
+        to even, no saturation): scaled so the grid step is 1, rounded, scaled back (exact)."""
+        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+        return _rint(y * _pow2(MANT - e), LIBDEVICE) * _pow2(e - MANT)
+
+    @triton.jit
+    def _block_quant_dequant(v, FLOOR: tl.constexpr, QMAX: tl.constexpr, MANT: tl.constexpr,
+                             MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Quant-dequant of the rows of v [blocks, block], a power-of-two scale per row:
+        2^ceil(log2(max(amax, FLOOR) * (1 / QMAX)))."""
+        amax = tl.maximum(tl.max(tl.abs(v), 1), FLOOR)
+        k = _ceil_log2(amax * (1.0 / QMAX))
+        y = v * _pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        return _round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * _pow2(k)[:, None]
+
+    @triton.jit
+    def _hadamard(v, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr):
+        """H_D v / sqrt(D), H_D the Sylvester Hadamard: log2(D) butterfly stages, each on groups
+        of 2h consecutive values (a, b) -> (a + b, a - b), as ``quant_sim.hadamard_rotate``."""
+        for s in tl.static_range(LOG2D):  # h = 2 ** s, inline: shapes need constexprs
+            g = tl.permute(tl.reshape(v, (D // (2 ** (s + 1)), 2, 2 ** s)), (0, 2, 1))
+            a, b = tl.split(g)
+            v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
+        return v * SCALE
+
+    @triton.jit
+    def _simulate(u, D: tl.constexpr, ROPE: tl.constexpr, SIM: tl.constexpr,
+                  LOG2D: tl.constexpr, HSCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
+        if SIM == 1:  # main compressor: FP8 E4M3 block-64 on the non-rope channels
+            blocks = tl.reshape(u, (D // 64, 64))
+            q = _block_quant_dequant(blocks, _FP8_FLOOR, _FP8_MAX, 3, -6, LIBDEVICE)
+            nope = tl.arange(0, D // 64) < (D - ROPE) // 64
+            u = tl.reshape(tl.where(nope[:, None], q, blocks), (D,))
+        elif SIM == 2:  # indexer fp8: E4M3, one scale per 128 channels
+            u = tl.reshape(_block_quant_dequant(tl.reshape(u, (D // 128, 128)), _FP8_FLOOR,
+                                                _FP8_MAX, 3, -6, LIBDEVICE), (D,))
+        elif SIM == 3:  # indexer hadamard_fp4: Hadamard, then E2M1 block-32
+            v = tl.reshape(_hadamard(u, D, LOG2D, HSCALE), (D // 32, 32))
+            u = tl.reshape(_block_quant_dequant(v, _FP4_FLOOR, _FP4_MAX, 1, 0, LIBDEVICE), (D,))
+        return u
+
+    @triton.jit
+    def _compress_entries_kernel(
+        ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr, out_ptr, s_out,
+        eps,
+        R: tl.constexpr, COFF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+        BC: tl.constexpr, SIM: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        e = tl.program_id(0).to(tl.int64)
+        ch = tl.arange(0, D)
+        width: tl.constexpr = 2 * COFF * D
+        m = tl.full([D], -1e30, tl.float32)  # finite: a tile of missing candidates adds 0
+        den = tl.zeros([D], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for c0 in range(0, COFF * R, BC):
+            ci = c0 + tl.arange(0, BC)
+            rs = tl.load(rsrc_ptr + e * s_src + ci)
+            cs = tl.load(csrc_ptr + e * s_src + ci)
+            in_call = cs >= 0
+            in_ring = (rs >= 0) & (cs < 0)
+            col = ((ci // R) * D)[:, None] + ch[None, :]  # a's channel; the score's is + COFF*D
+            call_at = rows_ptr + (tl.maximum(cs, 0).to(tl.int64) * width)[:, None] + col
+            ring_at = ring_ptr + (tl.maximum(rs, 0).to(tl.int64) * width)[:, None] + col
+            a = tl.where(in_call[:, None], tl.load(call_at, mask=in_call[:, None], other=0.0),
+                         tl.load(ring_at, mask=in_ring[:, None], other=0.0))
+            b = tl.where(in_call[:, None],
+                         tl.load(call_at + COFF * D, mask=in_call[:, None], other=0.0),
+                         tl.load(ring_at + COFF * D, mask=in_ring[:, None], other=0.0))
+            b = tl.where((in_call | in_ring)[:, None], b, float("-inf"))
+            m_new = tl.maximum(m, tl.max(b, 0))
+            p = _exp(b - m_new[None, :], LIBDEVICE)
+            scale = _exp(m - m_new, LIBDEVICE)
+            den = den * scale + tl.sum(p, 0)
+            acc = acc * scale + tl.sum(p * a, 0)
+            m = m_new
+        pooled = acc / den
+        # RMSNorm (fp32 statistics) with the norm weight
+        inv_rms = _rsqrt(tl.sum(pooled * pooled, 0) / D + eps, LIBDEVICE)
+        u = pooled * inv_rms * tl.load(w_ptr + ch).to(tl.float32)
+        u = _rope_interleaved(u, tl.load(ent_ptr + e) * R, freq_ptr, D, ROPE, LIBDEVICE)
+        u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE, LIBDEVICE)
+        tl.store(out_ptr + e * s_out + ch, u.to(out_ptr.dtype.element_ty))
+
+
+def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
+                     ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
+                     rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
+                     index_numerics: str | None) -> torch.Tensor:
+    """:meth:`Compressor.compress_jobs` (same arguments) in one launch; entries [E, comp.dim] in
+    ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason."""
+    why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
+    if why is not None:
+        raise ValueError(f"compress_entries kernel: {why}")
+    d, width, n = comp.dim, comp.raw_width, comp.coff * comp.ratio
+    if ring.dtype != torch.float32 or ring.shape[-1] != width or not ring.is_contiguous():
+        raise ValueError(f"ring must be contiguous float32 [..., {width}], got {ring.dtype} "
+                         f"{tuple(ring.shape)}")
+    if rows.dim() != 2 or rows.shape[1] != width:
+        raise ValueError(f"rows must be [T, {width}], got {tuple(rows.shape)}")
+    e = entries.shape[0]
+    if ring_src.shape != (e, n) or call_src.shape != (e, n) or ring_src.stride() != \
+            call_src.stride() or ring_src.stride(1) != 1:
+        raise ValueError(f"ring_src / call_src must be [E={e}, {n}] with the same strides and "
+                         f"contiguous rows, got {tuple(ring_src.shape)}, {tuple(call_src.shape)}")
+    # the interpreter's fp32 -> bf16 cast truncates (Triton 3.6): there the kernel writes fp32
+    # and torch rounds (to nearest even, as the GPU's cast does)
+    out = torch.empty(e, d, dtype=torch.float32 if _INTERPRET else out_dtype, device=rows.device)
+    if e == 0:
+        return out.to(out_dtype)
+    rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
+    inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
+    _compress_entries_kernel[(e,)](
+        ring, rows, ring_src, call_src, ring_src.stride(0), entries,
+        comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
+        **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),
+    )
+    return out.to(out_dtype)
+
+
+def launch_constants(comp: Compressor, simulate_quant: bool, index_numerics: str | None,
+                     libdevice: bool = True) -> dict[str, int | float | bool]:
+    """The kernel's compile-time constants and warps for ``comp`` (one program an entry:
+    candidates in tiles of at most 16, d channels)."""
+    d, n = comp.dim, comp.coff * comp.ratio
+    return {"R": comp.ratio, "COFF": comp.coff, "D": d, "ROPE": comp.rope_dim, "BC": min(n, 16),
+            "SIM": sim_mode(comp, simulate_quant, index_numerics), "LOG2D": d.bit_length() - 1,
+            "HSCALE": d ** -0.5, "LIBDEVICE": libdevice, "num_warps": 4 if d <= 128 else 8}

@@ -1,0 +1,352 @@
+"""The one-launch compressed entries kernel against ``Compressor.compress_jobs``: under Triton's
+CPU interpreter (TRITON_INTERPRET=1) on the tiny preset, on a GPU with Flash / Pro shapes, the
+cuda platform's ``_compress_entries`` and CUDA-graph capture on a GPU only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4 import DSV4Config
+from dsv4.kernels.compress_entries import (
+    SIM_INDEX_FP4,
+    SIM_INDEX_FP8,
+    SIM_KV_FP8,
+    SIM_NONE,
+    compress_entries,
+    kernel_unsupported,
+    launch_constants,
+    sim_mode,
+)
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.layers.compressor import Compressor
+from dsv4.layers.rotary import RotaryEmbedding
+
+from conftest import random_x, rel_err
+
+BF16 = torch.bfloat16
+HAS_CUDA = torch.cuda.is_available()
+kernel_runs = pytest.mark.skipif(
+    not (triton_available() and (_INTERPRET or HAS_CUDA)),
+    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
+gpu_only = pytest.mark.skipif(not (triton_available() and HAS_CUDA and not _INTERPRET),
+                              reason="needs Triton and a CUDA GPU (not the interpreter)")
+DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+
+# (ratio, for_indexer, simulate_quant, index_numerics): every numerics path of both compressors
+CASES = [
+    (4, False, False, None), (4, False, True, None),
+    (128, False, False, None), (128, False, True, None),
+    (4, True, False, None), (4, True, True, "fp8"), (4, True, True, "hadamard_fp4"),
+]
+
+
+def simulated(case: tuple) -> bool:
+    ratio, idx, sim, numerics = case
+    return sim and (numerics is not None or not idx)
+
+
+def case_id(case: tuple) -> str:
+    ratio, idx, sim, numerics = case
+    who = "index" if idx else "main"
+    return f"r{ratio}-{who}-" + (numerics or "sim") if sim else f"r{ratio}-{who}-exact"
+
+
+def make_compressor(cfg: DSV4Config, ratio: int, for_indexer: bool, device: str, seed: int = 0
+                    ) -> tuple[Compressor, RotaryEmbedding]:
+    dim = cfg.index_head_dim if for_indexer else cfg.head_dim
+    comp = Compressor(cfg, dim=dim, ratio=ratio, for_indexer=for_indexer, dtype=BF16,
+                      f32_dtype=torch.float32, device=device)
+    g = torch.Generator().manual_seed(seed)
+    comp.norm.weight.data.copy_(1 + 0.3 * torch.randn(dim, generator=g))
+    return comp, RotaryEmbedding.for_layer(cfg, ratio, device)
+
+
+@dataclass
+class Jobs:
+    ring: torch.Tensor
+    rows: torch.Tensor
+    ring_src: torch.Tensor
+    call_src: torch.Tensor
+    entries: torch.Tensor
+
+
+def random_jobs(comp: Compressor, seqs: int, tokens: int, per_kind: int, seed: int,
+                device: str) -> Jobs:
+    """Rings of ``seqs`` sequences, ``tokens`` step rows, and entries of every source kind:
+    ring-only, call-only, mixed (a random split point, as a step boundary makes), and at ratio 4
+    entry 0 (previous block missing) from the ring and from the call."""
+    g = torch.Generator().manual_seed(seed)
+    cr, width, r = comp.ring_rows, comp.raw_width, comp.ratio
+    ring = torch.randn(seqs, cr, width, generator=g) * 2
+    rows = torch.randn(tokens, width, generator=g) * 2
+    ring_src, call_src, entries = [], [], []
+    kinds = ["ring", "call", "mixed"] + (["first-ring", "first-call"] if comp.coff == 2 else [])
+    for kind in kinds:
+        for _ in range(per_kind):
+            slot = int(torch.randint(seqs, (1,), generator=g))
+            rs = slot * cr + torch.randperm(cr, generator=g)
+            cs = torch.randint(tokens, (cr,), generator=g)
+            split = {"ring": cr, "call": 0}.get(kind, int(torch.randint(1, cr, (1,), generator=g)))
+            if kind.startswith("first"):
+                split = cr if kind == "first-ring" else r
+            keep_ring = torch.arange(cr) < split
+            rs, cs = torch.where(keep_ring, rs, -1), torch.where(keep_ring, -1, cs)
+            j = int(torch.randint(1, 5000, (1,), generator=g))
+            if kind.startswith("first"):
+                rs[:r], cs[:r], j = -1, -1, 0
+            ring_src.append(rs)
+            call_src.append(cs)
+            entries.append(j)
+    return Jobs(ring.to(device), rows.to(device), torch.stack(ring_src).to(device),
+                torch.stack(call_src).to(device), torch.tensor(entries, device=device))
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, simulated: bool) -> float:
+    """Assert the kernel matches compress_jobs; returns the max abs error.
+
+    Without a simulation the fp32 values agree to a few ulps, so the bf16 entries to one bf16
+    ulp. With one, a value at a tie of the fp8 / fp4 grid may round the other way: one grid step
+    on a few values, so the check bounds how many differ and the relative error of the whole."""
+    assert got.shape == want.shape and got.dtype == want.dtype == BF16
+    g, w = got.double().cpu(), want.double().cpu()
+    assert torch.isfinite(g).all()
+    far = ~torch.isclose(g, w, rtol=2**-7, atol=1e-5)  # entries are O(1) after RMSNorm
+    if simulated:
+        assert far.double().mean() <= 0.01, f"{int(far.sum())} of {far.numel()} values differ"
+        assert float((g - w).norm() / w.norm()) < 2e-2
+    else:
+        assert not far.any(), f"max error {float((g - w).abs().max())}"
+    return float((g - w).abs().max())
+
+
+def run_both(comp: Compressor, rotary: RotaryEmbedding, jobs: Jobs, sim: bool,
+             numerics: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, jobs.entries, rotary, BF16, sim,
+            numerics)
+    return compress_entries(comp, *args), comp.compress_jobs(*args)
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+
+def test_sim_mode_follows_the_compressor_and_config(tiny):
+    main, _ = make_compressor(tiny, 4, False, "cpu")
+    index, _ = make_compressor(tiny, 4, True, "cpu")
+    assert sim_mode(main, False, "hadamard_fp4") == SIM_NONE
+    assert sim_mode(main, True, "hadamard_fp4") == SIM_KV_FP8
+    assert sim_mode(index, True, None) == SIM_NONE
+    assert sim_mode(index, True, "fp8") == SIM_INDEX_FP8
+    assert sim_mode(index, True, "hadamard_fp4") == SIM_INDEX_FP4
+    with pytest.raises(ValueError, match="unknown indexer numerics"):
+        sim_mode(index, True, "fp2")
+
+
+def test_unsupported_calls_say_why(tiny):
+    comp, _ = make_compressor(tiny, 4, False, "cpu")
+    rows = torch.zeros(3, comp.raw_width)
+    if not triton_available():
+        assert kernel_unsupported(comp, rows, BF16, True, None) == "Triton is not installed"
+    elif not _INTERPRET:
+        assert "CUDA" in (kernel_unsupported(comp, rows, BF16, True, None) or "")
+    else:
+        assert kernel_unsupported(comp, rows, BF16, True, None) is None
+        assert "bf16" in (kernel_unsupported(comp, rows, torch.float32, True, None) or "")
+        assert "float32" in (kernel_unsupported(comp, rows.double(), BF16, True, None) or "")
+    if kernel_unsupported(comp, rows, BF16, True, None) is not None:
+        jobs = random_jobs(comp, 1, 3, 1, 0, "cpu")
+        with pytest.raises(ValueError, match="compress_entries kernel"):
+            run_both(comp, RotaryEmbedding.for_layer(tiny, 4), jobs, True, None)
+
+
+# ---------------------------------------------------------------------------------- kernel
+
+
+@kernel_runs
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_matches_compress_jobs_on_random_jobs(tiny, case):
+    ratio, idx, sim, numerics = case
+    comp, rotary = make_compressor(tiny, ratio, idx, DEV)
+    jobs = random_jobs(comp, seqs=3, tokens=40, per_kind=2, seed=ratio + idx, device=DEV)
+    got, want = run_both(comp, rotary, jobs, sim, numerics)
+    compare(got, want, simulated(case))
+
+
+@kernel_runs
+def test_no_entries(tiny):
+    comp, rotary = make_compressor(tiny, 4, False, DEV)
+    jobs = random_jobs(comp, 1, 4, 1, 0, DEV)
+    none = Jobs(jobs.ring, jobs.rows, jobs.ring_src[:0], jobs.call_src[:0], jobs.entries[:0])
+    got, _ = run_both(comp, rotary, none, True, None)
+    assert got.shape == (0, comp.dim) and got.dtype == BF16
+
+
+@kernel_runs
+@pytest.mark.parametrize("preset", ["flash"] if _INTERPRET else ["flash", "pro"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_matches_compress_jobs_at_model_shapes(preset, case):
+    """d = 512 (main compressor: C4 raw rows 2048 wide, C128 128 candidates) and d = 128
+    (indexer); the interpreter runs a few entries, a GPU a prefill's worth."""
+    ratio, idx, sim, numerics = case
+    cfg = DSV4Config.preset(preset)
+    comp, rotary = make_compressor(cfg, ratio, idx, DEV, seed=1)
+    per_kind = 1 if _INTERPRET else 64
+    jobs = random_jobs(comp, seqs=5, tokens=300, per_kind=per_kind, seed=7, device=DEV)
+    got, want = run_both(comp, rotary, jobs, sim, numerics)
+    compare(got, want, simulated(case))
+
+
+class Recorder:
+    """Wraps a layer's ``_compress_entries``: keeps a copy of each call's inputs (the ring
+    changes when the step commits) and the base path's result."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+        self.base = layer._compress_entries
+        self.calls: list[tuple[Compressor, Jobs, torch.Tensor]] = []
+
+    def __call__(self, comp, step, name, rows):
+        out = self.base(comp, step, name, rows)
+        job = step.jobs[name]
+        jobs = Jobs(step.ring(name).clone(), rows.clone(), job.ring_src.clone(),
+                    job.call_src.clone(), job.entries.clone())
+        self.calls.append((comp, jobs, out))
+        return out
+
+
+def layer_jobs(cfg: DSV4Config, ratio: int, prompts: tuple[int, ...], steps: int,
+               make_layer, monkeypatch) -> list[tuple[Compressor, Jobs, torch.Tensor]]:
+    """Every compress of a pooled prefill of ``prompts`` (one mixed call) then ``steps`` decode
+    steps of a reference layer: call-only and, at a decode step, mixed sources; entry 0 without
+    its previous block; several sequences per launch."""
+    layer = make_layer(cfg, ratio, device=DEV)
+    rec = Recorder(layer)
+    monkeypatch.setattr(layer, "_compress_entries", rec)
+    caches = layer.new_caches(len(prompts), max(prompts) + steps)
+    xs = [random_x(n + steps, cfg.hidden_size, seed=i).to(DEV, BF16)
+          for i, n in enumerate(prompts)]
+    layer(torch.cat([x[:n] for x, n in zip(xs, prompts, strict=True)]),
+          torch.cat([torch.arange(n) for n in prompts]), caches, seq_lens=list(prompts))
+    for s in range(steps):
+        x = torch.stack([x[n + s] for x, n in zip(xs, prompts, strict=True)])
+        layer(x, torch.tensor([n + s for n in prompts]), caches)
+    return rec.calls
+
+
+@kernel_runs
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("sim", [False, True])
+def test_kernel_matches_a_layers_jobs(make_layer, monkeypatch, ratio, sim):
+    cfg = DSV4Config.preset("tiny").replace(simulate_quant=sim)
+    # ratio 4: entries complete in the prefill and at each decode step; ratio 128: entry 0 of
+    # the first sequence at its first decode step (127 ring rows + 1 step row), entry 1 of
+    # the last in the prefill
+    prompts, steps = ((3, 6, 13), 3) if ratio == 4 else ((127, 200, 256), 2)
+    calls = layer_jobs(cfg, ratio, prompts, steps, make_layer, monkeypatch)
+    kinds = set()
+    for comp, jobs, want in calls:
+        got = compress_entries(comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src,
+                               jobs.entries, RotaryEmbedding.for_layer(cfg, ratio, DEV), BF16,
+                               sim, cfg.index_numerics)
+        compare(got, want, sim)
+        in_ring = (jobs.ring_src >= 0).any(1)
+        kinds |= {("idx" if comp.for_indexer else "main", bool(r)) for r in in_ring.tolist()}
+    # both compressors (ratio 4), entries with ring sources and entries from the call alone
+    assert {("main", True), ("main", False)} <= kinds
+    assert (("idx", True) in kinds) == (ratio == 4)
+
+
+# ---------------------------------------------------------------------------------- GPU only
+
+
+@gpu_only
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_graph_replay_equals_eager(ratio):
+    from dsv4.platforms.cuda import capture_graph
+
+    cfg = DSV4Config.preset("flash")
+    comp, rotary = make_compressor(cfg, ratio, False, "cuda")
+    jobs = random_jobs(comp, seqs=4, tokens=64, per_kind=8, seed=3, device="cuda")
+    args = (jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, jobs.entries, rotary, BF16, True,
+            None)
+    eager = compress_entries(comp, *args)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        out = compress_entries(comp, *args)
+    jobs.rows.mul_(-1)  # replay reads the buffers as they are now
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, compress_entries(comp, *args))
+    assert not torch.equal(out, eager)
+
+
+@gpu_only
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
+    """The cuda layer's ``_compress_entries`` runs the kernel (bf16) and agrees with the base
+    path; its forward agrees with the reference layer's."""
+    import dsv4.platforms.cuda as cuda_platform
+    from dsv4 import DeepseekV4Attention
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.random_weights import random_layer_weights
+
+    cfg = DSV4Config.preset("tiny")
+    lid = cfg.layer_of_ratio(ratio)
+    weights = random_layer_weights(cfg, lid, seed=2)
+    layer = CudaAttention(cfg, lid, device="cuda", dtype=BF16)
+    layer.load_weights(weights.items())
+    ref = DeepseekV4Attention.build(cfg, lid, device="cuda")
+    ref.load_weights(weights.items())
+    launches = []
+
+    def counted(*args, **kw):
+        launches.append(1)
+        return kernel(*args, **kw)
+
+    kernel = cuda_platform.compress_entries
+    monkeypatch.setattr(cuda_platform, "compress_entries", counted)
+    seen = []
+
+    def checked(comp, step, name, rows):
+        out = CudaAttention._compress_entries(layer, comp, step, name, rows)
+        seen.append((out, DeepseekV4Attention._compress_entries(layer, comp, step, name, rows)))
+        return out
+
+    monkeypatch.setattr(layer, "_compress_entries", checked)
+    x = random_x(300, cfg.hidden_size, seed=5).to("cuda", BF16)
+    outs = []
+    for m in (layer, ref):
+        c = m.new_cache(300)
+        ys = [m(x[:260], torch.arange(260), c)]
+        ys += [m(x[i:i + 1], torch.tensor([i]), c) for i in range(260, 300)]
+        outs.append(torch.cat(ys))
+    assert seen and len(launches) == len(seen)
+    for got, want in seen:
+        compare(got, want, cfg.simulate_quant)
+    assert rel_err(outs[0], outs[1]) < 1e-2
+
+
+@pytest.mark.skipif(not triton_available() or _INTERPRET,
+                    reason="needs Triton, not the interpreter")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_compiles_for_hopper(case):
+    """Ahead-of-time compile for sm_90 (PTX and cubin through ptxas; no GPU needed): every
+    constexpr combination the platform launches at model shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4.kernels import compress_entries as ce
+
+    ratio, idx, sim, numerics = case
+    comp, _ = make_compressor(DSV4Config.preset("flash"), ratio, idx, "cpu")
+    consts = launch_constants(comp, sim, numerics)
+    warps = consts.pop("num_warps")
+    sig = {"ring_ptr": "*fp32", "rows_ptr": "*fp32", "rsrc_ptr": "*i64", "csrc_ptr": "*i64",
+           "s_src": "i32", "ent_ptr": "*i64", "w_ptr": "*bf16", "freq_ptr": "*fp32",
+           "out_ptr": "*bf16", "s_out": "i32", "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(fn=ce._compress_entries_kernel, signature=sig, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm["cubin"]
