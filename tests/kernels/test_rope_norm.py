@@ -281,7 +281,7 @@ def _cuda_layer(cfg: DSV4Config, ratio: int, fused: bool):
     layer = CudaAttention(cfg, lid, device="cuda", dtype=BF16)
     layer.load_weights(random_layer_weights(cfg, lid, seed=1).items())
     process_weights_after_loading(layer)
-    layer.use_fused_elementwise(fused)
+    layer.use_step_kernels(fused)
     return layer
 
 

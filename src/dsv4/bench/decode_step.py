@@ -15,7 +15,10 @@ the torch sparse attention, a bf16 cache):
                    backends: the one launch up to the plan's token count (``cuda_plan.json``)
 
 The new path (the ``cuda`` platform as it runs now: cuda_plan's input stage, fp8 weight-streaming
-GEMMs for wq_b / wo_a / wo_b / the indexer's wq_b, a paged attention kernel):
+GEMMs for wq_b / wo_a / wo_b / the indexer's wq_b, a paged attention kernel, and the step kernels:
+one launch per elementwise stage, the indexer's scoring + top-k, the compressed entries):
+
+* ``ours_unfused``     ``ours_triton_fp8`` without the step kernels (the path before them)
 
 * ``ours_triton``      dsv4's Triton sparse-MQA kernel on a bf16 cache
 * ``ours_triton_fp8``  the same on an ``fp8_ds_mla`` cache (584 bytes a row)
@@ -54,9 +57,10 @@ from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
 
 UPSTREAM = ("serial4", "multistream", "rocm_style")
-OURS = ("fused4_dsv4", "cuda_plan", "ours_triton", "ours_triton_fp8", "ours_flashmla")
+OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
+        "ours_flashmla")
 STRATEGIES = UPSTREAM + OURS
-NEW_PATH = ("ours_triton", "ours_triton_fp8", "ours_flashmla")
+NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Strategy:
     fp8_gemms: bool = False
     attention_backend: str = "torch"
     kv_cache_dtype: str = "bf16"
+    step_kernels: bool = False
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -76,9 +81,10 @@ STRATEGY_SPECS = {
     "rocm_style": Strategy(0, "none", ("compressor_fusion",)),
     "fused4_dsv4": Strategy(1024, "all", _BOTH),
     "cuda_plan": Strategy(1024, "plan", _BOTH),
-    "ours_triton": Strategy(1024, "plan", _BOTH, True, "triton", "bf16"),
-    "ours_triton_fp8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla"),
-    "ours_flashmla": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla"),
+    "ours_unfused": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla"),
+    "ours_triton": Strategy(1024, "plan", _BOTH, True, "triton", "bf16", True),
+    "ours_triton_fp8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True),
+    "ours_flashmla": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True),
 }
 
 
@@ -93,6 +99,7 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0)  # the whole step is one graph
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
+    layer.use_step_kernels(spec.step_kernels)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer

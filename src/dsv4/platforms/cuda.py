@@ -119,7 +119,7 @@ class CudaPlan:
 class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
     HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
-               "attention_choice", "use_fused_elementwise", "_elementwise_ready",
+               "attention_choice", "use_step_kernels", "_elementwise_ready",
                "_inverse_rope", "_indexer_kernel_format")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
@@ -135,17 +135,18 @@ class CudaAttention(DeepseekV4Attention):
         self.fp8_plan = Fp8LinearPlan()
         """Which fp8 linears run through the weight-streaming kernels (set after each load)."""
         self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
-        self._elementwise_enabled = True
+        self._step_kernels_enabled = True
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
         dequantise + GEMM per call): comparisons and benchmarks of the earlier path."""
         self._fp8_enabled = enabled
 
-    def use_fused_elementwise(self, enabled: bool) -> None:
-        """Turn the one-launch elementwise stages on (the default) or off (the base path's
-        PyTorch ops): comparisons and benchmarks of the earlier path."""
-        self._elementwise_enabled = enabled
+    def use_step_kernels(self, enabled: bool) -> None:
+        """Turn the decode step's small-stage kernels on (the default) or off (the base path's
+        PyTorch ops): the one-launch elementwise stages, the indexer's scoring + top-k and the
+        compressed entries. Comparisons and benchmarks of the earlier path."""
+        self._step_kernels_enabled = enabled
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
@@ -236,7 +237,7 @@ class CudaAttention(DeepseekV4Attention):
     # ---- fused elementwise stages (dsv4.platforms.cuda_elementwise) -------------------
     def _elementwise_ready(self, x: torch.Tensor) -> bool:
         """Host-side test, no sync: the one-launch kernels take this stage's input."""
-        return self._elementwise_enabled and elementwise_usable(self, x)
+        return self._step_kernels_enabled and elementwise_usable(self, x)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._elementwise_ready(qr_kv):
@@ -267,7 +268,8 @@ class CudaAttention(DeepseekV4Attention):
     def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
                           rows: torch.Tensor) -> torch.Tensor:
         sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
-        if kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None:
+        if (not self._step_kernels_enabled
+                or kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None):
             return super()._compress_entries(comp, step, name, rows)
         job = step.jobs[name]
         return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
@@ -288,7 +290,8 @@ class CudaAttention(DeepseekV4Attention):
         """Host-side test, no sync: the index key format name the kernels read this step's
         selection in, or "" for the torch path (prefill-sized steps, non-bf16 queries, no
         Triton or CUDA device, a key store the kernels cannot read)."""
-        if (self.indexer is None or not triton_available() or idx_q.dtype != torch.bfloat16
+        if (not self._step_kernels_enabled or self.indexer is None or not triton_available()
+                or idx_q.dtype != torch.bfloat16
                 or step.num_tokens > KERNEL_MAX_TOKENS
                 or not (idx_q.device.type == "cuda" or _INTERPRET)):
             return ""
