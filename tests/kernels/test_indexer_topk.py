@@ -274,6 +274,7 @@ def cuda_layer_shell(cfg: DSV4Config):
     layer.cfg = cfg
     layer.acc_dtype = torch.float32
     layer.indexer = indexer(cfg)
+    layer.use_step_kernels(True)  # the constructor's default
     return layer
 
 
@@ -286,6 +287,9 @@ def test_cuda_platform_takes_the_kernels_for_decode_sized_steps():
     step = make_step(cfg, "fp4", [60, 150], [1, 1], seed=9)
     q, w = queries(cfg, 2, seed=10)
     assert layer._indexer_kernel_format(step, q) == "fp4"
+    layer.use_step_kernels(False)  # the switch of the step kernels: the torch path
+    assert layer._indexer_kernel_format(step, q) == ""
+    layer.use_step_kernels(True)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     assert_matches_torch_path(layer._indexer_select(step, q, w), torch_path(cfg, step, q, w),
                               s64, tol, 8)
