@@ -8,9 +8,20 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, DSV4Config
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.random_weights import random_layer_weights
 
 RATIOS = (0, 4, 128)
+
+# Triton kernel tests: they run on a GPU, or on the CPU under Triton's interpreter
+HAS_CUDA = torch.cuda.is_available()
+kernel_runs = pytest.mark.skipif(
+    not (triton_available() and (_INTERPRET or HAS_CUDA)),
+    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
+needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
+                               reason="needs a CUDA GPU and Triton (not the interpreter)")
+KERNEL_DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+"""Where the kernel tests put their tensors."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,16 +24,10 @@ from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.rotary import RotaryEmbedding
 
-from conftest import random_x, rel_err
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu, random_x, rel_err
 
 BF16 = torch.bfloat16
-HAS_CUDA = torch.cuda.is_available()
-kernel_runs = pytest.mark.skipif(
-    not (triton_available() and (_INTERPRET or HAS_CUDA)),
-    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
-gpu_only = pytest.mark.skipif(not (triton_available() and HAS_CUDA and not _INTERPRET),
-                              reason="needs Triton and a CUDA GPU (not the interpreter)")
-DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+DEV = KERNEL_DEV
 
 # (ratio, for_indexer, simulate_quant, index_numerics): every numerics path of both compressors
 CASES = [
@@ -261,7 +255,7 @@ def test_kernel_matches_a_layers_jobs(make_layer, monkeypatch, ratio, sim):
 # ---------------------------------------------------------------------------------- GPU only
 
 
-@gpu_only
+@needs_gpu
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_graph_replay_equals_eager(ratio):
     from dsv4.platforms.cuda import capture_graph
@@ -282,7 +276,7 @@ def test_graph_replay_equals_eager(ratio):
     assert not torch.equal(out, eager)
 
 
-@gpu_only
+@needs_gpu
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
     """The cuda layer's ``_compress_entries`` runs the kernel (bf16) and agrees with the base

@@ -14,16 +14,13 @@ from dsv4.kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_reference,
 )
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.fused_input_proj import _INTERPRET
 from dsv4.layers.fp8 import dequantize_fp8_block
 
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu
+
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
-HAS_CUDA = torch.cuda.is_available()
-# the kernel runs: on the GPU, or on the CPU under the interpreter
-kernel_runs = pytest.mark.skipif(
-    not (triton_available() and (_INTERPRET or HAS_CUDA)),
-    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
-DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+DEV = KERNEL_DEV
 
 
 def make_weight(N, K, *, lo=100, hi=150, device="cpu", seed=0, f32_scale=False):
@@ -168,8 +165,6 @@ def test_grouped_kernel(M):
 # ---------------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
-                               reason="needs a CUDA GPU and Triton (not the interpreter)")
 # (N, K) of wq_b, wo_b, indexer wq_b, fused wq_a|wkv; and (G, R, Kg) of wo_a
 SHAPES = {"flash": [(32768, 1024), (4096, 8192), (8192, 1024), (1536, 4096)],
           "pro": [(65536, 1536), (7168, 16384), (8192, 1536), (2048, 7168)]}

@@ -18,7 +18,6 @@ from dsv4 import DSV4Config
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import (
     index_kernel_format,
     indexer_scores,
@@ -27,13 +26,9 @@ from dsv4.kernels.indexer_topk import (
 )
 from dsv4.layers.indexer import Indexer, stable_topk
 
-HAS_CUDA = torch.cuda.is_available()
-kernel_runs = pytest.mark.skipif(
-    not (triton_available() and (_INTERPRET or HAS_CUDA)),
-    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
-needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
-                               reason="needs Triton and a CUDA GPU (not the interpreter)")
-DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu
+
+DEV = KERNEL_DEV
 FORMATS = ("bf16", "fp8", "fp4")
 BF16 = torch.bfloat16
 

@@ -18,16 +18,10 @@ from dsv4.layers.norm import RMSNorm
 from dsv4.layers.rotary import RotaryEmbedding
 from dsv4.platforms import cuda_elementwise as ew
 
-from conftest import random_x, rel_err
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu, random_x, rel_err
 
 BF16 = torch.bfloat16
-HAS_CUDA = torch.cuda.is_available()
-kernel_runs = pytest.mark.skipif(
-    not (triton_available() and (_INTERPRET or HAS_CUDA)),
-    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
-DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
-needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
-                               reason="needs Triton and a CUDA GPU")
+DEV = KERNEL_DEV
 BIG_POSITIONS = [0, 1, 7, 1000, 65_535, 65_537, 262_143, 999_999, 1_000_000]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.fused_input_proj import _INTERPRET
 from dsv4.kernels.sparse_mqa import (
     SparseMqaConfig,
     choose_sparse_config,
@@ -21,12 +21,10 @@ from dsv4.kernels.sparse_mqa import (
 )
 from dsv4.layers.fp8 import ceil_log2
 
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu
+
 F64 = torch.float64
-HAS_CUDA = torch.cuda.is_available()
-kernel_runs = pytest.mark.skipif(
-    not (triton_available() and (_INTERPRET or HAS_CUDA)),
-    reason="needs Triton with a CUDA GPU or TRITON_INTERPRET=1")
-DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
+DEV = KERNEL_DEV
 
 
 def encode_fp8_ds_mla(rows: torch.Tensor, B: int, gen: torch.Generator):
@@ -222,8 +220,6 @@ def test_kernel_strided_store_views(fmt):
 # ---------------------------------------------------------------------------------- GPU
 
 cuda = pytest.mark.cuda
-needs_gpu = pytest.mark.skipif(not (HAS_CUDA and triton_available() and not _INTERPRET),
-                               reason="needs a CUDA GPU and Triton (not the interpreter)")
 
 
 def chunked_reference(case, step=128):
