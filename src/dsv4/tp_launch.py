@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,12 +84,17 @@ def _entry(rank: int, fn: Worker, world: int, port: int, backend: str, timeout_s
         result = fn(dist.group.WORLD, *args)
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
-        # every rank done before any tears down: rank 0 hosts the rendezvous store, and a rank
-        # still talking to it when it goes away aborts ("terminate called without an active
-        # exception", seen on a busy 2-core machine)
-        dist.barrier()
-    finally:
+        dist.barrier()  # every rank's result is on disk
+    except BaseException:
         dist.destroy_process_group()
+        raise  # mp.spawn reports the traceback
+    # A spawned rank whose result is saved leaves without the process group's C++ teardown: rank 0
+    # hosts the rendezvous store, and a rank whose background threads still talk to it while it
+    # goes away aborts at exit ("terminate called without an active exception", SIGABRT; seen on a
+    # busy 2-core CI machine even after a barrier). Nothing is lost: the result file is closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Worker, world: int, args: tuple[Any, ...] = (), backend: str = "gloo",
