@@ -193,7 +193,7 @@ if triton_available():
         prefix = take_n * 0
         need = take_n
         for level in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * level
+            shift = 24 - 8 * level  # constexpr: level is unrolled
             hist = tl.zeros([256], tl.int32)
             for c in range(0, visible, BLOCK):
                 offs = c + lanes
