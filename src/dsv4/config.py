@@ -139,11 +139,14 @@ class DSV4Config:
         return self.compress_ratios[layer_id]
 
     def layer_of_ratio(self, ratio: int) -> int:
-        """The first layer id with the given compress ratio (used by demos and tests)."""
-        for i in range(self.num_hidden_layers):
-            if self.compress_ratios[i] == ratio:
+        """The first layer id with the given compress ratio (used by benchmarks, demos and
+        tests). The MTP layers (SWA-only) count after the hidden layers: Pro's only ratio-0
+        attention is its MTP layer's."""
+        for i in range(self.num_layers_with_mtp):
+            if self.compress_ratio(i) == ratio:
                 return i
-        raise ConfigError(f"compress_ratios has no layer with ratio {ratio}")
+        raise ConfigError(f"no layer has compress ratio {ratio} (compress_ratios, MTP layers "
+                          "included)")
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

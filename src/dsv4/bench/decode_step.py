@@ -51,7 +51,7 @@ import torch
 from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
-from dsv4.config import PRESET_NAMES, DSV4Config
+from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
@@ -372,6 +372,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     strategies = tuple(args.strategies)
     layers = args.layers
     contexts = [args.context] if args.context is not None else args.contexts
+    for model in args.models:  # a layer type a preset lacks fails here, before the GPU work
+        cfg = DSV4Config.preset(model)
+        for layer_type in layers:
+            try:
+                cfg.layer_of_ratio(LAYER_RATIO[layer_type])
+            except ConfigError as e:
+                ap.error(f"--layers {layer_type} with --models {model}: {e}")
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bw(dev)
@@ -390,6 +397,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                                      args.fill)
                     partial = {"rows": rows, "copy_bw": bw}
                     (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
+                    if profiles:  # kept as it grows: a run cut short keeps what it measured
+                        (args.out / "decode_step_profile.md").write_text("\n".join(profiles))
     (args.out / "decode_step.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
          "copy_bw": bw, "seconds": time.time() - t0, "argv": argv, "rows": rows}, indent=1))
