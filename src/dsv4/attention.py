@@ -57,6 +57,9 @@ class DeepseekV4Attention(nn.Module):
         "_indexer_query",
         "_indexer_select",
         "_compress_entries",
+        "_store_rows",
+        "_window_rows",
+        "_entry_rows",
         "forward_mqa",
         "_o_proj",
     )
@@ -325,10 +328,10 @@ class DeepseekV4Attention(nn.Module):
         q = self._query_heads(qr, pos)
         kv = self._kv_rows(kv, pos)
         idx_q = None if self.indexer is None else self._indexer_query(qr, pos)
-        step.write_window(kv)
+        self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
         raw = self._write_entries(step, kv_score, idx_kv_score)
         entries = self._select_compressed(step, idx_q, idx_weights)
-        selection = None if entries is None else step.entry_rows("compressed", entries)
+        selection = None if entries is None else self._entry_rows(step, entries)
         y = self._tp_all_reduce(self._o_proj(self.forward_mqa(q, step, selection), pos))
         step.commit(raw, release_from)  # last: a failure above leaves every cache as it was
         return y
@@ -540,6 +543,34 @@ class DeepseekV4Attention(nn.Module):
                                   self.rotary, self.dtype, self.cfg.simulate_quant,
                                   self.cfg.index_numerics)
 
+    def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        """Write ``values`` [N, dim] into store ``name`` of the step's pool (``kv``,
+        ``compressed`` or ``idx_keys``) as row ``rows[i]`` (a position for ``kv``, an entry
+        index otherwise) of the sequence in slot ``slots[i]``; the step planned every such
+        row's block.
+
+        May change: how (e.g. one kernel that looks the block table up and encodes in place).
+        Must keep: the stored bytes of the store's ``RowFormat.write`` (every reader, backend
+        and saved cache decodes them), nothing else written."""
+        store = step.pool.stores[name]
+        store.write(store.flat_rows(slots, rows), values)
+
+    def _window_rows(self, step: CacheStep) -> torch.Tensor:
+        """[T, window] int64 flat rows of the ``kv`` store each query sees: positions
+        ``pos - window + 1 .. pos`` of its sequence, oldest first; -1 before position 0 (and
+        where a block is no longer held).
+
+        May change: how they are computed. Must keep: the values and their order."""
+        return step.window_rows(self.window)
+
+    def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
+        """Flat rows [T, k] of the ``compressed`` store for each query's entry indices
+        ``entries`` [T, k] (-1 pads stay -1).
+
+        May change: how they are computed. Must keep: the values."""
+        return step.entry_rows("compressed", entries)
+
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
                     ) -> torch.Tensor:
         """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
@@ -547,15 +578,15 @@ class DeepseekV4Attention(nn.Module):
         ``step`` gives the paged cache (``step.pool.stores``: ``kv`` window rows, ``compressed``
         entries, their formats and block tables) and the queries' positions and sequence slots;
         the stores already hold this step's window rows and entries (rows up to each query's
-        position are valid). ``step.window_rows(window)`` gives each query's window rows as flat
-        store rows; ``selection`` [T, k] gives its compressed entries as flat rows of the
+        position are valid). :meth:`_window_rows` gives each query's window rows as flat store
+        rows; ``selection`` [T, k] gives its compressed entries as flat rows of the
         ``compressed`` store (-1 pads), or is None for SWA-only layers.
 
         May change: the kernel (a paged kernel can take the stores and flat rows as they are).
         Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
         accumulation, rows read through the store's format."""
         stores = step.pool.stores
-        return sparse_mqa_paged(q, stores["kv"], step.window_rows(self.window),
+        return sparse_mqa_paged(q, stores["kv"], self._window_rows(step),
                                 stores.get("compressed"), selection, self.attn_sink,
                                 self.cfg.softmax_scale, self.acc_dtype,
                                 self.cfg.attention_workspace_bytes)
@@ -604,8 +635,10 @@ class DeepseekV4Attention(nn.Module):
         raw = {}
         for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score):
             rows = comp.raw_rows(score, step.pos, self.acc_dtype)
-            if step.jobs[name].count:
-                step.write_entries(name, self._compress_entries(comp, step, name, rows))
+            job = step.jobs[name]
+            if job.count:
+                self._store_rows(step, name, job.slots, job.entries,
+                                 self._compress_entries(comp, step, name, rows))
             raw[name] = rows
         return raw
 

@@ -61,8 +61,10 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
     ``tokens`` tokens from position 0 completes compressed entries, hence passes through
     ``_compress_entries``, once it reaches the layer's ratio."""
     packed = layer._input_pack is not None if packed_path is None else packed_path
-    common = {"_latent_norms", "_query_heads", "_kv_rows", "_wq_b_gemm", "forward_mqa",
-              "_o_proj"}
+    common = {"_latent_norms", "_query_heads", "_kv_rows", "_wq_b_gemm", "_store_rows",
+              "_window_rows", "forward_mqa", "_o_proj"}
+    if layer.compress_ratio:
+        common.add("_entry_rows")
     if layer.indexer is not None:
         common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
     if layer.compress_ratio and tokens >= layer.compress_ratio:

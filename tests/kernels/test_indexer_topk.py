@@ -58,8 +58,9 @@ def make_step(cfg: DSV4Config, fmt: str, lengths: list[int], counts: list[int], 
     job = step.jobs["idx_keys"]
     if job.count:
         g = torch.Generator(device=device).manual_seed(seed + 50)
-        step.write_entries("idx_keys", torch.randn(job.count, cfg.index_head_dim, generator=g,
-                                                   device=device).to(BF16))
+        store = step.pool.stores["idx_keys"]
+        store.write(store.flat_rows(job.slots, job.entries),
+                    torch.randn(job.count, cfg.index_head_dim, generator=g, device=device).to(BF16))
     return step
 
 

@@ -153,15 +153,6 @@ class CacheStep:
         slots = self.tok_slot[:, None] if token_slots is None else token_slots
         return self.pool.stores[name].flat_rows(slots, entries)
 
-    def write_window(self, kv: torch.Tensor) -> None:
-        store = self.pool.stores["kv"]
-        store.write(store.flat_rows(self.tok_slot, self.pos), kv)
-
-    def write_entries(self, name: str, values: torch.Tensor) -> None:
-        job = self.jobs[name]
-        store = self.pool.stores[name]
-        store.write(store.flat_rows(job.slots, job.entries), values)
-
     def ring(self, name: str) -> torch.Tensor:
         return self.pool.rings[name][1]
 

@@ -22,6 +22,8 @@
   base path.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
+* ``_window_rows`` and ``_entry_rows`` (the flat store rows the attention reads) are one
+  Triton launch each (:mod:`dsv4.kernels.paged_rows`), the block-table lookup in the kernel.
 * The C4 indexer's selection of decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, bf16
   queries, an index key format the kernels read) runs as two Triton launches over the paged
   ``idx_keys`` store (:mod:`dsv4.kernels.indexer_topk`); other steps take the torch path.
@@ -46,6 +48,7 @@ from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
+from dsv4.kernels.paged_rows import entry_flat_rows, paged_rows_usable, window_flat_rows
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
@@ -120,7 +123,7 @@ class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
     HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
                "attention_choice", "use_step_kernels", "_elementwise_ready",
-               "_inverse_rope", "_indexer_kernel_format")
+               "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -144,8 +147,9 @@ class CudaAttention(DeepseekV4Attention):
 
     def use_step_kernels(self, enabled: bool) -> None:
         """Turn the decode step's small-stage kernels on (the default) or off (the base path's
-        PyTorch ops): the one-launch elementwise stages, the indexer's scoring + top-k and the
-        compressed entries. Comparisons and benchmarks of the earlier path."""
+        PyTorch ops): the one-launch elementwise stages, the indexer's scoring + top-k, the
+        compressed entries and the step's flat store rows. Comparisons and benchmarks of the
+        earlier path."""
         self._step_kernels_enabled = enabled
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
@@ -274,6 +278,22 @@ class CudaAttention(DeepseekV4Attention):
         job = step.jobs[name]
         return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
                                 job.entries, self.rotary, self.dtype, sim, numerics)
+
+    # ---- the step's flat store rows (dsv4.kernels.paged_rows) --------------------------
+    def _paged_kernels_ready(self, t: torch.Tensor) -> bool:
+        """Host-side test, no sync: the paged-row kernels run where ``t`` lives."""
+        return self._step_kernels_enabled and paged_rows_usable(t.device)
+
+    def _window_rows(self, step: CacheStep) -> torch.Tensor:
+        if self._paged_kernels_ready(step.pos):
+            return window_flat_rows(step.pool.stores["kv"], step.pos, step.tok_slot,
+                                    self.window)
+        return super()._window_rows(step)
+
+    def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
+        if self._paged_kernels_ready(entries):
+            return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot)
+        return super()._entry_rows(step, entries)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None

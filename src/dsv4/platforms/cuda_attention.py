@@ -153,7 +153,7 @@ def _operands(layer: DeepseekV4Attention, step: CacheStep, selection: torch.Tens
     cmp = None
     if selection is not None and "compressed" in stores:
         cmp = kernel_store(stores["compressed"], fmt)
-    return win, step.window_rows(layer.window), cmp, kv.block_size
+    return win, layer._window_rows(step), cmp, kv.block_size
 
 
 def triton_forward_mqa(layer: DeepseekV4Attention, q: torch.Tensor, step: CacheStep,

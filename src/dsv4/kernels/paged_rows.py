@@ -1,0 +1,111 @@
+"""Flat store rows of a decode step in one Triton launch (the block-table lookup of
+:meth:`dsv4.cache.store.PagedStore.flat_rows`).
+
+A paged store keeps row i of a sequence in logical block ``i // B`` at offset ``i % B``; the
+sequence slot's block table maps the logical block to a physical one (-1: not held), and the
+flat row is ``physical * B + i % B``, or -1 where ``i < 0`` or the block is not held. In PyTorch
+that is ~6 small ops for a given [T, k] row tensor, and ~20 for a step's window (the rows
+``pos - window + 1 .. pos`` built first). Here one program per query writes its k flat rows:
+
+* :func:`window_flat_rows`: the window rows ``pos - window + 1 .. pos`` of each query, oldest
+  first, computed in the kernel (what :meth:`dsv4.cache.step.CacheStep.window_rows` returns);
+* :func:`entry_flat_rows`: given row indices [T, k] (e.g. the indexer's selected entries, -1
+  pads), their flat rows (:meth:`~dsv4.cache.step.CacheStep.entry_rows`).
+
+Both are exact (integer arithmetic), write int64, never sync with the host, and allocate only
+their output, so a step that calls them can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.cache.store import PagedStore
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+
+__all__ = ["entry_flat_rows", "paged_rows_usable", "window_flat_rows"]
+
+ROWS_PER_ITER = 256
+"""Rows a program handles per loop iteration."""
+
+
+def paged_rows_usable(device: torch.device) -> bool:
+    """Whether the kernels run on ``device`` (Triton on a CUDA device, or its CPU interpreter)."""
+    return triton_available() and (device.type == "cuda" or _INTERPRET)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    if _INTERPRET:
+        from dsv4.kernels._interpreter import patch_interpreter_index
+
+        patch_interpreter_index()
+
+    @triton.jit
+    def _flat_rows_kernel(pos_ptr, slot_ptr, rows_ptr, rows_stride, table_ptr, table_stride,
+                          out_ptr, out_stride, K, B, MAX_LOGICAL,
+                          WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        first = tl.load(pos_ptr + t) - K + 1  # the window's oldest position (WINDOW only)
+        lanes = tl.arange(0, BLOCK)
+        for c in range(0, K, BLOCK):
+            offs = c + lanes
+            m = offs < K
+            if WINDOW:
+                row = first + offs
+            else:
+                row = tl.load(rows_ptr + t.to(tl.int64) * rows_stride + offs, mask=m,
+                              other=-1).to(tl.int64)
+            logical = tl.minimum(tl.maximum(row, 0) // B, MAX_LOGICAL - 1)
+            phys = tl.load(table_ptr + slot * table_stride + logical, mask=m, other=-1)
+            phys = phys.to(tl.int64)
+            flat = tl.where((row >= 0) & (phys >= 0), phys * B + row % B, -1)
+            tl.store(out_ptr + t.to(tl.int64) * out_stride + offs, flat, mask=m)
+
+
+def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
+            rows: torch.Tensor | None, k: int) -> torch.Tensor:
+    if not paged_rows_usable(pos.device):
+        raise RuntimeError("the paged-rows kernel needs Triton and a CUDA device (or "
+                           "TRITON_INTERPRET=1); use PagedStore.flat_rows elsewhere")
+    t = slots.shape[0]
+    out = torch.empty(t, k, dtype=torch.long, device=slots.device)
+    if t == 0 or k == 0:
+        return out
+    table = store.table_dev
+    if table.dtype != torch.int32 or table.stride(1) != 1:
+        raise ValueError(f"{store.name} store: the device block table must be int32 with "
+                         f"contiguous rows, got {table.dtype} strides {tuple(table.stride())}")
+    rows_arg = rows if rows is not None else out  # not read when WINDOW
+    block = min(ROWS_PER_ITER, max(16, 1 << (k - 1).bit_length()))
+    _flat_rows_kernel[(t,)](
+        pos, slots, rows_arg, rows_arg.stride(0), table, table.stride(0), out, out.stride(0),
+        k, store.block_size, store.max_logical, WINDOW=rows is None, BLOCK=block, num_warps=4)
+    return out
+
+
+def window_flat_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor, window: int
+                     ) -> torch.Tensor:
+    """[T, window] int64 flat rows of positions ``pos - window + 1 .. pos`` (oldest first) of
+    each query's sequence (slot ``slots`` [T], position ``pos`` [T], int64, on the store's
+    device); -1 before position 0 or where the block is not held."""
+    if pos.shape != slots.shape or pos.dim() != 1:
+        raise ValueError(f"pos {tuple(pos.shape)} and slots {tuple(slots.shape)} must be the "
+                         "same [T]")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return _launch(store, pos, slots, None, window)
+
+
+def entry_flat_rows(store: PagedStore, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[T, k] int64 flat rows of row indices ``rows`` [T, k] (any int dtype, -1 pads kept) of
+    each query's sequence (slot ``slots`` [T])."""
+    if rows.dim() != 2 or slots.dim() != 1 or rows.shape[0] != slots.shape[0]:
+        raise ValueError(f"rows {tuple(rows.shape)} must be [T, k] for slots "
+                         f"{tuple(slots.shape)} [T]")
+    if rows.shape[1] and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return _launch(store, slots, slots, rows, rows.shape[1])

@@ -1,0 +1,113 @@
+"""The paged-rows kernels (dsv4.kernels.paged_rows) against PagedStore.flat_rows: window rows
+and entry rows of a step, over slots with released and never-held blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.cache.formats import kv_format
+from dsv4.cache.store import PagedStore
+
+from conftest import KERNEL_DEV, kernel_runs, needs_gpu
+
+DEV = KERNEL_DEV
+
+
+def _store(block: int, device: str = DEV, seed: int = 0) -> tuple[PagedStore, list[int]]:
+    """Four slots holding 0, 1, 5 and 9 blocks' worth of rows (blocks allocated in a shuffled
+    order); slot 3 released its first two blocks (a window that moved on)."""
+    fmt = kv_format("bf16", 64, 16, torch.bfloat16)
+    store = PagedStore("kv", fmt, block, 40, 4, 12, torch.device(device))
+    g = torch.Generator().manual_seed(seed)
+    store.alloc.allocate(int(torch.randint(1, 5, (1,), generator=g)))  # physical != logical
+    lengths = [0, block - 3, 5 * block - 1, 9 * block]
+    for slot, n in enumerate(lengths):
+        store.grow(slot, n)
+    store.release_before(3, 2 * block + 1)
+    store.sync()
+    return store, lengths
+
+
+def _queries(lengths: list[int], t: int, device: str, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, len(lengths), (t,), generator=g)
+    pos = torch.stack([torch.randint(0, max(1, lengths[int(s)]), (1,), generator=g)[0]
+                       for s in slots])
+    return pos.to(device), slots.to(device)
+
+
+@kernel_runs
+@pytest.mark.parametrize("block,window,t", [(16, 8, 5), (16, 128, 33), (64, 128, 64),
+                                            (64, 300, 3), (16, 1, 4)])
+def test_window_rows_match_the_store(block, window, t):
+    from dsv4.kernels.paged_rows import window_flat_rows
+
+    store, lengths = _store(block)
+    pos, slots = _queries(lengths, t, DEV, seed=block + window)
+    rows = pos[:, None] - (window - 1) + torch.arange(window, device=DEV)
+    want = store.flat_rows(slots[:, None], torch.where(rows >= 0, rows, -1))
+    got = window_flat_rows(store, pos, slots, window)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert (got == -1).any()  # positions before 0 and released blocks are covered
+
+
+@kernel_runs
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32])
+@pytest.mark.parametrize("block,k,t", [(16, 7, 6), (64, 512, 16), (16, 300, 2)])
+def test_entry_rows_match_the_store(block, k, t, dtype):
+    from dsv4.kernels.paged_rows import entry_flat_rows
+
+    store, lengths = _store(block, seed=k)
+    _, slots = _queries(lengths, t, DEV, seed=k)
+    g = torch.Generator().manual_seed(k + t)
+    entries = torch.randint(-1, 10 * block, (t, k), generator=g).to(DEV)
+    entries[:, -3:] = -1
+    want = store.flat_rows(slots[:, None], entries)
+    got = entry_flat_rows(store, entries.to(dtype), slots)
+    assert torch.equal(got, want)
+    # a non-contiguous view (a column slice) reads the same rows
+    assert torch.equal(entry_flat_rows(store, entries[:, ::2].to(dtype), slots),
+                       store.flat_rows(slots[:, None], entries[:, ::2]))
+
+
+@kernel_runs
+def test_empty_steps_and_bad_shapes():
+    from dsv4.kernels.paged_rows import entry_flat_rows, window_flat_rows
+
+    store, _ = _store(16)
+    none = torch.zeros(0, dtype=torch.long, device=DEV)
+    assert window_flat_rows(store, none, none, 8).shape == (0, 8)
+    assert entry_flat_rows(store, torch.zeros(3, 0, dtype=torch.long, device=DEV),
+                           torch.zeros(3, dtype=torch.long, device=DEV)).shape == (3, 0)
+    with pytest.raises(ValueError, match="pos"):
+        window_flat_rows(store, torch.zeros(2, dtype=torch.long, device=DEV), none, 8)
+    with pytest.raises(ValueError, match="window"):
+        window_flat_rows(store, none, none, 0)
+    with pytest.raises(ValueError, match=r"rows \(4,\)"):
+        entry_flat_rows(store, torch.zeros(4, dtype=torch.long, device=DEV), none)
+
+
+@needs_gpu
+def test_graph_replay_follows_new_positions_and_tables():
+    from dsv4.kernels.paged_rows import entry_flat_rows, window_flat_rows
+
+    store, lengths = _store(64, device="cuda")
+    pos, slots = _queries(lengths, 16, "cuda", seed=1)
+    entries = torch.randint(0, 500, (16, 512), device="cuda")
+    window_flat_rows(store, pos, slots, 128)
+    entry_flat_rows(store, entries, slots)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        win = window_flat_rows(store, pos, slots, 128)
+        ent = entry_flat_rows(store, entries, slots)
+    pos.copy_(pos.flip(0))
+    entries.random_(0, 600)
+    store.grow(1, 6 * 64)
+    store.sync()
+    graph.replay()
+    rows = pos[:, None] - 127 + torch.arange(128, device="cuda")
+    assert torch.equal(win, store.flat_rows(slots[:, None], torch.where(rows >= 0, rows, -1)))
+    assert torch.equal(ent, store.flat_rows(slots[:, None], entries))
