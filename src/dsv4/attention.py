@@ -56,6 +56,7 @@ class DeepseekV4Attention(nn.Module):
         "_kv_rows",
         "_indexer_query",
         "_indexer_select",
+        "_raw_rows",
         "_compress_entries",
         "_store_rows",
         "_window_rows",
@@ -543,6 +544,15 @@ class DeepseekV4Attention(nn.Module):
                                   self.rotary, self.dtype, self.cfg.simulate_quant,
                                   self.cfg.index_numerics)
 
+    def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
+                  ) -> torch.Tensor:
+        """The raw rows [T, raw_width] of compressor ``comp`` for this step's tokens:
+        ``[a_p | s_p + ape[p mod ratio]]`` from its score GEMM's output, in the acc dtype (what
+        :meth:`_compress_entries` pools and the ring keeps).
+
+        May change: the kernel. Must keep: the values (one fp32 addition per score channel)."""
+        return comp.raw_rows(kv_score, pos, self.acc_dtype)
+
     def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
                     values: torch.Tensor) -> None:
         """Write ``values`` [N, dim] into store ``name`` of the step's pool (``kv``,
@@ -634,7 +644,7 @@ class DeepseekV4Attention(nn.Module):
         retry of a failed call still needs)."""
         raw = {}
         for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score):
-            rows = comp.raw_rows(score, step.pos, self.acc_dtype)
+            rows = self._raw_rows(comp, score, step.pos)
             job = step.jobs[name]
             if job.count:
                 self._store_rows(step, name, job.slots, job.entries,

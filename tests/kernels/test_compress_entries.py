@@ -344,3 +344,28 @@ def test_kernel_compiles_for_hopper(case):
     src = ASTSource(fn=ce._compress_entries_kernel, signature=sig, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"]
+
+
+@kernel_runs
+@pytest.mark.parametrize("preset", ["tiny", "flash"])
+@pytest.mark.parametrize("ratio,for_indexer", [(4, False), (128, False), (4, True)])
+def test_raw_rows_kernel_is_bit_equal(preset, ratio, for_indexer):
+    from dsv4.kernels.compress_entries import raw_rows
+
+    cfg = DSV4Config.preset(preset)
+    comp, _ = make_compressor(cfg, ratio, for_indexer, DEV)
+    g = torch.Generator().manual_seed(ratio)
+    comp.ape.data.copy_(torch.randn(comp.ape.shape, generator=g))
+    t = 13
+    # the fused score GEMM's output: this compressor's columns as a row-strided view
+    wide = torch.randn(t, comp.raw_width + 40, generator=g).to(DEV)
+    kv_score = wide[:, 40:]
+    pos = torch.randint(0, 10_000, (t,), generator=g).to(DEV)
+    want = comp.raw_rows(kv_score, pos, torch.float32)
+    got = raw_rows(comp, kv_score, pos)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert raw_rows(comp, kv_score[:0], pos[:0]).shape == (0, comp.raw_width)
+    with pytest.raises(ValueError, match="positions"):
+        raw_rows(comp, kv_score, pos[:3])
+    with pytest.raises(ValueError, match="fp32"):
+        raw_rows(comp, kv_score.double(), pos)

@@ -41,7 +41,7 @@ from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
 from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["compress_entries", "kernel_unsupported", "launch_constants", "sim_mode"]
+__all__ = ["compress_entries", "kernel_unsupported", "launch_constants", "raw_rows", "sim_mode"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -239,6 +239,46 @@ if triton_available():
         u = _rope_interleaved(u, tl.load(ent_ptr + e) * R, freq_ptr, D, ROPE, LIBDEVICE)
         u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE, LIBDEVICE)
         tl.store(out_ptr + e * s_out + ch, u.to(out_ptr.dtype.element_ty))
+
+
+    @triton.jit
+    def _raw_rows_kernel(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, R: tl.constexpr,
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        """Row t: [a | s + ape[pos mod R]] from the score GEMM's row [a | s] (fp32)."""
+        t = tl.program_id(0).to(tl.int64)
+        ape_row = (tl.load(pos_ptr + t) % R) * WIDTH
+        lanes = tl.arange(0, BLOCK)
+        for c in tl.static_range(0, 2 * WIDTH, BLOCK):
+            col = c + lanes
+            m = col < 2 * WIDTH
+            v = tl.load(ks_ptr + t * s_ks + col, mask=m, other=0.0)
+            score = col >= WIDTH
+            add = tl.load(ape_ptr + ape_row + col - WIDTH, mask=m & score, other=0.0)
+            tl.store(out_ptr + t * s_out + col, v + add, mask=m)
+
+
+def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:meth:`Compressor.raw_rows` in fp32 as one launch (one program a token): [T, raw_width]
+    float32 from the score GEMM's fp32 output ``kv_score`` [T, raw_width] (a row-strided view is
+    read as it is) and ``positions`` [T]. The same one fp32 addition per score channel, so the
+    rows are bit-equal to the torch path's."""
+    width = comp.coff * comp.dim
+    if kv_score.dtype != torch.float32 or comp.ape.dtype != torch.float32:
+        raise ValueError(f"raw_rows kernel: fp32 scores and ape only, got {kv_score.dtype} and "
+                         f"{comp.ape.dtype}")
+    if kv_score.dim() != 2 or kv_score.shape[1] != 2 * width or kv_score.stride(1) != 1:
+        raise ValueError(f"raw_rows kernel: kv_score must be [T, {2 * width}] with contiguous "
+                         f"columns, got {tuple(kv_score.shape)} strides {kv_score.stride()}")
+    if positions.shape != kv_score.shape[:1]:
+        raise ValueError(f"positions {tuple(positions.shape)} do not match kv_score's "
+                         f"{kv_score.shape[0]} rows")
+    t = kv_score.shape[0]
+    out = torch.empty(t, 2 * width, dtype=torch.float32, device=kv_score.device)
+    if t:
+        _raw_rows_kernel[(t,)](kv_score, kv_score.stride(0), positions, comp.ape.contiguous(),
+                               out, out.stride(0), R=comp.ratio, WIDTH=width,
+                               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4)
+    return out
 
 
 def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,

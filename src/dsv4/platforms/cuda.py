@@ -19,7 +19,7 @@
 
 * ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
-  base path.
+  base path. ``_raw_rows`` (the score GEMM's rows plus ape) is one launch per compressor.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 * ``_window_rows`` and ``_entry_rows`` (the flat store rows the attention reads) are one
@@ -45,7 +45,7 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
-from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported
+from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported, raw_rows
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
 from dsv4.kernels.paged_rows import entry_flat_rows, paged_rows_usable, window_flat_rows
@@ -269,6 +269,13 @@ class CudaAttention(DeepseekV4Attention):
         return self.rotary.rotate(o, pos, self.acc_dtype, inverse=True)
 
     # ---- compressed entries (dsv4.kernels.compress_entries) ---------------------------
+    def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
+                  ) -> torch.Tensor:
+        if (self._paged_kernels_ready(kv_score) and kv_score.dtype == torch.float32
+                and self.acc_dtype == torch.float32 and kv_score.stride(1) == 1):
+            return raw_rows(comp, kv_score, pos)
+        return super()._raw_rows(comp, kv_score, pos)
+
     def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
                           rows: torch.Tensor) -> torch.Tensor:
         sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
