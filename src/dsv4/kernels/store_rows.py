@@ -24,7 +24,12 @@ torch path: scale exponents ``ceil(log2(max(amax, floor) * (1 / qmax)))`` from t
 product's exponent and mantissa bits (:func:`dsv4.layers.fp8.ceil_log2`), the scaled values
 ``v * 2^-k`` (a power-of-two multiply: the correctly rounded ``v / 2^k`` of the torch path),
 clamped, then E4M3 / E2M1 round to nearest even (subnormals included) on the float32 bits, and
-float32 -> bf16 as ``(bits + 0x7FFF + lsb) >> 16``. Values may be bf16 (the layer dtype), float16
+float32 -> bf16 as ``(bits + 0x7FFF + lsb) >> 16``. The only float arithmetic is the amax (max
+of abs), the product ``amax * (1 / qmax)`` and the power-of-two scaling; they assume float32
+denormals are kept (Triton's NVIDIA backend makes only libdevice flush them; the torch path keeps
+them): a flush would change only ``fp4`` tiles holding float32-subnormal values (below
+2^-126), whose scale 2^-126 makes them representable; ``fp8`` rounds such values to +-0 either
+way. Values may be bf16 (the layer dtype), float16
 or float32 (all exact in float32, the torch path's compute dtype); float64 values (computed in
 float64 there) are refused by :func:`store_rows_problem`.
 
@@ -179,9 +184,9 @@ if triton_available():
 
     @triton.jit
     def _minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-        """The code (sign << (MANT + EXP bits) excluded: magnitude code only) of float32 ``y``
-        rounded to a float format of MANT mantissa bits and smallest normal 2^MIN_EXP, ties to
-        even, subnormals included; no saturation (clamp first). Integer arithmetic on the bits:
+        """The magnitude code (no sign bit) of float32 ``y`` rounded to a float format of MANT
+        mantissa bits and smallest normal 2^MIN_EXP, ties to even, subnormals included; no
+        saturation (clamp first). Integer arithmetic on the bits:
         the 24-bit significand shifted right by 23 - MANT (normal) plus the subnormal distance,
         rounded to nearest even; the exponent field added after (a carry into it is right)."""
         a = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
