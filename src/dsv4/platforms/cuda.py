@@ -22,8 +22,11 @@
   base path. ``_raw_rows`` (the score GEMM's rows plus ape) is one launch per compressor.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
-* ``_window_rows`` and ``_entry_rows`` (the flat store rows the attention reads) are one
-  Triton launch each (:mod:`dsv4.kernels.paged_rows`), the block-table lookup in the kernel.
+* ``_store_rows`` (a step's window rows, compressed entries and indexer keys into their paged
+  stores) is one Triton launch per store: block-table lookup and the format's encode in the
+  kernel, the same bytes (:mod:`dsv4.kernels.store_rows`). ``_window_rows`` and
+  ``_entry_rows`` (the flat store rows the attention reads) are one launch each
+  (:mod:`dsv4.kernels.paged_rows`).
 * The C4 indexer's selection of decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, bf16
   queries, an index key format the kernels read) runs as two Triton launches over the paged
   ``idx_keys`` store (:mod:`dsv4.kernels.indexer_topk`); other steps take the torch path.
@@ -49,6 +52,7 @@ from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported, 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
 from dsv4.kernels.paged_rows import entry_flat_rows, paged_rows_usable, window_flat_rows
+from dsv4.kernels.store_rows import store_rows, store_rows_problem
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
@@ -286,10 +290,18 @@ class CudaAttention(DeepseekV4Attention):
         return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
                                 job.entries, self.rotary, self.dtype, sim, numerics)
 
-    # ---- the step's flat store rows (dsv4.kernels.paged_rows) --------------------------
+    # ---- the step's cache writes and flat store rows (kernels.store_rows, paged_rows) --
     def _paged_kernels_ready(self, t: torch.Tensor) -> bool:
         """Host-side test, no sync: the paged-row kernels run where ``t`` lives."""
         return self._step_kernels_enabled and paged_rows_usable(t.device)
+
+    def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        store = step.pool.stores[name]
+        if self._paged_kernels_ready(values) and not store_rows_problem(store, values):
+            store_rows(store, slots, rows, values)
+        else:
+            super()._store_rows(step, name, slots, rows, values)
 
     def _window_rows(self, step: CacheStep) -> torch.Tensor:
         if self._paged_kernels_ready(step.pos):
