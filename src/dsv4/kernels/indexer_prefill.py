@@ -41,6 +41,13 @@ exact in bf16) with fp32 accumulation (``input_precision="tf32"`` is moot for bf
 CPU interpreter it runs on fp32 operands with ``"ieee"`` (its bf16 dot is wrong on this
 install). ReLU, head weights and the sum over heads are fp32.
 
+Expected cost (not measured yet), Flash, one 64K-token prompt from position 0 (16K entries,
+8K visible to a query on average): 2 * 64 * 128 * 64K * 8K = 8.8 TFLOP of bf16 MMA (~12-15 ms
+at 600-700 TFLOP/s; the per-head ReLU * weight epilogue adds ~1e11 fp32 operations on top);
+queries 1 GiB from HBM, re-read per entry tile from L2 (~64 GiB at BLOCK_N = 128); keys
+4 MiB bf16 (2 MiB fp8, 1 MiB fp4) re-read per query tile from L2 (~2 GiB); scores 4 GiB written
+(half of them -inf) and ~10 GiB read back by the top-k's passes over the visible entries.
+
 Memory: the score workspace is [rows, width] fp32 in chunks of whole query tiles whose scores fit
 ``workspace_bytes`` (at least one tile: 64 x 4 x width bytes). The only host work is the tile
 table (from host data: ``step.tok_seq_host`` and the caches' slots) and its upload (pinned,
