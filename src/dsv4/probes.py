@@ -24,8 +24,11 @@ from dsv4.attention import DeepseekV4Attention
 @contextmanager
 def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
                 ) -> Iterator[dict[str, list[tuple[tuple[Any, ...], Any]]]]:
-    """Record (args, result) of every call to the named methods of ``layer``."""
+    """Record (args, result) of every call to the named methods of ``layer`` while the context
+    is open; the layer's own methods are back afterwards."""
     calls: dict[str, list[tuple[tuple[Any, ...], Any]]] = {n: [] for n in names}
+    missing = object()
+    saved = {n: layer.__dict__.get(n, missing) for n in names}  # an instance attribute, if any
     for name in names:
         bound = getattr(layer, name)
 
@@ -38,7 +41,11 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
     try:
         yield calls
     finally:
-        layer.__dict__.pop("_select_compressed", None)
+        for name, value in saved.items():
+            if value is missing:
+                layer.__dict__.pop(name, None)
+            else:
+                layer.__dict__[name] = value
 
 
 @contextmanager

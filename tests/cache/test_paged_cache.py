@@ -35,6 +35,7 @@ def test_pooled_batches_equal_sequences_alone_float64(tiny_exact, make_layer, ra
             pos = torch.tensor([n + s for n in lens])
             got.append(layer(x, pos, pooled))
     n_attn = len(calls["forward_mqa"])
+    assert "forward_mqa" not in layer.__dict__  # the spy is gone: nothing more is recorded
     for s in range(STEPS):
         x = torch.stack([x[n + s] for x, n in zip(xs, lens, strict=True)])
         want.append(torch.cat([layer(x[i:i + 1], torch.tensor([n + s]), c)

@@ -275,7 +275,7 @@ def cuda_layer_shell(cfg: DSV4Config):
 
 
 @kernel_runs
-def test_cuda_platform_takes_the_kernels_for_decode_sized_steps():
+def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
     from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS
 
     cfg = tiny_cfg(8)
@@ -290,13 +290,22 @@ def test_cuda_platform_takes_the_kernels_for_decode_sized_steps():
     assert_matches_torch_path(layer._indexer_select(step, q, w), torch_path(cfg, step, q, w),
                               s64, tol, 8)
     assert layer._indexer_kernel_format(step, q.float()) == ""  # a float32 layer's queries
+    # prefill-sized: the tiled kernel (dsv4.kernels.indexer_prefill), the same selection
     big = make_step(cfg, "bf16", [0], [KERNEL_MAX_TOKENS + 1], seed=11)
-    assert layer._indexer_kernel_format(big, q) == ""  # prefill-sized: the torch path
+    assert layer._indexer_kernel_format(big, q) == "bf16"
     qb, wb = queries(cfg, KERNEL_MAX_TOKENS + 1, seed=12)
+    import dsv4.platforms.cuda as cuda
     from dsv4 import DeepseekV4Attention
 
-    assert torch.equal(layer._indexer_select(big, qb, wb),
-                       DeepseekV4Attention._indexer_select(layer, big, qb, wb))
+    calls = []
+    real = cuda.select_prefill
+    cuda.select_prefill = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        got = layer._indexer_select(big, qb, wb)
+    finally:
+        cuda.select_prefill = real
+    assert len(calls) == 1
+    assert torch.equal(got, DeepseekV4Attention._indexer_select(layer, big, qb, wb))
 
 
 def test_formats_the_kernels_read():

@@ -27,9 +27,11 @@
   kernel, the same bytes (:mod:`dsv4.kernels.store_rows`). ``_window_rows`` and
   ``_entry_rows`` (the flat store rows the attention reads) are one launch each
   (:mod:`dsv4.kernels.paged_rows`).
-* The C4 indexer's selection of decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, bf16
-  queries, an index key format the kernels read) runs as two Triton launches over the paged
-  ``idx_keys`` store (:mod:`dsv4.kernels.indexer_topk`); other steps take the torch path.
+* The C4 indexer's selection (bf16 queries, an index key format the kernels read) runs in
+  Triton over the paged ``idx_keys`` store: decode-sized steps (at most ``KERNEL_MAX_TOKENS``
+  queries) in two launches (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of
+  one sequence sharing the keys, in chunks bounded by ``attention_workspace_bytes``
+  (:mod:`dsv4.kernels.indexer_prefill`); float32 / float64 layers take the torch path.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported, raw_rows
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
 from dsv4.kernels.paged_rows import entry_flat_rows, paged_rows_usable, window_flat_rows
 from dsv4.kernels.store_rows import store_rows, store_rows_problem
@@ -327,11 +330,10 @@ class CudaAttention(DeepseekV4Attention):
     # ---- the indexer's top-k (dsv4.kernels.indexer_topk) ------------------------------
     def _indexer_kernel_format(self, step: CacheStep, idx_q: torch.Tensor) -> str:
         """Host-side test, no sync: the index key format name the kernels read this step's
-        selection in, or "" for the torch path (prefill-sized steps, non-bf16 queries, no
-        Triton or CUDA device, a key store the kernels cannot read)."""
+        selection in, or "" for the torch path (non-bf16 queries, no Triton or CUDA device, a
+        key store the kernels cannot read)."""
         if (not self._step_kernels_enabled or self.indexer is None or not triton_available()
                 or idx_q.dtype != torch.bfloat16
-                or step.num_tokens > KERNEL_MAX_TOKENS
                 or not (idx_q.device.type == "cuda" or _INTERPRET)):
             return ""
         return index_kernel_format(step.pool.stores["idx_keys"].fmt)
@@ -342,6 +344,9 @@ class CudaAttention(DeepseekV4Attention):
         if not fmt:
             return super()._indexer_select(step, idx_q, idx_weights)
         assert self.indexer is not None
+        if step.num_tokens > KERNEL_MAX_TOKENS:  # prefill: query tiles share the keys
+            return select_prefill(step, idx_q, idx_weights, self.indexer,
+                                  self.cfg.attention_workspace_bytes)
         store = step.pool.stores["idx_keys"]
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
