@@ -177,9 +177,12 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     from dsv4 import DeepseekV4Attention
     from dsv4.bench import prefill
 
-    def build(cfg, layer_id, weights, dev):
+    built = []
+
+    def build(cfg, layer_id, weights, dev, step_kernels=True):
         layer = DeepseekV4Attention.build(cfg, layer_id, dtype=torch.bfloat16)
         layer.load_weights(weights.items())
+        built.append(step_kernels)
         return layer
 
     monkeypatch.setattr(prefill, "time_calls", _fake_time_calls)
@@ -188,10 +191,16 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
                         classmethod(lambda cls, name: _TINY.replace(max_step_tokens=64)))
     rows: list = []
     prefill.layer_rows("tiny", "C4", ["torch", "auto"], [40, 200], 24, 150, 2, 32, 1e12,
-                       torch.device("cpu"), 60.0, lambda r: None, rows)
-    assert [(r["backend"], r["mode"], r["tokens"], r["context"]) for r in rows] == [
-        ("torch", "single", 40, 0), ("torch", "single", 200, 0), ("torch", "chunked", 24, 150),
-        ("auto", "single", 40, 0), ("auto", "single", 200, 0), ("auto", "chunked", 24, 150)]
+                       torch.device("cpu"), 60.0, lambda r: None, rows, (True, False))
+    off = "auto" + prefill.STEP_KERNELS_OFF
+    assert [(r["backend"], r["mode"], r["tokens"], r["context"]) for r in rows][3:] == [
+        ("torch" + prefill.STEP_KERNELS_OFF, "single", 40, 0),
+        ("torch" + prefill.STEP_KERNELS_OFF, "single", 200, 0),
+        ("torch" + prefill.STEP_KERNELS_OFF, "chunked", 24, 150),
+        ("auto", "single", 40, 0), ("auto", "single", 200, 0), ("auto", "chunked", 24, 150),
+        (off, "single", 40, 0), (off, "single", 200, 0), (off, "chunked", 24, 150)]
+    assert built == [False, True, False, True, False]  # the reference: the plain PyTorch path
+    assert [r["step_kernels"] for r in rows] == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3
     assert all(r["ms"] == 2.0 and r["rel_err_vs_torch"] == 0.0 and r["peak_extra_bytes"] == 1024
                for r in rows)
     assert rows[2]["flops"] == layer_flops(_TINY, 4, 24, 150)  # 40 + 200 tokens: several steps

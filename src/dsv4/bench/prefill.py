@@ -2,14 +2,17 @@
 
     dsv4 bench prefill --out DIR [--models flash,pro] [--layers C4,C128,SWA]
                        [--tokens 4096,16384,65536,131072] [--attention-backend torch,auto]
+                       [--step-kernels on,off]
 
 Layer table: one layer of the ``cuda`` platform (Flash or Pro dims, fp8 weights with block
 scales, random; bf16; its default post-load passes), C4 / C128 / SWA. ``single`` rows prefill T
 tokens in one call on an empty cache; ``chunked`` rows append one chunk (``--chunk``, 8K) to a
 cache already holding ``--context`` (64K) tokens (a fork of it per call, so every call sees the
 same cache). ``--attention-backend`` goes to the config (``cfg.replace(attention_backend=...)``);
-the row records what was asked. Before timing, each backend's output on the first
-``--check-tokens`` tokens is compared with the ``torch`` backend's (rel. error <= 2e-2).
+the row records what was asked. ``--step-kernels off`` rows run the cuda platform's PyTorch
+path for the indexer, compressor and cache writes (labelled "(step kernels off)"). Before
+timing, each row's output on the first ``--check-tokens`` tokens is compared with the ``torch``
+backend's with the step kernels off (rel. error <= 2e-2).
 
 Per row: time (CUDA events, one warm-up call, median of ``--reps``), tokens/s, the layer's FLOPs
 (:func:`layer_flops`: GEMMs 2*M*N*K; the indexer's scores, 2 * index_heads * index_head_dim per
@@ -44,7 +47,7 @@ import torch
 
 from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
 from dsv4.bench.attention_kernels import rel
-from dsv4.config import ATTENTION_BACKENDS, ConfigError, DSV4Config
+from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
@@ -144,33 +147,36 @@ def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
 
 
 def build_layer(cfg: DSV4Config, layer_id: int, weights: dict[str, torch.Tensor],
-                dev: torch.device) -> Any:
+                dev: torch.device, step_kernels: bool = True) -> Any:
     from dsv4.passes import process_weights_after_loading
     from dsv4.platforms.cuda import CudaAttention
 
     layer = CudaAttention(cfg, layer_id, device=dev, dtype=torch.bfloat16)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer)
+    layer.use_step_kernels(step_kernels)
     return layer
 
 
 def bench_layer_id(cfg: DSV4Config, ratio: int) -> int:
-    """The first layer of that ratio; for SWA in a model whose main layers are all compressed
-    (Pro), its MTP layer (SWA-only)."""
-    try:
-        return cfg.layer_of_ratio(ratio)
-    except ConfigError:
-        if ratio:
-            raise
-        return cfg.num_hidden_layers
+    """The first layer of that ratio (for SWA in a model whose main layers are all compressed,
+    Pro, its MTP layer: :meth:`DSV4Config.layer_of_ratio`)."""
+    return cfg.layer_of_ratio(ratio)
+
+
+STEP_KERNELS_OFF = " (step kernels off)"
+"""Suffix of a row's backend label when the cuda platform's step kernels were off (the torch
+indexer, compressor and cache writes: the earlier path)."""
 
 
 def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[int],
                chunk: int, context: int, reps: int, check_tokens: int, rate: float,
                dev: torch.device, max_case_s: float, log: Callable[[dict], None],
-               rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every (backend, T) row of one model's layer type, and the chunked row per backend,
-    appended to ``rows`` (``log`` is called after each)."""
+               rows: list[dict[str, Any]], step_kernels: tuple[bool, ...] = (True,)
+               ) -> list[dict[str, Any]]:
+    """Every (backend, step kernels, T) row of one model's layer type, and the chunked row per
+    backend, appended to ``rows`` (``log`` is called after each); checked against the torch
+    backend with the step kernels off (the plain PyTorch path)."""
     from dsv4.random_weights import random_layer_weights
 
     base_cfg = DSV4Config.preset(model)
@@ -182,12 +188,14 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
     x = torch.randn(longest, base_cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     check_x = x[:check_tokens]
     ref_out = _check_output(build_layer(base_cfg.replace(attention_backend="torch"), layer_id,
-                                        weights, dev), check_x)
-    for backend in backends:
-        layer = build_layer(base_cfg.replace(attention_backend=backend), layer_id, weights, dev)
+                                        weights, dev, step_kernels=False), check_x)
+    for backend, kernels in [(b, k) for b in backends for k in step_kernels]:
+        layer = build_layer(base_cfg.replace(attention_backend=backend), layer_id, weights, dev,
+                            step_kernels=kernels)
         err = rel(_check_output(layer, check_x), ref_out)
-        common = {"model": model, "layer_type": layer_type, "backend": backend,
-                  "rel_err_vs_torch": err}
+        label = backend if kernels else backend + STEP_KERNELS_OFF
+        common = {"model": model, "layer_type": layer_type, "backend": label,
+                  "step_kernels": kernels, "rel_err_vs_torch": err}
         if not err <= CHECK_TOL:
             rows.append({**common, "error": f"wrong: rel err {err:.3e} vs the torch backend"})
             log(rows[-1])
@@ -486,6 +494,9 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     ap.add_argument("--attention-backend", default=["torch"],
                     type=choice_list(ATTENTION_BACKENDS, "attention backend"),
                     help=f"comma-separated, of {', '.join(ATTENTION_BACKENDS)} (default torch)")
+    ap.add_argument("--step-kernels", default=["on"], type=choice_list(("on", "off"), "value"),
+                    help="comma-separated on / off: the cuda platform's step kernels (the Triton "
+                    "indexer, compressor, cache writes; off: their PyTorch path) (default on)")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check-tokens", type=int, default=1024,
                     help="tokens of the output check against the torch backend")
@@ -537,7 +548,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             for layer_type in args.layers:
                 layer_rows(model, layer_type, args.attention_backend, args.tokens, args.chunk,
                            args.context, args.reps, args.check_tokens, rate, dev,
-                           args.max_case_seconds, log, res["layer_rows"])
+                           args.max_case_seconds, log, res["layer_rows"],
+                           tuple(v == "on" for v in args.step_kernels))
     save()
     print(write_report(res, out))
     return 0
