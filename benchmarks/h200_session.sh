@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One lent-H200 session in as few device calls as possible (each call: at most 10 minutes).
+# Run from the repository root on the device, with the sgl-flash-mla wheel carried in .whl/:
+#
+#   bash benchmarks/h200_session.sh check    # call 1: the new kernels' tests, the suite, verify
+#   bash benchmarks/h200_session.sh decode   # call 2: decode-step bench (+ profile), eval
+#   bash benchmarks/h200_session.sh prefill  # call 3: prefill bench, step kernels on and off
+#
+# Everything goes under $OUT (the device tool brings it back); each step has its own timeout so
+# a slow one cannot take the rest of the call with it, and a failing step does not stop the next.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl/*.whl \
+    >/dev/null 2>&1 || echo "sgl-flash-mla not installed (no .whl/): FlashMLA rows skip"
+export PYTHONPATH=src:/tmp/fm PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...: run under a timeout, log to $OUT/NAME.txt
+    local name=$1 secs=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/$name.txt")"
+}
+PYTEST=(python3 -m pytest -q -p no:cacheprovider)
+case "${1:-}" in
+check)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step pytest_new_kernels 150 "${PYTEST[@]}" tests/kernels/test_store_rows.py \
+        tests/kernels/test_paged_rows.py tests/kernels/test_indexer_prefill.py \
+        tests/kernels/test_compress_entries.py tests/kernels/test_indexer_topk.py \
+        tests/kernels/test_rope_norm.py
+    step pytest_gpu 300 "${PYTEST[@]}" --deselect tests/test_readme.py \
+        --ignore=tests/integrations --deselect tests/test_transformers_dialect.py \
+        --ignore=tests/kernels/test_store_rows.py --ignore=tests/kernels/test_paged_rows.py \
+        --ignore=tests/kernels/test_indexer_prefill.py \
+        --ignore=tests/kernels/test_compress_entries.py \
+        --ignore=tests/kernels/test_indexer_topk.py --ignore=tests/kernels/test_rope_norm.py
+    step verify_cuda 100 python3 -m dsv4 verify --platform cuda
+    ;;
+decode)
+    step decode_step 420 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
+        --strategies ours_unfused,ours_triton_fp8,ours_flashmla --reps 3 --profile
+    step eval_cuda 120 python3 -m dsv4 eval --device cuda --platform cuda \
+        --cache-format fp8_ds_mla/fp8
+    ;;
+prefill)
+    step prefill 540 python3 -m dsv4 bench prefill --out "$OUT/prefill" --only layer \
+        --models flash,pro --layers C4 --tokens 16384,65536,131072 --chunk 0 \
+        --attention-backend flashmla,triton --step-kernels on,off --reps 2 \
+        --max-case-seconds 20
+    ;;
+*)
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill" >&2
+    exit 2
+    ;;
+esac
