@@ -61,6 +61,7 @@ class DeepseekV4Attention(nn.Module):
         "_store_rows",
         "_window_rows",
         "_entry_rows",
+        "_keep_ring_rows",
         "forward_mqa",
         "_o_proj",
     )
@@ -334,7 +335,10 @@ class DeepseekV4Attention(nn.Module):
         entries = self._select_compressed(step, idx_q, idx_weights)
         selection = None if entries is None else self._entry_rows(step, entries)
         y = self._tp_all_reduce(self._o_proj(self.forward_mqa(q, step, selection), pos))
-        step.commit(raw, release_from)  # last: a failure above leaves every cache as it was
+        # last: a failure above leaves every cache as it was
+        for name, rows in raw.items():
+            self._keep_ring_rows(step, name, rows)
+        step.commit(release_from)
         return y
 
     # ---- override points ---------------------------------------------------------------
@@ -580,6 +584,15 @@ class DeepseekV4Attention(nn.Module):
 
         May change: how they are computed. Must keep: the values."""
         return step.entry_rows("compressed", entries)
+
+    def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
+        """At the end of a step: the raw rows ``rows`` [T, raw_width] (:meth:`_raw_rows`) that
+        compressor store ``name``'s rings keep go into the rings (``step.jobs[name]``:
+        ``keep_src`` rows to ``keep_dst`` ring rows).
+
+        May change: the kernel. Must keep: a plain copy, after everything else of the step (a
+        ring row replaced earlier could be one the step still reads)."""
+        step.keep_ring_rows(name, rows)
 
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
                     ) -> torch.Tensor:

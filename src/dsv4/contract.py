@@ -64,7 +64,7 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
     common = {"_latent_norms", "_query_heads", "_kv_rows", "_wq_b_gemm", "_store_rows",
               "_window_rows", "forward_mqa", "_o_proj"}
     if layer.compress_ratio:
-        common |= {"_raw_rows", "_entry_rows"}
+        common |= {"_raw_rows", "_entry_rows", "_keep_ring_rows"}
     if layer.indexer is not None:
         common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
     if layer.compress_ratio and tokens >= layer.compress_ratio:

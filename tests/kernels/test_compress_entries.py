@@ -369,3 +369,24 @@ def test_raw_rows_kernel_is_bit_equal(preset, ratio, for_indexer):
         raw_rows(comp, kv_score, pos[:3])
     with pytest.raises(ValueError, match="fp32"):
         raw_rows(comp, kv_score.double(), pos)
+
+
+@kernel_runs
+@pytest.mark.parametrize("width,k", [(512, 8), (2048, 5), (96, 0)])
+def test_keep_ring_rows_kernel_copies_the_kept_rows(width, k):
+    from dsv4.kernels.compress_entries import keep_ring_rows
+
+    g = torch.Generator().manual_seed(width + k)
+    ring = torch.randn(3, 8, width, generator=g).to(DEV)
+    wide = torch.randn(11, width + 7, generator=g).to(DEV)
+    rows = wide[:, 7:]  # a row-strided view
+    dst = torch.randperm(24, generator=g)[:k].to(DEV)
+    src = torch.randint(0, 11, (k,), generator=g).to(DEV)
+    want = ring.clone()
+    want.view(-1, width)[dst] = rows[src]
+    keep_ring_rows(ring, rows, dst, src)
+    assert torch.equal(ring, want)
+    with pytest.raises(ValueError, match="same"):
+        keep_ring_rows(ring, rows, dst, src[:0] if k else src[:, None])
+    with pytest.raises(ValueError, match="float32"):
+        keep_ring_rows(ring.double(), rows, dst, src)

@@ -167,15 +167,18 @@ class CacheStep:
         return first if first == last else None
 
     # ------------------------------------------------------------------ end of step
-    def commit(self, raw_rows: dict[str, torch.Tensor], release_from: list[int] | None = None
-               ) -> None:
-        """Keep the rings' rows, advance the lengths, release window blocks no query can read.
-        ``release_from[i]``: release only among logical blocks from this index (a multi-step
-        call keeps the blocks it started with until it ends)."""
-        for name, rows in raw_rows.items():
-            job = self.jobs[name]
-            spec, ring = self.pool.rings[name]
-            ring.view(-1, spec.width)[job.keep_dst] = rows[job.keep_src].to(ring.dtype)
+    def keep_ring_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Copy the step's raw rows ``rows`` [T, raw_width] that compressor store ``name``'s
+        rings keep (the last ``coff * ratio`` positions of each sequence) into the rings."""
+        job = self.jobs[name]
+        spec, ring = self.pool.rings[name]
+        ring.view(-1, spec.width)[job.keep_dst] = rows[job.keep_src].to(ring.dtype)
+
+    def commit(self, release_from: list[int] | None = None) -> None:
+        """Advance the lengths, release window blocks no query can read (host work; the rings'
+        rows are kept before, :meth:`keep_ring_rows`). ``release_from[i]``: release only among
+        logical blocks from this index (a multi-step call keeps the blocks it started with
+        until it ends)."""
         kv = self.pool.stores["kv"]
         for i, (c, a, n) in enumerate(zip(self.caches, self.starts, self.counts, strict=True)):
             self.pool._lengths[c.slot] = a + n

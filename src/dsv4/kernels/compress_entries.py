@@ -41,7 +41,8 @@ from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
 from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["compress_entries", "kernel_unsupported", "launch_constants", "raw_rows", "sim_mode"]
+__all__ = ["compress_entries", "keep_ring_rows", "kernel_unsupported", "launch_constants",
+           "raw_rows", "sim_mode"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -255,6 +256,41 @@ if triton_available():
             score = col >= WIDTH
             add = tl.load(ape_ptr + ape_row + col - WIDTH, mask=m & score, other=0.0)
             tl.store(out_ptr + t * s_out + col, v + add, mask=m)
+
+
+    @triton.jit
+    def _keep_rows_kernel(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, WIDTH: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """Ring row dst[k] (of the [-1, WIDTH] view) = step row src[k]."""
+        k = tl.program_id(0)
+        dst = tl.load(dst_ptr + k).to(tl.int64)
+        src = tl.load(src_ptr + k).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        for c in tl.static_range(0, WIDTH, BLOCK):
+            col = c + lanes
+            m = col < WIDTH
+            tl.store(ring_ptr + dst * WIDTH + col, tl.load(rows_ptr + src * s_rows + col, mask=m),
+                     mask=m)
+
+
+def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tensor,
+                   keep_src: torch.Tensor) -> None:
+    """``ring.view(-1, width)[keep_dst] = rows[keep_src]`` (:meth:`dsv4.cache.step.CacheStep.
+    keep_ring_rows`) as one launch: float32 ring and rows, one program a kept row."""
+    width = ring.shape[-1]
+    if ring.dtype != torch.float32 or rows.dtype != torch.float32 or not ring.is_contiguous():
+        raise ValueError(f"keep_ring_rows kernel: a contiguous float32 ring and float32 rows, "
+                         f"got {ring.dtype} ring, {rows.dtype} rows")
+    if rows.dim() != 2 or rows.shape[1] != width or rows.stride(1) != 1:
+        raise ValueError(f"keep_ring_rows kernel: rows must be [T, {width}] with contiguous "
+                         f"columns, got {tuple(rows.shape)}")
+    if keep_dst.shape != keep_src.shape or keep_dst.dim() != 1:
+        raise ValueError(f"keep_dst {tuple(keep_dst.shape)} and keep_src "
+                         f"{tuple(keep_src.shape)} must be the same [K]")
+    k = keep_dst.shape[0]
+    if k:
+        _keep_rows_kernel[(k,)](ring, rows, rows.stride(0), keep_dst, keep_src, WIDTH=width,
+                                BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)
 
 
 def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

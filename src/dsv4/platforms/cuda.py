@@ -19,7 +19,8 @@
 
 * ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
-  base path. ``_raw_rows`` (the score GEMM's rows plus ape) is one launch per compressor.
+  base path. ``_raw_rows`` (the score GEMM's rows plus ape) and ``_keep_ring_rows`` (the rows
+  the rings keep, at the end of a step) are one launch per compressor.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 * ``_store_rows`` (a step's window rows, compressed entries and indexer keys into their paged
@@ -50,7 +51,12 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
-from dsv4.kernels.compress_entries import compress_entries, kernel_unsupported, raw_rows
+from dsv4.kernels.compress_entries import (
+    compress_entries,
+    keep_ring_rows,
+    kernel_unsupported,
+    raw_rows,
+)
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
@@ -282,6 +288,15 @@ class CudaAttention(DeepseekV4Attention):
                 and self.acc_dtype == torch.float32 and kv_score.stride(1) == 1):
             return raw_rows(comp, kv_score, pos)
         return super()._raw_rows(comp, kv_score, pos)
+
+    def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
+        ring = step.ring(name)
+        if (self._paged_kernels_ready(rows) and rows.dtype == torch.float32
+                and ring.dtype == torch.float32 and rows.stride(1) == 1):
+            job = step.jobs[name]
+            keep_ring_rows(ring, rows, job.keep_dst, job.keep_src)
+        else:
+            super()._keep_ring_rows(step, name, rows)
 
     def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
                           rows: torch.Tensor) -> torch.Tensor:
