@@ -1,7 +1,12 @@
-"""Compile the fp8 GEMM and sparse-MQA Triton kernels for sm_90 on a machine WITHOUT a GPU and print
-each configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
+"""Compile the Triton kernels for sm_90 on a machine WITHOUT a GPU and print each
+configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
 
-    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|all]
+    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|all]
+
+``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
+indexer's scoring and top-k at decode and prefill) at Flash / Pro shapes. The CPU interpreter
+accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled loop, once);
+this compiles what a GPU would.
 
 Catches compile errors and register spills before a GPU run. Integer arguments that are multiples
 of 16 at run time (strides, K, block strides, H, rows per block) get Triton's divisibility hint,
@@ -23,8 +28,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dsv4.kernels import compress_entries as ce
 from dsv4.kernels import fp8_linear as fl
+from dsv4.kernels import indexer_prefill as ip
+from dsv4.kernels import indexer_topk as it
+from dsv4.kernels import paged_rows as pr
 from dsv4.kernels import sparse_mqa as sm
+from dsv4.kernels import store_rows as sr
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIV16 = {"sxm", "sxg", "sym", "syg", "R", "Kg", "sqt", "sqh", "sot", "soh", "swi", "w_blk", "sci",
@@ -106,9 +116,79 @@ def mqa() -> None:
         print(f"combine d={d} BH={bh}: {r}", flush=True)
 
 
+def _try(name: str, fn, types: dict, consts: dict, opts: dict) -> bool:
+    try:
+        print(f"{name}: {compile_one(fn, types, consts, opts)}", flush=True)
+        return True
+    except Exception:
+        traceback.print_exc()
+        print(f"FAIL {name}", flush=True)
+        return False
+
+
+def steps() -> bool:
+    ok = True
+    t = dict(pos_ptr="*i64", slot_ptr="*i64", rows_ptr="*i64", rows_stride="i32",
+             table_ptr="*i32", table_stride="i32", out_ptr="*i64", out_stride="i32", K="i32",
+             B="i32", MAX_LOGICAL="i32")
+    for window in (True, False):
+        ok &= _try(f"paged_rows window={window}", pr._flat_rows_kernel, t,
+                   dict(WINDOW=window, BLOCK=128 if window else 256), dict(num_warps=4))
+    t = dict(ks_ptr="*fp32", s_ks="i32", pos_ptr="*i64", ape_ptr="*fp32", out_ptr="*fp32",
+             s_out="i32")
+    for r, width in ((4, 1024), (128, 512), (4, 256)):
+        ok &= _try(f"raw_rows R={r} WIDTH={width}", ce._raw_rows_kernel, t,
+                   dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width)), dict(num_warps=4))
+    t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64")
+    for width in (2048, 1024, 512):
+        ok &= _try(f"keep_ring_rows WIDTH={width}", ce._keep_rows_kernel, t,
+                   dict(WIDTH=width, BLOCK=min(1024, width)), dict(num_warps=4))
+    # store_rows: Flash kv rows (512, rope 64) in bf16 / fp8_ds_mla, index keys (128) fp8 / fp4
+    base = dict(v_ptr="*i16", sv="i32", slot_ptr="*i64", row_ptr="*i64", tab_ptr="*i32",
+                st_tab="i32", n_seqs="i32", max_logical="i32", B="i32", BLK="i32")
+    cases = [("bf16 512", "*i16", dict(FMT=0, D=512, DP=512, NOPE=512, NT=1, TP=1, ROPE=0, RP=1,
+                                       SB=0, PADP=1)),
+             ("fp8_ds_mla 512", "*u8", dict(FMT=2, D=512, DP=512, NOPE=448, NT=7, TP=8, ROPE=64,
+                                            RP=64, SB=8, PADP=1)),
+             ("index fp8 128", "*u8", dict(FMT=3, D=128, DP=128, NOPE=128, NT=1, TP=1, ROPE=0,
+                                           RP=1, SB=0, PADP=1)),
+             ("index fp4 128", "*u8", dict(FMT=4, D=128, DP=128, NOPE=128, NT=4, TP=4, ROPE=0,
+                                           RP=1, SB=0, PADP=1))]
+    for name, st, c in cases:
+        ok &= _try(f"store_rows {name}", sr._store_rows_kernel, {**base, "st_ptr": st},
+                   {**c, "IN_BF16": True}, dict(num_warps=4 if c["D"] > 256 else 2))
+    # the indexer at decode (score + top-k) and prefill, 64 heads x 128, bf16 / fp8 / fp4 keys
+    t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", s_ptr="*fp32",
+             sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32", max_logical="i32",
+             slot_ptr="*i64", pos_ptr="*i64", width="i32", tiles="i32", B="i32",
+             weight_scale="fp32")
+    for fmt, kt in (("bf16", "*bf16"), ("fp8", "*u8"), ("fp4", "*u8")):
+        ok &= _try(f"indexer score {fmt}", it._score_kernel, {**t, "keys_ptr": kt},
+                   dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
+                        DT=tl.bfloat16, PREC="tf32"), dict(num_warps=4))
+    t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
+    for k in (512, 1024):
+        for sort in (True, False):
+            ok &= _try(f"indexer top-k K={k} sort={sort}", it._topk_kernel, t,
+                       dict(K=k, KP=k, BLOCK=it.SCAN_BLOCK, SORT=sort), dict(num_warps=8))
+    t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
+             s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
+             max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",
+             B="i32", weight_scale="fp32")
+    for fmt, kt in (("bf16", "*bf16"), ("fp8", "*u8"), ("fp4", "*u8")):
+        ok &= _try(f"indexer prefill score {fmt}", ip._prefill_score_kernel,
+                   {**t, "keys_ptr": kt},
+                   dict(H=64, D=128, BQ=ip.BLOCK_Q, BN=ip.BLOCK_N, FMT=it.FMTS.index(fmt),
+                        DT=tl.bfloat16, PREC="tf32"),
+                   dict(num_warps=ip.NUM_WARPS, num_stages=ip.NUM_STAGES))
+    return ok
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which in ("gemm", "all"):
         gemm()
     if which in ("mqa", "all"):
         mqa()
+    if which in ("steps", "all") and not steps():
+        raise SystemExit(1)

@@ -25,16 +25,18 @@ fp32 summation order of scores within rounding of each other; exact ties stay ex
 Tile sizes (Hopper: H100 / H200), overridable per call for tuning:
 
 * ``BLOCK_Q = 64`` queries: one warpgroup MMA's M (wgmma needs M = 64 per warpgroup).
-* ``BLOCK_N = 128`` entries: the MMA's N. Per head a program reads its query tile's slice
-  [64, 128] bf16 (16 KiB) for 2 * 64 * 128 * 128 = 2 MFLOP: 128 FLOP per query byte (the queries
+* ``BLOCK_N = 64`` entries: the MMA's N. Per head a program reads its query tile's slice
+  [64, 128] bf16 (16 KiB) for 2 * 64 * 64 * 128 = 1 MFLOP: 64 FLOP per query byte (the queries
   are re-read for every entry tile, from L2: the grid runs the entry tiles of a query tile next
-  to each other), while the keys (32 KiB bf16) are read once for 64 heads. Larger BLOCK_N halves
-  the query traffic but doubles the fp32 accumulator (and the MMA result) in registers.
-* ``NUM_WARPS = 8``: the [64, 128] fp32 accumulator plus the MMA's result take 64 registers a
-  thread at 256 threads (128 at 4 warps). ``NUM_STAGES = 3``: the head loop's query loads are
-  pipelined ahead of the MMAs.
+  to each other), while the keys (16 KiB bf16) are read once for 64 heads.
+* ``NUM_WARPS = 4``, ``NUM_STAGES = 3``: the head loop's query loads pipelined ahead of the
+  MMAs. Chosen from an sm_90 compile on a machine without a GPU
+  (``benchmarks/aot_sm90_regs.py steps``, Triton 3.6): 64 x 64 at 4 warps takes 127 registers
+  a thread and no spill; 64 x 128 (at 4 or 8 warps, 1-3 stages) spilled 112-272 bytes a thread
+  with bf16 and fp8 keys (the dequantised key tile and the accumulator live together); 128 x 64
+  at 8 warps fits too (186-246 registers). Not timed on a GPU yet.
 
-So a Flash / Pro program (64 heads x 128 dims) runs 64 MMAs of 64 x 128 x 128.
+So a Flash / Pro program (64 heads x 128 dims) runs 64 MMAs of 64 x 64 x 128.
 
 Numerics as in the decode kernel: on a GPU the MMA takes bf16 operands (dequantised keys are
 exact in bf16) with fp32 accumulation (``input_precision="tf32"`` is moot for bf16); under the
@@ -44,7 +46,7 @@ install). ReLU, head weights and the sum over heads are fp32.
 Expected cost (not measured yet), Flash, one 64K-token prompt from position 0 (16K entries,
 8K visible to a query on average): 2 * 64 * 128 * 64K * 8K = 8.8 TFLOP of bf16 MMA (~12-15 ms
 at 600-700 TFLOP/s; the per-head ReLU * weight epilogue adds ~1e11 fp32 operations on top);
-queries 1 GiB from HBM, re-read per entry tile from L2 (~64 GiB at BLOCK_N = 128); keys
+queries 1 GiB from HBM, re-read per entry tile from L2 (~128 GiB at BLOCK_N = 64); keys
 4 MiB bf16 (2 MiB fp8, 1 MiB fp4) re-read per query tile from L2 (~2 GiB); scores 4 GiB written
 (half of them -inf) and ~10 GiB read back by the top-k's passes over the visible entries.
 
@@ -77,9 +79,9 @@ __all__ = ["BLOCK_N", "BLOCK_Q", "NUM_STAGES", "NUM_WARPS", "indexer_topk_prefil
 
 BLOCK_Q = 64
 """Queries per tile (the MMA's M)."""
-BLOCK_N = 128
+BLOCK_N = 64
 """Entries per tile (the MMA's N)."""
-NUM_WARPS = 8
+NUM_WARPS = 4
 NUM_STAGES = 3
 
 
