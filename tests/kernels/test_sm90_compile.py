@@ -1,0 +1,28 @@
+"""The step kernels compile for sm_90 (Triton's real compiler and ptxas, no GPU needed): the CPU
+interpreter accepts code the compiler refuses, and a GPU session is too short to find that out.
+Runs wherever Triton is installed and not interpreting (benchmarks/aot_sm90_regs.py ``steps``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "aot_sm90_regs.py"
+
+
+@pytest.mark.skipif(not triton_available() or _INTERPRET,
+                    reason="needs Triton's compiler (installed, TRITON_INTERPRET unset)")
+def test_step_kernels_compile_for_sm90_without_spills(capsys):
+    spec = importlib.util.spec_from_file_location("aot_sm90_regs", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    aot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot)
+    assert aot.steps(), "a kernel failed to compile (its traceback is printed above)"
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "REG:" in ln]
+    assert len(lines) >= 20
+    spilled = [ln for ln in lines if "STACK:0 " not in ln]
+    assert not spilled, spilled
