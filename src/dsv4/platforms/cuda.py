@@ -159,10 +159,10 @@ class CudaAttention(DeepseekV4Attention):
         self._fp8_enabled = enabled
 
     def use_step_kernels(self, enabled: bool) -> None:
-        """Turn the decode step's small-stage kernels on (the default) or off (the base path's
-        PyTorch ops): the one-launch elementwise stages, the indexer's scoring + top-k, the
-        compressed entries and the step's flat store rows. Comparisons and benchmarks of the
-        earlier path."""
+        """Turn the step kernels on (the default) or off (the base path's PyTorch ops): the
+        one-launch elementwise stages, the indexer's selection (decode and prefill), the
+        compressors' raw rows, entries and ring rows, the cache writes and the flat store rows.
+        Comparisons and benchmarks of the earlier path."""
         self._step_kernels_enabled = enabled
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
@@ -310,7 +310,8 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- the step's cache writes and flat store rows (kernels.store_rows, paged_rows) --
     def _paged_kernels_ready(self, t: torch.Tensor) -> bool:
-        """Host-side test, no sync: the paged-row kernels run where ``t`` lives."""
+        """Host-side test, no sync: the step's data-movement kernels (cache writes, flat rows,
+        raw and ring rows) are on and run where ``t`` lives."""
         return self._step_kernels_enabled and paged_rows_usable(t.device)
 
     def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
