@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dsv4.cache.pool import AttentionCache, CachePool
+from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
 
 
 @dataclass
@@ -97,43 +97,15 @@ class CacheStep:
             store.sync()
 
         t = sum(counts)
-        n_arr = np.asarray(counts, dtype=np.int64)
-        a_arr = np.asarray(starts, dtype=np.int64)
-        s_arr = np.asarray(slots, dtype=np.int64)
-        begins = np.concatenate(([0], np.cumsum(n_arr)[:-1]))
-        seq_ids = np.repeat(np.arange(len(caches)), n_arr)
-        pos = a_arr[seq_ids] + np.arange(t) - begins[seq_ids]
-        parts = [pos, s_arr[seq_ids]]
-        shapes: list[tuple[int, ...]] = [(t,), (t,)]
-        job_meta: list[tuple[str, int, int]] = []
-        for name, (spec, _) in pool.rings.items():
-            cr, ratio = spec.rows, spec.ratio
-            # entries j = a // ratio .. (a + n) // ratio - 1 of each sequence
-            first_j = a_arr // ratio
-            per_seq = (a_arr + n_arr) // ratio - first_j
-            e_seq = np.repeat(np.arange(len(caches)), per_seq)
-            e = int(e_seq.shape[0])
-            e_j = first_j[e_seq] + _ramp(per_seq)
-            a_e, s_e, tb_e = a_arr[e_seq, None], s_arr[e_seq, None], begins[e_seq, None]
-            q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(cr)[None, :]
-            ring_src = np.where((q >= 0) & (q < a_e), s_e * cr + q % cr, -1)
-            call_src = np.where(q >= a_e, tb_e + q - a_e, -1)
-            # the last min(n, cr) positions of each sequence stay in its ring
-            kept = np.minimum(n_arr, cr)
-            k_seq = np.repeat(np.arange(len(caches)), kept)
-            k = int(k_seq.shape[0])
-            kq = (a_arr + n_arr - kept)[k_seq] + _ramp(kept)
-            parts += [s_arr[e_seq], e_j, ring_src.reshape(-1), call_src.reshape(-1),
-                      s_arr[k_seq] * cr + kq % cr, begins[k_seq] + kq - a_arr[k_seq]]
-            shapes += [(e,), (e,), (e, cr), (e, cr), (k,), (k,)]
-            job_meta.append((name, e, k))
-        host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        specs = [(name, spec) for name, (spec, _) in pool.rings.items()]
+        build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
+        host, shapes, job_meta, seq_ids = build(starts, slots, counts, specs)
         pos_host = host[:t]
         dev, keep = _to_device(host, pool.device)
         views = list(torch.split(dev, [_numel(s) for s in shapes]))
         views = [v.view(s) for v, s in zip(views, shapes, strict=True)]
-        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos_host,
-                   torch.from_numpy(seq_ids), _keepalive=keep)
+        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos_host, seq_ids,
+                   _keepalive=keep)
         for k_job, (name, e, _k) in enumerate(job_meta):
             v = views[2 + 6 * k_job: 8 + 6 * k_job]
             step.jobs[name] = EntryJobs(e, *v)
@@ -225,6 +197,79 @@ class CallTransaction:
                 self.pool.rings[name][1][slots] = saved
         for c, n in zip(self.caches, self.lengths, strict=True):
             self.pool._lengths[c.slot] = n
+
+
+Metadata = tuple[torch.Tensor, list[tuple[int, ...]], list[tuple[str, int, int]], torch.Tensor]
+"""(the host buffer, its parts' shapes, (store, E, K) per compressor, each token's sequence)."""
+
+
+def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
+                   specs: list[tuple[str, RingSpec]]) -> Metadata:
+    """A step's metadata (:meth:`CacheStep.plan`) for any counts, vectorised in NumPy: per token
+    its position and slot; per compressor the entries completed, their sources and the ring rows
+    kept."""
+    t = sum(counts)
+    n_arr = np.asarray(counts, dtype=np.int64)
+    a_arr = np.asarray(starts, dtype=np.int64)
+    s_arr = np.asarray(slots, dtype=np.int64)
+    begins = np.concatenate(([0], np.cumsum(n_arr)[:-1]))
+    seq_ids = np.repeat(np.arange(len(starts)), n_arr)
+    pos = a_arr[seq_ids] + np.arange(t) - begins[seq_ids]
+    parts = [pos, s_arr[seq_ids]]
+    shapes: list[tuple[int, ...]] = [(t,), (t,)]
+    job_meta: list[tuple[str, int, int]] = []
+    for name, spec in specs:
+        cr, ratio = spec.rows, spec.ratio
+        # entries j = a // ratio .. (a + n) // ratio - 1 of each sequence
+        first_j = a_arr // ratio
+        per_seq = (a_arr + n_arr) // ratio - first_j
+        e_seq = np.repeat(np.arange(len(starts)), per_seq)
+        e = int(e_seq.shape[0])
+        e_j = first_j[e_seq] + _ramp(per_seq)
+        a_e, s_e, tb_e = a_arr[e_seq, None], s_arr[e_seq, None], begins[e_seq, None]
+        q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(cr)[None, :]
+        ring_src = np.where((q >= 0) & (q < a_e), s_e * cr + q % cr, -1)
+        call_src = np.where(q >= a_e, tb_e + q - a_e, -1)
+        # the last min(n, cr) positions of each sequence stay in its ring
+        kept = np.minimum(n_arr, cr)
+        k_seq = np.repeat(np.arange(len(starts)), kept)
+        k = int(k_seq.shape[0])
+        kq = (a_arr + n_arr - kept)[k_seq] + _ramp(kept)
+        parts += [s_arr[e_seq], e_j, ring_src.reshape(-1), call_src.reshape(-1),
+                  s_arr[k_seq] * cr + kq % cr, begins[k_seq] + kq - a_arr[k_seq]]
+        shapes += [(e,), (e,), (e, cr), (e, cr), (k,), (k,)]
+        job_meta.append((name, e, k))
+    host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    return host, shapes, job_meta, torch.from_numpy(seq_ids)
+
+
+def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
+                     specs: list[tuple[str, RingSpec]]) -> Metadata:
+    """:func:`_step_metadata` for a decode step (every count 1) in plain Python: the same buffer
+    in a fraction of the host time (NumPy's per-call cost dominates arrays this small)."""
+    m = len(starts)
+    flat = list(starts) + list(slots)
+    shapes: list[tuple[int, ...]] = [(m,), (m,)]
+    job_meta: list[tuple[str, int, int]] = []
+    for name, spec in specs:
+        cr, ratio, coff = spec.rows, spec.ratio, spec.coff
+        done = [i for i, a in enumerate(starts) if (a + 1) % ratio == 0]  # entry a // ratio
+        ring_src: list[int] = []
+        call_src: list[int] = []
+        for i in done:
+            a, s = starts[i], slots[i]
+            first = (a // ratio - coff + 1) * ratio
+            for q in range(first, first + cr):
+                ring_src.append(s * cr + q % cr if 0 <= q < a else -1)
+                call_src.append(i + q - a if q >= a else -1)  # q == a: this step's row i
+        flat += [slots[i] for i in done] + [starts[i] // ratio for i in done]
+        flat += ring_src + call_src
+        flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)] + list(range(m))
+        e = len(done)
+        shapes += [(e,), (e,), (e, cr), (e, cr), (m,), (m,)]
+        job_meta.append((name, e, m))
+    host = torch.tensor(flat, dtype=torch.int64)
+    return host, shapes, job_meta, torch.arange(m)
 
 
 def _ramp(lengths: np.ndarray) -> np.ndarray:

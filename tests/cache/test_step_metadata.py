@@ -1,0 +1,47 @@
+"""A step's metadata: the decode fast path (every count 1, plain Python) builds exactly the
+buffer of the general NumPy path, for every layer type's rings and any positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4.cache.pool import RingSpec
+from dsv4.cache.step import _decode_metadata, _step_metadata
+
+SPECS = {  # the rings of each layer type (main compressor, indexer compressor)
+    0: [],
+    4: [("compressed", RingSpec(4, 2, 1024)), ("idx_keys", RingSpec(4, 2, 256))],
+    128: [("compressed", RingSpec(128, 1, 1024))],
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(ratio=st.sampled_from([0, 4, 128]),
+       starts=st.lists(st.integers(0, 3000), min_size=1, max_size=9))
+def test_decode_metadata_equals_the_general_path(ratio, starts):
+    # positions just below, at and after entry boundaries are the interesting ones
+    starts = [a if a % 2 else a - a % 128 + 127 for a in starts]
+    slots = list(range(len(starts)))[::-1]
+    counts = [1] * len(starts)
+    fast = _decode_metadata(starts, slots, counts, SPECS[ratio])
+    general = _step_metadata(starts, slots, counts, SPECS[ratio])
+    assert torch.equal(fast[0], general[0])
+    assert fast[1:3] == general[1:3]
+    assert torch.equal(fast[3], general[3])
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_a_completing_decode_token_reads_its_sources_from_the_ring_and_itself(ratio):
+    coff = 2 if ratio == 4 else 1
+    a = 5 * ratio - 1  # completes entry 4
+    host, shapes, meta, _ = _decode_metadata([a, 2], [2, 0], [1, 1], SPECS[ratio][:1])
+    parts = torch.split(host, [int(torch.tensor(s).prod()) for s in shapes])
+    slots_e, entries, ring_src, call_src = parts[2], parts[3], parts[4], parts[5]
+    cr = coff * ratio
+    assert meta == [("compressed", 1, 2)] and slots_e.tolist() == [2] and entries.tolist() == [4]
+    assert call_src.tolist() == [-1] * (cr - 1) + [0]  # the last source: this step's row 0
+    first = (4 - coff + 1) * ratio
+    assert ring_src.tolist() == [2 * cr + q % cr for q in range(first, a)] + [-1]
