@@ -1,10 +1,11 @@
 """Compile the Triton kernels for sm_90 on a machine WITHOUT a GPU and print each
 configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
 
-    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|all]
+    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|all]
 
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
-indexer's scoring and top-k at decode and prefill) at Flash / Pro shapes. The CPU interpreter
+indexer's scoring and top-k at decode and prefill) at Flash / Pro shapes; ``stages``: the RoPE /
+norm / quantisation kernels and the compressed entries. The CPU interpreter
 accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled loop, once);
 this compiles what a GPU would.
 
@@ -33,6 +34,7 @@ from dsv4.kernels import fp8_linear as fl
 from dsv4.kernels import indexer_prefill as ip
 from dsv4.kernels import indexer_topk as it
 from dsv4.kernels import paged_rows as pr
+from dsv4.kernels import rope_norm as rn
 from dsv4.kernels import sparse_mqa as sm
 from dsv4.kernels import store_rows as sr
 
@@ -184,6 +186,37 @@ def steps() -> bool:
     return ok
 
 
+def stages() -> bool:
+    """The quantising stages that share ``dsv4.kernels._float_bits`` (their 32-40 bytes of stack
+    are libdevice's cos / sin / exp frames, there before the helpers were shared)."""
+    ok = True
+    # the quantising stages that share dsv4.kernels._float_bits: kv rows (fp8 block-64 of the
+    # 448 nope dims), query heads (RMS, no quant), the indexer's Hadamard + FP4, and the
+    # compressors' entries in every numerics mode
+    t = dict(x_ptr="*bf16", sxt="i32", sxh="i32", o_ptr="*bf16", sot="i32", soh="i32",
+             pos_ptr="*i64", freq_ptr="*fp32", H="i32", eps="fp32")
+    for name, c in (("kv rows fp8", dict(BH=1, NORM=False, QPAIRS=224, QBLOCK=32)),
+                    ("query heads", dict(BH=8, NORM=True, QPAIRS=0, QBLOCK=0))):
+        ok &= _try(f"rope_heads {name}", rn._rope_heads_kernel, t,
+                   dict(D2=256, NOPE2=224, BD2=256, SIGN=1, **c), dict(num_warps=4))
+    ok &= _try("rope_hadamard_fp4", rn._rope_hadamard_fp4_kernel,
+               {k: v for k, v in t.items() if k != "eps"},
+               dict(D2=64, NOPE2=32, BH=16, HSCALE=128 ** -0.5, DOT_DT=tl.bfloat16,
+                    DOT_PREC="tf32"), dict(num_warps=4))
+    t = dict(ring_ptr="*fp32", rows_ptr="*fp32", rsrc_ptr="*i64", csrc_ptr="*i64", s_src="i32",
+             ent_ptr="*i64", w_ptr="*bf16", freq_ptr="*fp32", out_ptr="*bf16", s_out="i32",
+             eps="fp32")
+    for name, r, coff, d, sim in (("C4 main fp8", 4, 2, 512, ce.SIM_KV_FP8),
+                                  ("C128 main fp8", 128, 1, 512, ce.SIM_KV_FP8),
+                                  ("indexer fp8", 4, 2, 128, ce.SIM_INDEX_FP8),
+                                  ("indexer fp4", 4, 2, 128, ce.SIM_INDEX_FP4)):
+        ok &= _try(f"compress_entries {name}", ce._compress_entries_kernel, t,
+                   dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
+                        LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5, LIBDEVICE=True),
+                   dict(num_warps=4 if d <= 128 else 8))
+    return ok
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which in ("gemm", "all"):
@@ -191,4 +224,6 @@ if __name__ == "__main__":
     if which in ("mqa", "all"):
         mqa()
     if which in ("steps", "all") and not steps():
+        raise SystemExit(1)
+    if which in ("stages", "all") and not stages():
         raise SystemExit(1)

@@ -12,17 +12,28 @@ import pytest
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "aot_sm90_regs.py"
+COMPILER = pytest.mark.skipif(not triton_available() or _INTERPRET,
+                              reason="needs Triton's compiler (installed, TRITON_INTERPRET unset)")
 
 
-@pytest.mark.skipif(not triton_available() or _INTERPRET,
-                    reason="needs Triton's compiler (installed, TRITON_INTERPRET unset)")
-def test_step_kernels_compile_for_sm90_without_spills(capsys):
+def _script():
     spec = importlib.util.spec_from_file_location("aot_sm90_regs", SCRIPT)
     assert spec is not None and spec.loader is not None
     aot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(aot)
+    return aot
+
+
+@COMPILER
+def test_step_kernels_compile_for_sm90_without_spills(capsys):
+    aot = _script()
     assert aot.steps(), "a kernel failed to compile (its traceback is printed above)"
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "REG:" in ln]
     assert len(lines) >= 20
     spilled = [ln for ln in lines if "STACK:0 " not in ln]
     assert not spilled, spilled
+
+
+@COMPILER
+def test_quantising_stages_compile_for_sm90():
+    assert _script().stages(), "a kernel failed to compile (its traceback is printed above)"

@@ -37,8 +37,7 @@ import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.layers.compressor import Compressor
-from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
-from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
+from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
 __all__ = ["compress_entries", "keep_ring_rows", "kernel_unsupported", "launch_constants",
@@ -98,10 +97,14 @@ if triton_available():
 
         patch_interpreter_index()
 
-    _FP8_FLOOR: tl.constexpr = tl.constexpr(FP8_AMAX_FLOOR)
-    _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
-    _FP4_FLOOR: tl.constexpr = tl.constexpr(FP4_AMAX_FLOOR)
-    _FP4_MAX: tl.constexpr = tl.constexpr(FP4_E2M1_MAX)
+    from dsv4.kernels._float_bits import (
+        FP4_FLOOR,
+        FP4_MAX,
+        FP8_FLOOR,
+        FP8_MAX,
+        pow2,
+        scale_exponent,
+    )
 
     @triton.jit
     def _exp(x, LIBDEVICE: tl.constexpr):
@@ -136,17 +139,6 @@ if triton_available():
         return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (D,))
 
     @triton.jit
-    def _pow2(k):
-        """2^k as fp32 for an int32 k in the normal range [-126, 127], from the bits."""
-        return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _ceil_log2(x):
-        """ceil(log2(x)) of a positive normal fp32 x, from its exponent and mantissa bits."""
-        bits = x.to(tl.int32, bitcast=True)
-        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-    @triton.jit
     def _rint(x, LIBDEVICE: tl.constexpr):
         """x (|x| < 2^22) rounded to an integer, ties to even."""
         if LIBDEVICE:
@@ -159,18 +151,17 @@ if triton_available():
         """y rounded to a float format of MANT mantissa bits and smallest normal 2^MIN_EXP (ties
         to even, no saturation): scaled so the grid step is 1, rounded, scaled back (exact)."""
         e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
-        return _rint(y * _pow2(MANT - e), LIBDEVICE) * _pow2(e - MANT)
+        return _rint(y * pow2(MANT - e), LIBDEVICE) * pow2(e - MANT)
 
     @triton.jit
     def _block_quant_dequant(v, FLOOR: tl.constexpr, QMAX: tl.constexpr, MANT: tl.constexpr,
                              MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Quant-dequant of the rows of v [blocks, block], a power-of-two scale per row:
         2^ceil(log2(max(amax, FLOOR) * (1 / QMAX)))."""
-        amax = tl.maximum(tl.max(tl.abs(v), 1), FLOOR)
-        k = _ceil_log2(amax * (1.0 / QMAX))
-        y = v * _pow2(-k)[:, None]
+        k = scale_exponent(tl.max(tl.abs(v), 1), FLOOR, QMAX)
+        y = v * pow2(-k)[:, None]
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        return _round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * _pow2(k)[:, None]
+        return _round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * pow2(k)[:, None]
 
     @triton.jit
     def _hadamard(v, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr):
@@ -187,15 +178,15 @@ if triton_available():
                   LOG2D: tl.constexpr, HSCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
         if SIM == 1:  # main compressor: FP8 E4M3 block-64 on the non-rope channels
             blocks = tl.reshape(u, (D // 64, 64))
-            q = _block_quant_dequant(blocks, _FP8_FLOOR, _FP8_MAX, 3, -6, LIBDEVICE)
+            q = _block_quant_dequant(blocks, FP8_FLOOR, FP8_MAX, 3, -6, LIBDEVICE)
             nope = tl.arange(0, D // 64) < (D - ROPE) // 64
             u = tl.reshape(tl.where(nope[:, None], q, blocks), (D,))
         elif SIM == 2:  # indexer fp8: E4M3, one scale per 128 channels
-            u = tl.reshape(_block_quant_dequant(tl.reshape(u, (D // 128, 128)), _FP8_FLOOR,
-                                                _FP8_MAX, 3, -6, LIBDEVICE), (D,))
+            u = tl.reshape(_block_quant_dequant(tl.reshape(u, (D // 128, 128)), FP8_FLOOR,
+                                                FP8_MAX, 3, -6, LIBDEVICE), (D,))
         elif SIM == 3:  # indexer hadamard_fp4: Hadamard, then E2M1 block-32
             v = tl.reshape(_hadamard(u, D, LOG2D, HSCALE), (D // 32, 32))
-            u = tl.reshape(_block_quant_dequant(v, _FP4_FLOOR, _FP4_MAX, 1, 0, LIBDEVICE), (D,))
+            u = tl.reshape(_block_quant_dequant(v, FP4_FLOOR, FP4_MAX, 1, 0, LIBDEVICE), (D,))
         return u
 
     @triton.jit

@@ -34,18 +34,8 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.layers.fp8 import (
-    E4M3_MANTISSA_BITS,
-    E4M3_MIN_NORMAL_EXP,
-    FP8_AMAX_FLOOR,
-    FP8_E4M3_MAX,
-)
-from dsv4.layers.quant_sim import (
-    E2M1_MANTISSA_BITS,
-    E2M1_MIN_NORMAL_EXP,
-    FP4_AMAX_FLOOR,
-    FP4_E2M1_MAX,
-)
+from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
+from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
 
 __all__ = ["kernels_usable", "latent_norms", "rope_hadamard_fp4", "rope_heads"]
 
@@ -65,6 +55,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from dsv4.kernels._float_bits import (
+        FP4_FLOOR,
+        FP4_MAX,
+        FP8_FLOOR,
+        FP8_MAX,
+        pow2,
+        scale_exponent,
+    )
+
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
 
@@ -82,29 +81,18 @@ if triton_available():
         return tl.cos(r), tl.sin(r) * SIGN
 
     @triton.jit
-    def _pow2(k):
-        """2^k (fp32, exact) for an int32 k in the normal range, from its bits."""
-        return ((k + 127) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _scale_exp(amax, FLOOR: tl.constexpr, INV_QMAX: tl.constexpr):
-        """ceil(log2(max(amax, FLOOR) * INV_QMAX)) from the float's bits (a normal float)."""
-        bits = (tl.maximum(amax, FLOOR) * INV_QMAX).to(tl.int32, bitcast=True)
-        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-    @triton.jit
     def _quant_dequant(v, k, QMAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
         """round_minifloat(clamp(v / 2^k, +-QMAX)) * 2^k: MANT mantissa bits, smallest normal
         2^MIN_EXP, ties to even (dsv4.layers.fp8.round_minifloat)."""
-        y = tl.minimum(tl.maximum(v * _pow2(-k), -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(v * pow2(-k), -QMAX), QMAX)
         e = ((tl.abs(y).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # |y| < 2^e
         s = tl.maximum(e, MIN_EXP + 1) - 1 - MANT
-        z = y * _pow2(-s)
+        z = y * pow2(-s)
         f = tl.floor(z)
         d = z - f
         odd = (f.to(tl.int32) & 1) == 1
         up = (d > 0.5) | ((d == 0.5) & odd)
-        return (f + up.to(tl.float32)) * _pow2(s) * _pow2(k)
+        return (f + up.to(tl.float32)) * pow2(s) * pow2(k)
 
     @triton.jit
     def _rounded(x, dtype: tl.constexpr):
@@ -178,8 +166,8 @@ if triton_available():
             k = tl.zeros([BH, BD2], dtype=tl.int32)
             for b in tl.static_range(QPAIRS // QBLOCK):
                 inb = ((j >= b * QBLOCK) & (j < (b + 1) * QBLOCK))[None, :]
-                kb = _scale_exp(tl.max(tl.where(inb, a, 0.0), axis=1), FP8_FLOOR,
-                                1.0 / FP8_MAX)
+                kb = scale_exponent(tl.max(tl.where(inb, a, 0.0), axis=1), FP8_FLOOR,
+                                    FP8_MAX)
                 k = tl.where(inb, kb[:, None], k)
             q = (j < QPAIRS)[None, :]
             ye = tl.where(q, _quant_dequant(ye, k, FP8_MAX, E4M3_MANT, E4M3_MIN_EXP), ye)
@@ -221,18 +209,14 @@ if triton_available():
             acc = tl.dot(ye, he, input_precision=DOT_PREC)
             acc = tl.dot(yo, ho, acc, input_precision=DOT_PREC)
             v = _rounded(acc * HSCALE, out_dt)
-            k = _scale_exp(tl.max(tl.abs(v), axis=1), FP4_FLOOR, 1.0 / FP4_MAX)
+            k = scale_exponent(tl.max(tl.abs(v), axis=1), FP4_FLOOR, FP4_MAX)
             q = _quant_dequant(v, k[:, None], FP4_MAX, E2M1_MANT, E2M1_MIN_EXP)
             out = o_ptr + t * sot + h[:, None] * soh + col
             tl.store(out, q.to(out_dt), mask=(h < H)[:, None])
 
     # module constants as the kernels see them (constexpr globals)
-    FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
-    FP8_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
     E4M3_MANT = tl.constexpr(E4M3_MANTISSA_BITS)
     E4M3_MIN_EXP = tl.constexpr(E4M3_MIN_NORMAL_EXP)
-    FP4_MAX = tl.constexpr(FP4_E2M1_MAX)
-    FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
     E2M1_MANT = tl.constexpr(E2M1_MANTISSA_BITS)
     E2M1_MIN_EXP = tl.constexpr(E2M1_MIN_NORMAL_EXP)
     FP4_BLK = tl.constexpr(FP4_BLOCK)

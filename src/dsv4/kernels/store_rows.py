@@ -52,8 +52,7 @@ from dsv4.cache.formats import (
 )
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
-from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX, INDEX_FP8_BLOCK
+from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 
 __all__ = ["store_rows", "store_rows_problem"]
 
@@ -142,10 +141,14 @@ if triton_available():
 
         patch_interpreter_index()
 
-    _FP8_FLOOR: tl.constexpr = tl.constexpr(FP8_AMAX_FLOOR)
-    _FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)
-    _FP4_FLOOR: tl.constexpr = tl.constexpr(FP4_AMAX_FLOOR)
-    _FP4_MAX: tl.constexpr = tl.constexpr(FP4_E2M1_MAX)
+    from dsv4.kernels._float_bits import (
+        FP4_FLOOR,
+        FP4_MAX,
+        FP8_FLOOR,
+        FP8_MAX,
+        pow2,
+        scale_exponent,
+    )
 
     @triton.jit
     def _load_f32(ptr, idx, mask, IN_BF16: tl.constexpr):
@@ -170,17 +173,8 @@ if triton_available():
 
     @triton.jit
     def _scale_exp(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
-        """ceil(log2(max(amax, FLOOR) * (1 / QMAX))) as int32 from the float32 product's bits
-        (a positive normal float), clamped to the E8M0 range."""
-        p = tl.maximum(amax, FLOOR) * (1.0 / QMAX)
-        bits = p.to(tl.int32, bitcast=True)
-        k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        return tl.minimum(tl.maximum(k, -127), 127)
-
-    @triton.jit
-    def _pow2(k):
-        """2^k as float32 for an int32 k in the normal range [-126, 127], from the bits."""
-        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+        """:func:`scale_exponent` clamped to the E8M0 range (int32)."""
+        return tl.minimum(tl.maximum(scale_exponent(amax, FLOOR, QMAX), -127), 127)
 
     @triton.jit
     def _minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
@@ -210,15 +204,15 @@ if triton_available():
     @triton.jit
     def _e4m3_bytes(x, k):
         """E4M3 bytes (int32) of x [T, C] scaled by 2^-k [T], clamped to +-448, RNE."""
-        y = x * _pow2(-k)[:, None]
-        y = tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX)
+        y = x * pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
         return _minifloat(y, 3, -6) | (_sign(y) << 7)
 
     @triton.jit
     def _e2m1_nibbles(x, k):
         """E2M1 nibbles (int32) of x [T, C] scaled by 2^-k [T], clamped to +-6, RNE."""
-        y = x * _pow2(-k)[:, None]
-        y = tl.minimum(tl.maximum(y, -_FP4_MAX), _FP4_MAX)
+        y = x * pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -FP4_MAX), FP4_MAX)
         return _minifloat(y, 1, 0) | (_sign(y) << 3)
 
     @triton.jit
@@ -258,7 +252,7 @@ if triton_available():
             tm = t < NT
             idx = t[:, None] * 64 + tl.arange(0, 64)[None, :]
             x = _load_f32(vrow, idx, tm[:, None], IN_BF16)
-            k = _scale_exp(tl.max(tl.abs(x), 1), _FP8_FLOOR, _FP8_MAX)
+            k = _scale_exp(tl.max(tl.abs(x), 1), FP8_FLOOR, FP8_MAX)
             base = blk + off * (NOPE + 2 * ROPE)
             tl.store(base + idx, _e4m3_bytes(x, k).to(tl.uint8), mask=tm[:, None] & valid)
             j = tl.arange(0, 2 * RP)  # rope byte j: byte j % 2 of rope value j // 2
@@ -275,7 +269,7 @@ if triton_available():
             tm = t < NT
             idx = t[:, None] * 128 + tl.arange(0, 128)[None, :]
             x = _load_f32(vrow, idx, tm[:, None], IN_BF16)
-            k = _scale_exp(tl.max(tl.abs(x), 1), _FP8_FLOOR, _FP8_MAX)
+            k = _scale_exp(tl.max(tl.abs(x), 1), FP8_FLOOR, FP8_MAX)
             tl.store(blk + off * D + idx, _e4m3_bytes(x, k).to(tl.uint8),
                      mask=tm[:, None] & valid)
             sbits = (k + 127) << 23  # the float32 2^k, little-endian bytes
@@ -290,7 +284,7 @@ if triton_available():
             xe = _load_f32(vrow, pair, tm[:, None], IN_BF16)
             xo = _load_f32(vrow, pair + 1, tm[:, None], IN_BF16)
             amax = tl.maximum(tl.max(tl.abs(xe), 1), tl.max(tl.abs(xo), 1))
-            k = _scale_exp(amax, _FP4_FLOOR, _FP4_MAX)
+            k = _scale_exp(amax, FP4_FLOOR, FP4_MAX)
             byte = _e2m1_nibbles(xe, k) | (_e2m1_nibbles(xo, k) << 4)
             tl.store(blk + off * (D // 2) + t[:, None] * 16 + tl.arange(0, 16)[None, :],
                      byte.to(tl.uint8), mask=tm[:, None] & valid)

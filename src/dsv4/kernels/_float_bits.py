@@ -1,0 +1,35 @@
+"""Float-bit helpers the Triton kernels share: powers of two and power-of-two scale exponents
+taken from the float32 bits (never a floating ``log2``, as :func:`dsv4.layers.fp8.ceil_log2`),
+and the fp8 / fp4 quantisers' constants as constexpr globals. Triton is imported guarded."""
+
+from __future__ import annotations
+
+from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
+from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+    FP8_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+    FP4_MAX = tl.constexpr(FP4_E2M1_MAX)
+    FP4_FLOOR = tl.constexpr(FP4_AMAX_FLOOR)
+
+    @triton.jit
+    def pow2(k):
+        """2^k as float32 for an int32 k in the normal range [-126, 127], from the bits."""
+        return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def ceil_log2(x):
+        """ceil(log2(x)) of a positive normal float32 x, from its exponent and mantissa bits."""
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def scale_exponent(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+        """k of the power-of-two scale 2^k = 2^ceil(log2(max(amax, FLOOR) * (1 / QMAX))), the
+        official simulations' rule (the product in float32, as theirs)."""
+        return ceil_log2(tl.maximum(amax, FLOOR) * (1.0 / QMAX))
