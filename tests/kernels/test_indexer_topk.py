@@ -116,6 +116,15 @@ def scores_f64(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tenso
     return out, tol
 
 
+def assert_scores_match(s: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> None:
+    """Kernel scores ``s`` against the float64 ones of :func:`scores_f64`: fp32 of the same
+    shape, -inf exactly where invisible, each finite score within its row's bound."""
+    assert s.dtype == torch.float32 and s.shape == want.shape
+    assert torch.equal(torch.isinf(s), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert ((s.double() - want).abs()[fin] <= tol[:, None].expand_as(want)[fin]).all()
+
+
 def assert_valid_selection(got: torch.Tensor, scores: torch.Tensor, tol: torch.Tensor, k: int
                            ) -> None:
     """Each row: min(k, visible) distinct visible entries, then -1; sorted by score (within
@@ -185,10 +194,8 @@ def test_scores_match_float64_and_mask_the_invisible(fmt):
     s = indexer_scores(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
                        store.table_dev, step.tok_slot, step.pos, width, cfg.index_weight_scale)
     want, tol = scores_f64(cfg, step, q, w, width)
-    assert s.dtype == torch.float32 and s.shape == (step.num_tokens, width)
-    assert torch.equal(torch.isinf(s), torch.isinf(want))
-    fin = torch.isfinite(want)
-    assert ((s.double() - want).abs()[fin] <= tol[:, None].expand_as(want)[fin]).all()
+    assert want.shape == (step.num_tokens, width)
+    assert_scores_match(s, want, tol)
     # the same selection with the wider bound, and in ascending entry order unsorted
     got = run_kernels(cfg, step, q, w)
     assert torch.equal(run_kernels(cfg, step, q, w, width=width), got)

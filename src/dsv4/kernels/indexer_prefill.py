@@ -67,7 +67,7 @@ import torch
 
 from dsv4.cache.formats import RowFormat
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.indexer_topk import FMTS, index_kernel_format, topk_entries
+from dsv4.kernels.indexer_topk import FMTS, check_key_store, index_kernel_format, topk_entries
 
 if TYPE_CHECKING:
     from dsv4.cache.step import CacheStep
@@ -228,13 +228,7 @@ def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str)
     d = q.shape[2]
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if fmt == "bf16" and (keys.dtype != torch.bfloat16 or keys.dim() != 3
-                          or keys.stride(2) != 1 or keys.stride(1) != d):
-        raise ValueError(f"a bf16 key store must be [blocks, B, {d}] with contiguous rows")
-    if fmt != "bf16" and (keys.dtype != torch.uint8 or keys.stride(-1) != 1
-                          or keys.stride(0) % 4):
-        raise ValueError(f"an {fmt} key store must be uint8 with contiguous bytes and a block "
-                         "stride that is a multiple of 4 bytes")
+    check_key_store(keys, fmt, d)
 
 
 def _launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,

@@ -55,8 +55,8 @@ from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowF
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.sparse_mqa import _n_sm
 
-__all__ = ["KERNEL_MAX_TOKENS", "index_kernel_format", "indexer_scores", "indexer_topk",
-           "topk_entries"]
+__all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
+           "indexer_topk", "topk_entries"]
 
 FMTS = ("bf16", "fp8", "fp4")
 KERNEL_MAX_TOKENS = 64
@@ -245,6 +245,19 @@ def _check_available(device: torch.device) -> None:
                            "TRITON_INTERPRET=1); use Indexer.select_paged elsewhere")
 
 
+def check_key_store(keys: torch.Tensor, fmt: str, d: int) -> None:
+    """Raise ValueError unless ``keys`` is an index key store the kernels read in format
+    ``fmt`` with rows of ``d`` values (bf16 [blocks, B, d] contiguous rows; fp8 / fp4 uint8
+    bytes with a block stride of a multiple of 4 bytes)."""
+    if fmt == "bf16" and (keys.dtype != torch.bfloat16 or keys.dim() != 3
+                          or keys.stride(2) != 1 or keys.stride(1) != d):
+        raise ValueError(f"a bf16 key store must be [blocks, B, {d}] with contiguous rows")
+    if fmt != "bf16" and (keys.dtype != torch.uint8 or keys.stride(-1) != 1
+                          or keys.stride(0) % 4):
+        raise ValueError(f"an {fmt} key store must be uint8 with contiguous bytes and a block "
+                         "stride that is a multiple of 4 bytes")
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,
                    rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                    pos: torch.Tensor, width: int, weight_scale: float,
@@ -263,13 +276,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         return s
     if q.stride(2) != 1:
         q = q.contiguous()
-    if fmt == "bf16" and (keys.dtype != torch.bfloat16 or keys.dim() != 3
-                          or keys.stride(2) != 1 or keys.stride(1) != d):
-        raise ValueError(f"a bf16 key store must be [blocks, B, {d}] with contiguous rows")
-    if fmt != "bf16" and (keys.dtype != torch.uint8 or keys.stride(-1) != 1
-                          or keys.stride(0) % 4):
-        raise ValueError(f"an {fmt} key store must be uint8 with contiguous bytes and a block "
-                         "stride that is a multiple of 4 bytes")
+    check_key_store(keys, fmt, d)
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
     # about SCORE_PROGRAMS_PER_SM programs per SM, each loading its query once for its tiles
     n_tiles = -(-width // SCORE_BLOCK)
