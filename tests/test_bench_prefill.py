@@ -86,13 +86,13 @@ def test_prefill_indices_are_visible_distinct_and_padded():
 
 
 def test_every_model_has_a_layer_of_each_type():
-    from dsv4.bench.prefill import LAYER_RATIO, bench_layer_id
+    from dsv4.bench.prefill import LAYER_RATIO
 
     for model in ("flash", "pro"):
         cfg = DSV4Config.preset(model)
         for ratio in LAYER_RATIO.values():
-            assert cfg.compress_ratio(bench_layer_id(cfg, ratio)) == ratio
-    assert bench_layer_id(DSV4Config.preset("pro"), 0) == 61  # the MTP layer
+            assert cfg.compress_ratio(cfg.layer_of_ratio(ratio)) == ratio
+    assert DSV4Config.preset("pro").layer_of_ratio(0) == 61  # the MTP layer
 
 
 def test_case_prediction_skips_only_after_a_measured_row():

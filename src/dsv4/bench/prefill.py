@@ -158,12 +158,6 @@ def build_layer(cfg: DSV4Config, layer_id: int, weights: dict[str, torch.Tensor]
     return layer
 
 
-def bench_layer_id(cfg: DSV4Config, ratio: int) -> int:
-    """The first layer of that ratio (for SWA in a model whose main layers are all compressed,
-    Pro, its MTP layer: :meth:`DSV4Config.layer_of_ratio`)."""
-    return cfg.layer_of_ratio(ratio)
-
-
 STEP_KERNELS_OFF = " (step kernels off)"
 """Suffix of a row's backend label when the cuda platform's step kernels were off (the torch
 indexer, compressor and cache writes: the earlier path)."""
@@ -181,7 +175,7 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
 
     base_cfg = DSV4Config.preset(model)
     ratio = LAYER_RATIO[layer_type]
-    layer_id = bench_layer_id(base_cfg, ratio)
+    layer_id = base_cfg.layer_of_ratio(ratio)  # Pro's SWA layer: its MTP layer
     weights = random_layer_weights(base_cfg, layer_id)
     gen = torch.Generator().manual_seed(0)
     longest = max([*tokens, context + chunk if chunk else 0])
