@@ -1,0 +1,39 @@
+"""Host time of ``CachePool.begin_step`` for one decode token per sequence (the per-layer, per-step
+planning a serving loop pays on the CPU), per layer type and M; best of 7 batches of 60 calls.
+
+    PYTHONPATH=src python benchmarks/plan_cost.py
+
+The tiny preset's pools (the plan's work depends on M, the ratio and the block size, not on the
+model's dims); 600 positions of synthetic history per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv4 import DeepseekV4Attention
+from dsv4.bench.synthetic_cache import fill_history
+from dsv4.config import DSV4Config
+
+
+def main() -> None:
+    cfg = DSV4Config.preset("tiny")
+    for ratio in (4, 128, 0):
+        layer = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
+        for m in (1, 16, 64):
+            pool = layer.new_cache_pool(m, 2048)
+            caches = [pool.add_sequence() for _ in range(m)]
+            fill_history(caches, 600)
+            best = float("inf")
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(60):
+                    pool.begin_step(caches, [1] * m)
+                best = min(best, (time.perf_counter() - t0) / 60)
+            print(f"ratio {ratio:3d} M={m:2d}: begin_step {best * 1e6:6.0f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
