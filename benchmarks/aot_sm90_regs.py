@@ -4,7 +4,8 @@ configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) a
     PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|all]
 
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
-indexer's scoring and top-k at decode and prefill) at Flash / Pro shapes; ``stages``: the RoPE /
+indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro shapes;
+``stages``: the RoPE /
 norm / quantisation kernels and the compressed entries. The CPU interpreter
 accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled loop, once);
 this compiles what a GPU would.
@@ -111,11 +112,19 @@ def mqa() -> None:
                 except Exception:
                     traceback.print_exc()
                     print(f"FAIL sparse_mqa {fmt} {c}", flush=True)
-    ctypes = dict(ws_acc="*fp32", ws_ml="*fp32", sink_ptr="*fp32", o_ptr="*bf16", sot="i32",
-                  soh="i32", T="i32", H="i32", n_split="i32")
-    for d, bh in ((512, 16), (128, 32)):
-        r = compile_one(sm._combine_kernel, ctypes, dict(D=d, BH=bh), dict(num_warps=4))
-        print(f"combine d={d} BH={bh}: {r}", flush=True)
+    combine()
+
+
+def combine() -> bool:
+    """The split-KV merge at the tiles ``sparse_mqa`` picks (splits padded to SP, BD columns)."""
+    ok = True
+    t = dict(ws_acc="*fp32", ws_ml="*fp32", sink_ptr="*fp32", o_ptr="*bf16", sot="i32",
+             soh="i32", T="i32", H="i32", n_split="i32")
+    for d, sp in ((512, 2), (512, 64), (512, sm.MAX_SPLIT), (128, 4)):
+        bd = max(16, min(d, sm.COMBINE_TILE // sp))
+        ok &= _try(f"combine d={d} SP={sp} BD={bd}", sm._combine_kernel, t,
+                   dict(D=d, SP=sp, BD=bd), dict(num_warps=4))
+    return ok
 
 
 def _try(name: str, fn, types: dict, consts: dict, opts: dict) -> bool:
@@ -183,6 +192,7 @@ def steps() -> bool:
                    dict(H=64, D=128, BQ=ip.BLOCK_Q, BN=ip.BLOCK_N, FMT=it.FMTS.index(fmt),
                         DT=tl.bfloat16, PREC="tf32"),
                    dict(num_warps=ip.NUM_WARPS, num_stages=ip.NUM_STAGES))
+    ok &= combine()
     return ok
 
 

@@ -179,6 +179,22 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
 
 
 @kernel_runs
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_many_chunks_some_empty(fmt):
+    """A split far above the chunk count (clamped to one chunk per tile of rows: 15 chunks, a
+    padded combine tile of 16), query 0's compressed chunks all masked: the combine kernel's
+    one-reduction merge against float64."""
+    case = build_case(2, 4, 128, 40, 200, fmt, seed=11, device=DEV)
+    o = sparse_mqa(*case, config=SparseMqaConfig(block_h=16, block_n=16, split=1000,
+                                                 num_warps=4))
+    assert torch.isfinite(o).all()
+    assert rel(o, sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64)) < 1e-2
+    one = sparse_mqa(*case, config=SparseMqaConfig(block_h=16, block_n=16, split=1,
+                                                   num_warps=4))
+    assert rel(o, one) < 5e-3
+
+
+@kernel_runs
 def test_kernel_window_only_query_and_masked_rows():
     # query 0 has no compressed rows; masked rows hold huge garbage that must not leak in
     case = list(build_case(2, 4, 128, 8, 8, "bf16", seed=5))

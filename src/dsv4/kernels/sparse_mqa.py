@@ -32,8 +32,9 @@ rounded to bf16 there.
 
 Work split: one program per (query, block of BH heads, KV chunk): every gathered row is loaded
 once per head block (MQA: all heads share the keys). With ``split`` > 1 (long index lists, few
-queries) each program writes an fp32 partial (acc, max, sum) and a second kernel merges them in
-chunk order (deterministic), then applies the sink.
+queries) each program writes an fp32 partial (acc, max, sum) and a second kernel merges them,
+one program per (query, head, column slice) reducing over all chunks at once (a fixed reduction
+tree: deterministic), then applies the sink.
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
 # ---------------------------------------------------------------------------------- kernel
 
 LOG2E = 1.4426950408889634
+MAX_SPLIT = 256
+"""KV chunks per query at most (a larger ``SparseMqaConfig.split`` is clamped): the combine
+kernel holds every chunk's partial of a column slice at once."""
+COMBINE_TILE = 4096
+"""fp32 partials per combine program (splits x columns): 32 registers a thread at 4 warps."""
 
 if triton_available():
     import triton
@@ -269,29 +275,31 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
-                        n_split, D: tl.constexpr, BH: tl.constexpr):
+                        n_split, D: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
+        """One program per (query, head, BD output columns): every split's partial of that
+        slice at once ([SP, BD] tile, SP = n_split padded), weighted by 2^(m_s - m) and summed
+        over the splits in one reduction (no loop over splits: a decode step of one query has
+        ~40 splits, and a loop of dependent loads over them took ~20 us)."""
         pid = tl.program_id(0)
-        n_hb = tl.cdiv(H, BH)
-        hb = pid % n_hb
-        t = pid // n_hb
-        heads = hb * BH + tl.arange(0, BH)
-        h_mask = heads < H
-        cols = tl.arange(0, D)
-        m_f = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
-        s2 = m_f
-        for s in range(0, n_split):
-            row = (s * T + t).to(tl.int64) * H + heads
-            m_f = tl.maximum(m_f, tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30))
-        den = tl.exp2(s2 - m_f)
-        acc = tl.zeros([BH, D], tl.float32)
-        for s in range(0, n_split):  # chunk order: deterministic
-            row = (s * T + t).to(tl.int64) * H + heads
-            f = tl.exp2(tl.load(ws_ml + row * 2, mask=h_mask, other=-1e30) - m_f)
-            den += tl.load(ws_ml + row * 2 + 1, mask=h_mask, other=0.0) * f
-            acc += tl.load(ws_acc + row[:, None] * D + cols[None, :], mask=h_mask[:, None],
-                           other=0.0) * f[:, None]
-        tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
-                 (acc / den[:, None]).to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+        n_db = D // BD
+        db = pid % n_db
+        rest = pid // n_db
+        h = rest % H
+        t = rest // H
+        s = tl.arange(0, SP)
+        s_mask = s < n_split
+        row = (s * T + t).to(tl.int64) * H + h  # ws[split, t, h]
+        m_s = tl.load(ws_ml + row * 2, mask=s_mask, other=-1e30)
+        l_s = tl.load(ws_ml + row * 2 + 1, mask=s_mask, other=0.0)
+        s2 = tl.load(sink_ptr + h) * 1.4426950408889634
+        m_f = tl.maximum(tl.max(m_s, 0), s2)
+        f = tl.exp2(m_s - m_f)  # 0 for the padding (m = -1e30)
+        den = tl.sum(l_s * f, 0) + tl.exp2(s2 - m_f)
+        cols = db * BD + tl.arange(0, BD)
+        acc = tl.load(ws_acc + row[:, None] * D + cols[None, :], mask=s_mask[:, None],
+                      other=0.0)
+        o = tl.sum(acc * f[:, None], 0) / den
+        tl.store(o_ptr + t.to(tl.int64) * sot + h * soh + cols, o.to(o_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=8)
@@ -364,7 +372,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         cfg = SparseMqaConfig(**{**cfg.__dict__,
                                  "split": choose_sparse_config(T, H, d, L, n_sm, fmt).split})
     bn = cfg.block_n
-    chunk = -(-L // cfg.split)
+    chunk = -(-L // min(cfg.split, MAX_SPLIT))
     chunk = -(-chunk // bn) * bn
     split = -(-L // chunk)
     if q.stride(2) != 1:
@@ -388,7 +396,8 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         num_stages=cfg.num_stages,
     )
     if split > 1:
-        cbh = 16 if d >= 512 else 32  # [16, 512] fp32 per program: no register spills
-        _combine_kernel[(T * -(-H // cbh),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
-                                             T, H, split, D=d, BH=cbh, num_warps=4)
+        sp = triton.next_power_of_2(split)
+        bd = max(16, min(d, COMBINE_TILE // sp))  # [sp, bd] fp32 partials per program
+        _combine_kernel[(T * H * (d // bd),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
+                                              T, H, split, D=d, SP=sp, BD=bd, num_warps=4)
     return o
