@@ -5,6 +5,10 @@
 #   bash benchmarks/h200_session.sh check    # call 1: the new kernels' tests, the suite, verify
 #   bash benchmarks/h200_session.sh decode   # call 2: decode-step bench (+ profile), eval
 #   bash benchmarks/h200_session.sh prefill  # call 3: prefill bench, step kernels on and off
+#   bash benchmarks/h200_session.sh kernels  # attention kernels changed: tests, verify, benches
+#
+# The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
+# tar it into the real $OUT afterwards.
 #
 # Everything goes under $OUT (the device tool brings it back); each step has its own timeout so
 # a slow one cannot take the rest of the call with it, and a failing step does not stop the next.
@@ -51,8 +55,24 @@ prefill)
         --attention-backend flashmla,triton --step-kernels on,off --reps 2 \
         --max-case-seconds 20
     ;;
+kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
+    step pytest_kernels 110 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
+        tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
+        tests/kernels/test_flashmla_backend.py
+    step verify_cuda 70 python3 -m dsv4 verify --platform cuda
+    step decode_step 120 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
+        --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
+    step decode_step_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 \
+        --strategies ours_triton_fp8,ours_flashmla --reps 3
+    step attention_decode 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+        --only attention --quick
+    step attention_prefill 90 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
+        --reps 3
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|kernels" >&2
     exit 2
     ;;
 esac

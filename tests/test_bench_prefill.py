@@ -114,6 +114,10 @@ def _res():
             "tflops": 400.0},
            {"heads": 64, "queries": 4096, "rows_each": 640, "impl": "flashmla", "ms": 1.0,
             "tflops": 600.0},
+           {"heads": 64, "queries": 4096, "rows_each": 640, "impl": "dsv4_h64_n16_s3",
+            "ms": 1.25, "tflops": 480.0},
+           {"heads": 64, "queries": 4096, "rows_each": 640, "impl": "dsv4_h32_n64_s2",
+            "ms": 2.0, "tflops": 300.0},
            {"heads": 128, "queries": 4096, "rows_each": 640, "impl": "flashmla",
             "skipped": "not installed"}]
     return {"gpu": "fake", "torch": "x", "matmul_flops": 8e14, "layer_rows": rows,
@@ -126,8 +130,8 @@ def test_markdown_on_fake_rows():
     assert "| flash | C4 | torch | single | 0 | 4096 | 100.0 | 41 K | 20.0 | 0.025 | 1.50 |" \
         in text
     assert "| flash | C4 | torch | single | 0 | 131072 | predicted 99 s > 60 |" in text
-    assert "| 64 | 4096 | 640 | 1.50 | 1.00 | 1.50x | 400 | 600 |" in text
-    assert "| 128 | 4096 | 640 | - | skip | - | - | - |" in text
+    assert "| 64 | 4096 | 640 | 1.50 | 1.00 | 1.50x | 400 | 600 | h64_n16_s3 1.25 |" in text
+    assert "| 128 | 4096 | 640 | - | skip | - | - | - | - |" in text
     assert "## Errors" in text and "wrong: rel err 1" in text
 
 

@@ -55,7 +55,7 @@ def _attn_variants() -> dict:
 
     return {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
                                                    num_stages=st)
-            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1))}
+            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1), (64, 16, 3))}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

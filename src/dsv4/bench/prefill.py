@@ -28,7 +28,8 @@ Attention table: ``dsv4.kernels.sparse_mqa.sparse_mqa`` vs FlashMLA's sparse pre
 (``flashmla_sparse_mqa(mode="prefill")``, workspace prebuilt) on the same bf16 stores and
 indices: 64 / 128 heads, head_dim 512, 4K / 16K queries at the end of a 64K context, 640 or
 1152 rows each (the 128-row window + 512 or 1024 compressed entries); each checked against
-``sparse_mqa_reference`` on 64 queries first. Writes prefill.json, prefill.md and prefill.png.
+``sparse_mqa_reference`` on 64 queries first; our kernel also at a few other tiles
+(``ATTN_PROBES``: the best of them is a column). Writes prefill.json, prefill.md and prefill.png.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
 ATTN_CONTEXT = 65536
+ATTN_PROBES = {"h64_n16_s3": (64, 16, 3), "h64_n32_s3": (64, 32, 3), "h32_n64_s2": (32, 64, 2),
+               "h32_n32_s3": (32, 32, 3)}
+"""Tiles of our kernel timed beside its default in the attention table (heads per program, rows
+per tile, pipeline stages; 8 warps): the 64-head tiles use Hopper's wgmma (sm_90 compile: no
+spill at 16 rows, 24 bytes of stack at 32), the 32-head ones mma.sync."""
 CHECK_TOL = 2e-2
 
 
@@ -275,16 +281,17 @@ def _time_prefill(layer: Any, x: torch.Tensor, t: int, ctx: int, reps: int,
 
 def attention_rows(dev: torch.device, rate: float, reps: int, log: Callable[[dict], None],
                    rows: list[dict[str, Any]], cases: list[tuple[int, int, int]] | None = None,
-                   context: int = ATTN_CONTEXT) -> list[dict[str, Any]]:
+                   context: int = ATTN_CONTEXT, probes: bool = True) -> list[dict[str, Any]]:
     """Our sparse MQA kernel vs FlashMLA's sparse prefill on the same stores and indices,
-    appended to ``rows``."""
+    appended to ``rows``; with ``probes`` also our kernel at the :data:`ATTN_PROBES` tiles
+    (impl ``dsv4_<name>``)."""
     from dsv4.bench.attention_kernels import _template_rows, make_store
     from dsv4.kernels.flashmla_backend import (
         flashmla_prefill_workspace,
         flashmla_sparse_mqa,
         flashmla_supports,
     )
-    from dsv4.kernels.sparse_mqa import sparse_mqa, sparse_mqa_reference
+    from dsv4.kernels.sparse_mqa import SparseMqaConfig, sparse_mqa, sparse_mqa_reference
 
     d, w, block = 512, 128, 64
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -302,6 +309,10 @@ def attention_rows(dev: torch.device, rate: float, reps: int, log: Callable[[dic
         case = (q, win_store, win_idx, cmp_store, cmp_idx, tail)
         impls: dict[str, Callable[[int], torch.Tensor]] = {
             "dsv4": functools.partial(_first_queries, sparse_mqa, case, {})}
+        for name, (bh, bn, st) in ATTN_PROBES.items() if probes else ():
+            cfg = SparseMqaConfig(block_h=bh, block_n=bn, split=1, num_warps=8, num_stages=st)
+            impls[f"dsv4_{name}"] = functools.partial(_first_queries, sparse_mqa, case,
+                                                      {"config": cfg})
         ok, why = flashmla_supports(heads, d, "bf16", dev)
         if ok:
             if wsp is None:
@@ -391,12 +402,15 @@ def markdown(res: dict[str, Any]) -> list[str]:
     if att:
         lines += ["", "## Sparse prefill attention (bf16 stores, d 512, window 128 of the rows)",
                   "", "| heads | queries | rows each | dsv4 ms | FlashMLA ms | dsv4 / FlashMLA | "
-                  "dsv4 TFLOP/s | FlashMLA TFLOP/s |", "|---" * 8 + "|"]
+                  "dsv4 TFLOP/s | FlashMLA TFLOP/s | best tile probe (ms) |", "|---" * 9 + "|"]
         for key, cells in attention_table(att):
             a, b = cells.get("dsv4", {}), cells.get("flashmla", {})
             ratio = f"{a['ms'] / b['ms']:.2f}x" if "ms" in a and "ms" in b else "-"
+            timed = [(r["ms"], n[len("dsv4_"):]) for n, r in cells.items()
+                     if n.startswith("dsv4_") and "ms" in r]
+            best = f"{min(timed)[1]} {min(timed)[0]:.2f}" if timed else "-"
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {_ms(a)} | {_ms(b)} | {ratio} | "
-                         f"{_tf(a)} | {_tf(b)} |")
+                         f"{_tf(a)} | {_tf(b)} | {best} |")
     errs = [r for r in [*res.get("layer_rows", []), *att] if r.get("error")]
     if errs:
         lines += ["", "## Errors", ""] + [

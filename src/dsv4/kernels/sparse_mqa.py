@@ -139,13 +139,22 @@ class SparseMqaConfig:
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
                          fmt: str = "bf16") -> SparseMqaConfig:
     """Head blocks of 32 at d=512 (acc 32x512 fp32 in registers) or 64; split the index list
-    so that about 2 programs per SM run when there are few queries. Tiles chosen from sm_90
-    register counts of an offline compile (ptxas, no spills): bf16 32 heads x 32 rows, 8 warps,
-    2 stages (192 registers); fp8 32 x 16, 8 warps, 1 stage (166; 32 x 32 or 2 stages, and any
-    64-head tile, spill). Not timed yet."""
+    so that about 2 programs per SM run when there are few queries. bf16: 32 heads x 32 rows,
+    8 warps, 2 stages (192 registers, mma.sync). fp8_ds_mla at d=512, by the H200 tile probes of
+    ``dsv4.bench.attention_kernels`` (benchmarks/results/h200/attention_kernels, Flash and Pro,
+    contexts 512-64K): 1-4 queries 16 heads x 32 rows (Flash 19 us against 29 for 32 x 16 at one
+    query), 16 or more 64 heads x 16 rows (Hopper's wgmma; 672 bytes of register spill in the
+    sm_90 compile and still faster: Flash 40 / 139 us against 46 / 176 at 16 / 64 queries, Pro
+    140 / 329 against 158 / 441), else 32 x 16; one stage (the dequantised tile lives in
+    registers)."""
     bh = max(16, min(32 if d >= 512 else 64, 1 << (H - 1).bit_length()))
     bn = (16 if fmt == "fp8_ds_mla" else 32) if d >= 512 else 64
     stages = 1 if fmt == "fp8_ds_mla" and d >= 512 else 2
+    if fmt == "fp8_ds_mla" and d >= 512:
+        if T <= 4:
+            bh, bn = 16, 32
+        elif T >= 16 and H >= 64:
+            bh = 64
     progs = T * -(-H // bh)
     split = 1
     if progs < 2 * n_sm:
