@@ -56,20 +56,23 @@ prefill)
         --max-case-seconds 20
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
-    step pytest_kernels 110 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
+    step pytest_kernels 100 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
         tests/kernels/test_flashmla_backend.py
-    step verify_cuda 70 python3 -m dsv4 verify --platform cuda
-    step decode_step 120 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+    step verify_cuda 60 python3 -m dsv4 verify --platform cuda
+    step decode_step 110 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
-    step decode_step_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
+    step decode_step_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
-    step attention_decode 100 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+    step attention_decode 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
         --only attention --quick
-    step attention_prefill 80 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
+    step attention_prefill 70 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
         --reps 3
+    step prefill_profile 70 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
+        --attention-backend flashmla,triton --reps 1 --profile
     ;;
 *)
     echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|kernels" >&2

@@ -194,8 +194,12 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     monkeypatch.setattr(prefill.DSV4Config, "preset",
                         classmethod(lambda cls, name: _TINY.replace(max_step_tokens=64)))
     rows: list = []
+    profiles: list = []
     prefill.layer_rows("tiny", "C4", ["torch", "auto"], [40, 200], 24, 150, 2, 32, 1e12,
-                       torch.device("cpu"), 60.0, lambda r: None, rows, (True, False))
+                       torch.device("cpu"), 60.0, lambda r: None, rows, (True, False), profiles)
+    assert [p.split(":")[0] for p in profiles][:2] == ["## tiny C4 torch 40 tokens",
+                                                       "## tiny C4 torch 200 tokens"]
+    assert len(profiles) == 8 and all("CPU operator time" in p for p in profiles)
     off = "auto" + prefill.STEP_KERNELS_OFF
     assert [(r["backend"], r["mode"], r["tokens"], r["context"]) for r in rows][3:] == [
         ("torch" + prefill.STEP_KERNELS_OFF, "single", 40, 0),
@@ -213,6 +217,7 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
                            cases=[(4, 96, 160)], context=1024)
     by = {r["impl"]: r for r in att}
     assert by["dsv4"]["ms"] == 2.0 and by["dsv4"]["rel_err"] < 1e-2
+    assert all(by["dsv4_" + name]["ms"] == 2.0 for name in prefill.ATTN_PROBES)
     assert "skipped" in by["flashmla"]
 
 

@@ -29,7 +29,9 @@ Attention table: ``dsv4.kernels.sparse_mqa.sparse_mqa`` vs FlashMLA's sparse pre
 indices: 64 / 128 heads, head_dim 512, 4K / 16K queries at the end of a 64K context, 640 or
 1152 rows each (the 128-row window + 512 or 1024 compressed entries); each checked against
 ``sparse_mqa_reference`` on 64 queries first; our kernel also at a few other tiles
-(``ATTN_PROBES``: the best of them is a column). Writes prefill.json, prefill.md and prefill.png.
+(``ATTN_PROBES``: the best of them is a column). Writes prefill.json, prefill.md and prefill.png;
+``--profile`` also prefill_profile.md (the profiler's kernel table of one call per timed
+single-call row).
 """
 
 from __future__ import annotations
@@ -172,11 +174,12 @@ indexer, compressor and cache writes: the earlier path)."""
 def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[int],
                chunk: int, context: int, reps: int, check_tokens: int, rate: float,
                dev: torch.device, max_case_s: float, log: Callable[[dict], None],
-               rows: list[dict[str, Any]], step_kernels: tuple[bool, ...] = (True,)
-               ) -> list[dict[str, Any]]:
+               rows: list[dict[str, Any]], step_kernels: tuple[bool, ...] = (True,),
+               profiles: list[str] | None = None) -> list[dict[str, Any]]:
     """Every (backend, step kernels, T) row of one model's layer type, and the chunked row per
     backend, appended to ``rows`` (``log`` is called after each); checked against the torch
-    backend with the step kernels off (the plain PyTorch path)."""
+    backend with the step kernels off (the plain PyTorch path). With ``profiles``, the kernel
+    table of one call of each timed single-call row is appended to it."""
     from dsv4.random_weights import random_layer_weights
 
     base_cfg = DSV4Config.preset(model)
@@ -228,12 +231,37 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
                 row["fraction_of_floor"] = fl["total"] / rate / (row["ms"] / 1e3)
                 if mode == "single":
                     last = (t, row["ms"] / 1e3)
+                    if profiles is not None:
+                        profiles.append(profile_call(
+                            layer, x[:t], f"{model} {layer_type} {label} {t} tokens"))
             row["case_s"] = time.time() - t0
             rows.append(row)
             log(row)
         del layer
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
+    """The profiler's kernel table of one prefill call of ``x`` on a fresh cache (on a CPU: the
+    operator table, by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = x.is_cuda
+    cache = layer.new_cache(x.shape[0])
+    try:
+        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            layer(x, torch.arange(x.shape[0]), cache)
+            if gpu:
+                torch.cuda.synchronize()
+    finally:
+        cache.free()
+    events = prof.key_averages()
+    key = "device_time_total" if gpu else "self_cpu_time_total"
+    total = sum(getattr(e, key, 0.0) for e in events)
+    table = events.table(sort_by=key, row_limit=25, max_name_column_width=70)
+    what = "kernel" if gpu else "CPU operator"
+    return f"## {title}: {total / 1e3:.1f} ms of {what} time in one call\n\n{table}\n"
 
 
 def predicted_case_s(last: tuple[int, float] | None, tokens: int, reps: int) -> float:
@@ -511,6 +539,9 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     ap.add_argument("--max-case-seconds", type=float, default=60.0,
                     help="skip a larger single call when the last one predicts more than this")
     ap.add_argument("--only", choices=["layer", "attention"], default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also write prefill_profile.md: the kernel table of one call of each "
+                    "timed single-call layer row")
     ap.add_argument("--report-only", action="store_true",
                     help="remake prefill.md / .png from OUT/prefill.json; no GPU needed")
     args = ap.parse_args(argv)
@@ -541,9 +572,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                            "attention_rows": []}
     t0 = time.time()
 
+    profiles: list[str] | None = [] if args.profile else None
+
     def save() -> None:  # after every row: partial results survive a timeout
         res["seconds"] = time.time() - t0
         (out / "prefill.json").write_text(json.dumps(res, indent=1))
+        if profiles:
+            (out / "prefill_profile.md").write_text("\n".join(profiles))
 
     def log(row: dict[str, Any]) -> None:
         print({k: v for k, v in row.items() if k != "flops"}, flush=True)
@@ -557,7 +592,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 layer_rows(model, layer_type, args.attention_backend, args.tokens, args.chunk,
                            args.context, args.reps, args.check_tokens, rate, dev,
                            args.max_case_seconds, log, res["layer_rows"],
-                           tuple(v == "on" for v in args.step_kernels))
+                           tuple(v == "on" for v in args.step_kernels), profiles)
     save()
     print(write_report(res, out))
     return 0
