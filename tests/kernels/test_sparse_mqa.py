@@ -149,6 +149,10 @@ def test_choose_config():
     assert choose_sparse_config(1, 64, 512, 640).split > 1
     assert choose_sparse_config(4096, 128, 512, 1152).split == 1
     assert choose_sparse_config(3, 4, 128, 40).block_h == 16
+    fp8 = {t: choose_sparse_config(t, 64, 512, 640, fmt="fp8_ds_mla") for t in (1, 8, 64)}
+    assert [(c.block_h, c.block_n, c.num_stages) for c in fp8.values()] == [
+        (16, 32, 1), (32, 16, 1), (64, 16, 1)]
+    assert fp8[64].split > 1  # 64 programs: the index list is split to fill the SMs
 
 
 # ---------------------------------------------------------------------------------- kernel
