@@ -102,7 +102,7 @@ def mqa() -> None:
             n = d - 64
             fp8 = fmt == "fp8_ds_mla"
             for split in (False, True):
-                consts = dict(D=d, BH=c.block_h, BN=c.block_n, SPLIT=split, FP8=fp8, NOPE=n,
+                consts = dict(D=d, DV=d, BH=c.block_h, BN=c.block_n, SPLIT=split, FP8=fp8, NOPE=n,
                               DR=(n + 128) if fp8 else 0, SR=8 if fp8 else 0,
                               DOT_DT=tl.bfloat16, DOT_PREC="tf32")
                 try:

@@ -66,11 +66,11 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     step decode_step_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
-    step attention_decode 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+    step attention_decode 80 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
         --only attention --quick
-    step attention_prefill 70 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
+    step attention_prefill 90 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
         --reps 3
-    step prefill_profile 70 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+    step prefill_profile 60 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
         --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
         --attention-backend flashmla,triton --reps 1 --profile
     ;;

@@ -169,7 +169,9 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
     ref64 = sparse_mqa_reference(*case, acc_dtype=F64, out_dtype=F64)
     ref = sparse_mqa_reference(*case)
     cfgs = [None, SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4),
-            SparseMqaConfig(block_h=16, block_n=16, split=3, num_warps=4)]
+            SparseMqaConfig(block_h=16, block_n=16, split=3, num_warps=4),
+            SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4, block_dv=64),
+            SparseMqaConfig(block_h=16, block_n=16, split=2, num_warps=4, block_dv=64)]
     outs = []
     for cfg in cfgs:
         o = sparse_mqa(*case, config=cfg)
@@ -180,6 +182,10 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
     # split-KV on vs off: equal up to rounding (fp32 addition order; on a GPU also where the
     # probabilities are rounded to bf16 for the P.V MMA, relative to a different running max)
     assert rel(outs[2], outs[1]) < 5e-3
+    # output columns in blocks of 64 (scores from whole rows): the same sums as all columns
+    assert rel(outs[3], outs[1]) < 5e-3 and rel(outs[4], outs[2]) < 5e-3
+    with pytest.raises(ValueError, match="block_dv"):
+        sparse_mqa(*case, config=SparseMqaConfig(block_dv=96))
 
 
 @kernel_runs

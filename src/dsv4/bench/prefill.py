@@ -55,11 +55,14 @@ from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
 ATTN_CONTEXT = 65536
-ATTN_PROBES = {"h64_n16_s3": (64, 16, 3), "h64_n32_s3": (64, 32, 3), "h32_n64_s2": (32, 64, 2),
-               "h32_n32_s3": (32, 32, 3)}
+ATTN_PROBES = {"h64_n16_s3": (64, 16, 3, 0), "h32_n64_s2": (32, 64, 2, 0),
+               "h64_n16_dv256_s3": (64, 16, 3, 256), "h64_n32_dv256_s3": (64, 32, 3, 256),
+               "h128_n16_dv256_s3": (128, 16, 3, 256)}
 """Tiles of our kernel timed beside its default in the attention table (heads per program, rows
-per tile, pipeline stages; 8 warps): the 64-head tiles use Hopper's wgmma (sm_90 compile: no
-spill at 16 rows, 24 bytes of stack at 32), the 32-head ones mma.sync."""
+per tile, pipeline stages, output columns per program (0: all); 8 warps). sm_90 compile
+(benchmarks/aot_sm90_regs.py style, no GPU): the 64- and 128-head tiles use Hopper's wgmma
+without register spills (182-246 registers; whole 512-column accumulators of 64 heads spill
+from 32 rows up), the 32-head ones mma.sync."""
 CHECK_TOL = 2e-2
 
 
@@ -337,8 +340,9 @@ def attention_rows(dev: torch.device, rate: float, reps: int, log: Callable[[dic
         case = (q, win_store, win_idx, cmp_store, cmp_idx, tail)
         impls: dict[str, Callable[[int], torch.Tensor]] = {
             "dsv4": functools.partial(_first_queries, sparse_mqa, case, {})}
-        for name, (bh, bn, st) in ATTN_PROBES.items() if probes else ():
-            cfg = SparseMqaConfig(block_h=bh, block_n=bn, split=1, num_warps=8, num_stages=st)
+        for name, (bh, bn, st, dv) in ATTN_PROBES.items() if probes else ():
+            cfg = SparseMqaConfig(block_h=bh, block_n=bn, split=1, num_warps=8, num_stages=st,
+                                  block_dv=dv)
             impls[f"dsv4_{name}"] = functools.partial(_first_queries, sparse_mqa, case,
                                                       {"config": cfg})
         ok, why = flashmla_supports(heads, d, "bf16", dev)

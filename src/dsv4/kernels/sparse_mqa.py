@@ -30,7 +30,9 @@ fp8 rows are dequantised in registers to bf16 (exact: e4m3 x 2^k). Under Triton'
 interpreter both MMAs run on fp32 operands (its bf16 dot is wrong on this install), so P is not
 rounded to bf16 there.
 
-Work split: one program per (query, block of BH heads, KV chunk): every gathered row is loaded
+Work split: one program per (query, block of BH heads, KV chunk) and, with ``block_dv`` < d,
+per block of output columns (each such program scores whole rows and multiplies P by its
+columns only: a smaller accumulator, for 64-head wgmma tiles): every gathered row is loaded
 once per head block (MQA: all heads share the keys). With ``split`` > 1 (long index lists, few
 queries) each program writes an fp32 partial (acc, max, sum) and a second kernel merges them,
 one program per (query, head, column slice) reducing over all chunks at once (a fixed reduction
@@ -134,6 +136,7 @@ class SparseMqaConfig:
     split: int = 0  # KV chunks per query; 0 = choose
     num_warps: int = 8
     num_stages: int = 2
+    block_dv: int = 0  # output columns per program (a power of two >= 64 dividing d); 0 = all d
 
 
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
@@ -184,14 +187,15 @@ if triton_available():
     @triton.jit
     def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
                    NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr,
-                   DT: tl.constexpr):
-        """[BN, D] rows in DT (zeros where not valid). fp8 rows are dequantised in DT: bf16 on a
-        GPU (e4m3 x 2^k is exact in bf16; half the registers of fp32), fp32 under the
-        interpreter."""
+                   DT: tl.constexpr, C0=0, DW: tl.constexpr = 0):
+        """[BN, DW] rows (columns C0 .. C0 + DW of the D-wide rows; DW = 0: all D) in DT, zeros
+        where not valid. fp8 rows are dequantised in DT: bf16 on a GPU (e4m3 x 2^k is exact in
+        bf16; half the registers of fp32), fp32 under the interpreter. C0 is a multiple of 64."""
+        W: tl.constexpr = D if DW == 0 else DW
         r = tl.where(valid, rows, 0)
         blk = (r // B).to(tl.int64)
         off = r % B
-        cols = tl.arange(0, D)
+        cols = C0 + tl.arange(0, W)
         if FP8:
             base = blk * blk_stride
             d_ptr = st_ptr + (base + off * DR)[:, None]
@@ -200,14 +204,14 @@ if triton_available():
             m_rope = valid[:, None] & (cols >= NOPE)[None, :]
             e = tl.load(d_ptr + cols[None, :], mask=m_nope, other=0)
             e = e.to(tl.float8e4nv, bitcast=True).to(DT)
-            # one scale byte per 64-dim tile: load [BN, D/64], then widen to [BN, D]
-            tiles = tl.arange(0, D // 64)
+            # one scale byte per 64-dim tile: load [BN, W/64], then widen to [BN, W]
+            tiles = C0 // 64 + tl.arange(0, W // 64)
             sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + tiles[None, :],
                          mask=valid[:, None] & (tiles < NOPE // 64)[None, :],
                          other=127).to(tl.int32)
             sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
             sc = tl.where(sb == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, D // 64, 64)), (BN, D))
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, W // 64, 64)), (BN, W))
             rp = (d_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
             rope = tl.load(rp + (cols - NOPE)[None, :], mask=m_rope, other=0.0)
             k = tl.where(is_nope[None, :], e * sc, rope.to(DT))
@@ -217,22 +221,29 @@ if triton_available():
         return k
 
     @triton.jit
-    def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale,
-                D: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
-                DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
+    def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale, c0,
+                D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
+                NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
                 DOT_PREC: tl.constexpr):
+        """Online softmax over rows lo .. hi of one index list; acc holds output columns
+        c0 .. c0 + DV (DV < D: the scores use whole rows, P.V this program's columns)."""
         for j in range(lo, hi, BN):
             offs = j + tl.arange(0, BN)
             rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
             valid = rows >= 0
             k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN, DOT_DT)
+            if DV == D:
+                v = k
+            else:  # this program's output columns of the same rows (from the cache: just read)
+                v = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
+                               DOT_DT, c0, DV)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), k, input_precision=DOT_PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=DOT_PREC)
             m_i = m_new
         return m_i, l_i, acc
 
@@ -241,38 +252,44 @@ if triton_available():
         q_ptr, sqt, sqh, o_ptr, sot, soh, sink_ptr, ws_acc, ws_ml,
         win_ptr, widx_ptr, swi, w_blk, cmp_ptr, cidx_ptr, sci, c_blk,
         T, H, W, KC, B, chunk, n_split, qk_scale,
-        D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-        FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr,
-        DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+        D: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+        SPLIT: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr,
+        SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
         split = pid % n_split
         rest = pid // n_split
+        dvb = rest % (D // DV)  # which DV output columns (DV = D: all)
+        rest = rest // (D // DV)
         hb = rest % n_hb
         t = rest // n_hb
         heads = hb * BH + tl.arange(0, BH)
         h_mask = heads < H
-        cols = tl.arange(0, D)
-        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + dims[None, :],
                     mask=h_mask[:, None], other=0.0).to(DOT_DT)
+        c0 = dvb * DV
+        cols = c0 + tl.arange(0, DV)
         m_i = tl.full([BH], -1e30, tl.float32)  # finite: a fully masked tile leaves it alone
         l_i = tl.zeros([BH], tl.float32)
-        acc = tl.zeros([BH, D], tl.float32)
+        acc = tl.zeros([BH, DV], tl.float32)
         j0 = split * chunk
         j1 = tl.minimum(j0 + chunk, W + KC)
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, win_ptr, widx_ptr + t.to(tl.int64) * swi,
-                                tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale,
-                                D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
+                                tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale, c0,
+                                D, DV, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
         if KC > 0:
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
                                     tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
-                                    qk_scale, D, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
+                                    qk_scale, c0, D, DV, BN, FP8, NOPE, DR, SR, DOT_DT,
+                                    DOT_PREC)
         if SPLIT:  # partial (acc, max, sum) for the combine kernel
             row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
             tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
-            tl.store(ws_ml + row * 2, m_i, mask=h_mask)
-            tl.store(ws_ml + row * 2 + 1, l_i, mask=h_mask)
+            if dvb == 0:  # every column block has the same (max, sum)
+                tl.store(ws_ml + row * 2, m_i, mask=h_mask)
+                tl.store(ws_ml + row * 2 + 1, l_i, mask=h_mask)
         else:
             s2 = tl.load(sink_ptr + heads, mask=h_mask, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, s2)
@@ -387,6 +404,10 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if q.stride(2) != 1:
         q = q.contiguous()
     n_hb = -(-H // cfg.block_h)
+    dv = cfg.block_dv or d
+    if dv & (dv - 1) or dv < 64 or d % dv:
+        raise ValueError(f"block_dv={cfg.block_dv} must be 0 or a power of two >= 64 dividing "
+                         f"the head dim {d}")
     sink_f = sink.to(torch.float32).contiguous()
     if split > 1:
         ws_acc = torch.empty(split * T * H * d, device=q.device, dtype=torch.float32)
@@ -396,11 +417,12 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     n = d - ROPE
     dr, sr, _ = fp8_ds_mla_layout(d, B) if fmt == "fp8_ds_mla" else (0, 0, 0)
     dot_dt = tl.float32 if _INTERPRET else tl.bfloat16
-    _sparse_mqa_kernel[(T * n_hb * split,)](
+    _sparse_mqa_kernel[(T * n_hb * (d // dv) * split,)](
         q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink_f, ws_acc, ws_ml,
         ws_t, widx, widx.stride(0), w_blk, cs_t, cidx, cidx.stride(0), c_blk,
         T, H, W, KC, B, chunk, split, float(scale) * LOG2E,
-        D=d, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n, DR=dr, SR=sr,
+        D=d, DV=dv, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n,
+        DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
