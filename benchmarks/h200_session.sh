@@ -8,7 +8,8 @@
 #   bash benchmarks/h200_session.sh kernels  # attention kernels changed: tests, verify, benches
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
-# tar it into the real $OUT afterwards.
+# PACK at an archive in the real one (rewritten after every step):
+#   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/h200_session.sh kernels
 #
 # Everything goes under $OUT (the device tool brings it back); each step has its own timeout so
 # a slow one cannot take the rest of the call with it, and a failing step does not stop the next.
@@ -25,6 +26,9 @@ step() {  # step NAME SECONDS COMMAND...: run under a timeout, log to $OUT/NAME.
     timeout "$secs" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
     echo "$name: rc=$rc in $((SECONDS - t0)) s; $(tail -n 1 "$OUT/$name.txt")"
+    if [ -n "${PACK:-}" ]; then  # one archive of everything so far: a cut-off call keeps it
+        tar czf "$PACK" -C "$OUT" .
+    fi
 }
 PYTEST=(python3 -m pytest -q -p no:cacheprovider)
 case "${1:-}" in
@@ -56,21 +60,21 @@ prefill)
         --max-case-seconds 20
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
-    step pytest_kernels 100 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
+    step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
         tests/kernels/test_flashmla_backend.py
-    step verify_cuda 60 python3 -m dsv4 verify --platform cuda
-    step decode_step 110 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+    step verify_cuda 50 python3 -m dsv4 verify --platform cuda
+    step decode_step 100 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
-    step decode_step_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
+    step decode_step_64k 60 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
-    step attention_decode 80 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+    step attention_decode 60 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
         --only attention --quick
-    step attention_prefill 90 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
+    step attention_prefill 70 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
         --reps 3
-    step prefill_profile 60 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+    step prefill_profile 50 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
         --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
         --attention-backend flashmla,triton --reps 1 --profile
     ;;
