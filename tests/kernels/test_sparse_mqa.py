@@ -149,10 +149,18 @@ def test_choose_config():
     assert choose_sparse_config(1, 64, 512, 640).split > 1
     assert choose_sparse_config(4096, 128, 512, 1152).split == 1
     assert choose_sparse_config(3, 4, 128, 40).block_h == 16
-    fp8 = {t: choose_sparse_config(t, 64, 512, 640, fmt="fp8_ds_mla") for t in (1, 8, 64)}
-    assert [(c.block_h, c.block_n, c.num_stages) for c in fp8.values()] == [
+    def tiles(t, h, fmt):
+        c = choose_sparse_config(t, h, 512, 640, fmt=fmt)
+        return c.block_h, c.block_n, c.num_stages
+
+    assert [tiles(t, 64, "fp8_ds_mla") for t in (1, 8, 64)] == [
         (16, 32, 1), (32, 16, 1), (64, 16, 1)]
-    assert fp8[64].split > 1  # 64 programs: the index list is split to fill the SMs
+    assert tiles(1, 128, "fp8_ds_mla") == (32, 16, 1)
+    assert [tiles(t, 64, "bf16") for t in (1, 8, 64, 4096)] == [
+        (16, 32, 1), (32, 32, 2), (64, 16, 3), (32, 64, 2)]
+    # about one program per SM: 16 queries x 1 head block -> 9 chunks; many queries: none
+    assert choose_sparse_config(16, 64, 512, 640, fmt="fp8_ds_mla").split == 9
+    assert choose_sparse_config(4096, 64, 512, 640).split == 1
 
 
 # ---------------------------------------------------------------------------------- kernel

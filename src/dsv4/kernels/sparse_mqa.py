@@ -141,29 +141,50 @@ class SparseMqaConfig:
 
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
                          fmt: str = "bf16") -> SparseMqaConfig:
-    """Head blocks of 32 at d=512 (acc 32x512 fp32 in registers) or 64; split the index list
-    so that about 2 programs per SM run when there are few queries. bf16: 32 heads x 32 rows,
-    8 warps, 2 stages (192 registers, mma.sync). fp8_ds_mla at d=512, by the H200 tile probes of
-    ``dsv4.bench.attention_kernels`` (benchmarks/results/h200/attention_kernels, Flash and Pro,
-    contexts 512-64K): 1-4 queries 16 heads x 32 rows (Flash 19 us against 29 for 32 x 16 at one
-    query), 16 or more 64 heads x 16 rows (Hopper's wgmma; 672 bytes of register spill in the
-    sm_90 compile and still faster: Flash 40 / 139 us against 46 / 176 at 16 / 64 queries, Pro
-    140 / 329 against 158 / 441), else 32 x 16; one stage (the dequantised tile lives in
-    registers)."""
-    bh = max(16, min(32 if d >= 512 else 64, 1 << (H - 1).bit_length()))
-    bn = (16 if fmt == "fp8_ds_mla" else 32) if d >= 512 else 64
-    stages = 1 if fmt == "fp8_ds_mla" and d >= 512 else 2
-    if fmt == "fp8_ds_mla" and d >= 512:
-        if T <= 4:
-            bh, bn = 16, 32
+    """Tiles by query count T from the H200 tile probes (``dsv4 bench attention-kernels`` at
+    decode sizes, ``dsv4 bench prefill`` at 4K / 16K queries; benchmarks/results/h200/
+    kernel_probes/), 8 warps at d = 512:
+
+    * bf16: 1-4 queries 16 heads x 32 rows, 1 stage (Flash 9.6 us against 12.1 for 32 x 32);
+      16-255 queries with >= 64 heads 64 x 16, 3 stages, Hopper's wgmma (Flash 16 queries 27.1
+      against 37.1, Pro 64 queries 223 against 284); 256 and more 32 x 64, 2 stages (prefill:
+      13.2 ms against 22.2 at 64 heads x 16K queries x 640 rows); else 32 x 32, 2 stages.
+    * fp8_ds_mla (rows dequantised in registers, 1 stage): 1-4 queries 16 x 32 at <= 64 heads,
+      32 x 16 above (Flash 10.3 us, Pro 20.4); 16 and more with >= 64 heads 64 x 16 on wgmma
+      (672 bytes of register spill in the sm_90 compile and still the fastest: Flash 64 queries
+      139 us against 176); else 32 x 16.
+
+    Between the measured query counts the nearer rule holds. Few programs: the index list is
+    split so that about one program per SM runs (two per SM wrote twice the fp32 partials,
+    [heads, 512] per chunk and query, and was slower: 53 against 40 us at 16 fp8 queries).
+    d < 512 (tiny configs): up to 64 heads x 64 rows, 4 warps, 2 stages."""
+    if d >= 512:
+        if fmt == "fp8_ds_mla":
+            stages = 1
+            if T <= 4:
+                bh, bn = (16, 32) if H <= 64 else (32, 16)
+            elif T >= 16 and H >= 64:
+                bh, bn = 64, 16
+            else:
+                bh, bn = 32, 16
+        elif T <= 4:
+            bh, bn, stages = 16, 32, 1
+        elif T >= 256:
+            bh, bn, stages = 32, 64, 2
         elif T >= 16 and H >= 64:
-            bh = 64
+            bh, bn, stages = 64, 16, 3
+        else:
+            bh, bn, stages = 32, 32, 2
+        warps = 8
+    else:
+        bh, bn, stages, warps = 64, 64, 2, 4
+    bh = max(16, min(bh, 1 << (H - 1).bit_length()))
     progs = T * -(-H // bh)
     split = 1
-    if progs < 2 * n_sm:
-        split = max(1, min(-(-L // bn), -(-2 * n_sm // progs), 64))
-    return SparseMqaConfig(block_h=bh, block_n=bn, split=split,
-                           num_warps=8 if d >= 512 else 4, num_stages=stages)
+    if progs < n_sm:
+        split = max(1, min(-(-L // bn), -(-n_sm // progs), 64))
+    return SparseMqaConfig(block_h=bh, block_n=bn, split=split, num_warps=warps,
+                           num_stages=stages)
 
 
 # ---------------------------------------------------------------------------------- kernel
