@@ -46,6 +46,29 @@ def test_cuda_without_cuda_is_one_line(capsys, command):
                    "--device cuda: CUDA is not available on this machine")
 
 
+@no_cuda
+@pytest.mark.parametrize("suite", ["decode-step", "prefill", "attention-kernels", "input-proj"])
+def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):
+    assert main(["bench", suite, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are "
+                   "in benchmarks/results/h200/)"]
+
+
+def test_gpu_bench_arguments_are_checked_before_cuda(capsys, tmp_path):
+    assert main(["bench", "prefill", "--out", str(tmp_path), "--reps", "0"]) == 2
+    assert "--reps" in capsys.readouterr().err
+    assert main(["bench", "decode-step", "--out", str(tmp_path), "--layers", "C8"]) == 2
+    assert "C8" in capsys.readouterr().err
+
+
+def test_gpu_bench_report_only_runs_anywhere(tmp_path):
+    (tmp_path / "prefill.json").write_text('{"gpu": "H200", "layer_rows": [], '
+                                           '"attention_rows": []}')
+    assert main(["bench", "prefill", "--out", str(tmp_path), "--report-only"]) == 0
+    assert (tmp_path / "prefill.md").read_text().startswith("# DSV4 prefill, H200")
+
+
 def test_verify_shows_progress_per_row(capfd):
     assert main(["verify", "--platform", "reference", "--tokens", "16"]) == 0
     out, err = capfd.readouterr()

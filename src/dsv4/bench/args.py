@@ -35,3 +35,17 @@ def choice_list(valid: Iterable[str], what: str) -> Callable[[str], list[str]]:
                                              f"{', '.join(valid)}")
         return values
     return parse
+
+
+def require_cuda(suite: str) -> None:
+    """Exit (code 2, one line on stderr) when this machine has no CUDA GPU. Each GPU suite calls
+    it after parsing its arguments and after the modes that need none (``--report-only``, the
+    CPU dry run of ``decode-step --tp``), so those run, and bad arguments are named, anywhere."""
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are in "
+              "benchmarks/results/h200/)", file=sys.stderr)
+        raise SystemExit(2)

@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         with open(os.path.join(args.out, "results.json")) as f:
             _report(json.load(f), args.out)
         return 0
-    if not torch.cuda.is_available():
-        sys.exit("attention-kernels: needs a CUDA GPU")
+    from dsv4.bench.args import require_cuda
+
+    require_cuda("attention-kernels")
     from dsv4.bench.input_proj import measure_copy_bw, time_graph
 
     os.makedirs(args.out, exist_ok=True)

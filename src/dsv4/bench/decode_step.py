@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
+from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 cfg.layer_of_ratio(LAYER_RATIO[layer_type])
             except ConfigError as e:
                 ap.error(f"--layers {layer_type} with --models {model}: {e}")
+    require_cuda("decode-step")
     dev = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     bw = measure_copy_bw(dev)

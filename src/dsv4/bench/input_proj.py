@@ -26,7 +26,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -522,8 +521,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--calibrate", action="store_true",
                     help="copy-of-same-bytes calibration and fp8 tile probes instead")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_input_proj: needs a CUDA GPU")
+    from dsv4.bench.args import require_cuda
+
+    require_cuda("input-proj")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import LAYER_RATIO, choice_list, int_list
+from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
 from dsv4.bench.attention_kernels import rel
 from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 
@@ -486,7 +486,8 @@ def plot(res: dict[str, Any], out: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens")
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        if single:
+            ax.legend(fontsize=7)
     att = attention_table(res.get("attention_rows", []))
     labels, ours, theirs = [], [], []
     for key, cells in att:
@@ -565,8 +566,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.report_only:
         print(write_report(json.loads((out / "prefill.json").read_text()), out))
         return 0
-    if not torch.cuda.is_available():
-        raise SystemExit("dsv4 bench prefill needs a CUDA GPU")
+    require_cuda("prefill")
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     rate = measure_matmul_rate(dev)
