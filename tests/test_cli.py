@@ -49,17 +49,23 @@ def test_cuda_without_cuda_is_one_line(capsys, command):
 @no_cuda
 @pytest.mark.parametrize("suite", ["decode-step", "prefill", "attention-kernels", "input-proj"])
 def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):
-    assert main(["bench", suite, "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", suite, "--out", str(tmp_path)])
+    assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are "
                    "in benchmarks/results/h200/)"]
 
 
-def test_gpu_bench_arguments_are_checked_before_cuda(capsys, tmp_path):
-    assert main(["bench", "prefill", "--out", str(tmp_path), "--reps", "0"]) == 2
-    assert "--reps" in capsys.readouterr().err
-    assert main(["bench", "decode-step", "--out", str(tmp_path), "--layers", "C8"]) == 2
-    assert "C8" in capsys.readouterr().err
+@pytest.mark.parametrize("suite,bad", [("prefill", ["--reps", "0"]),
+                                       ("decode-step", ["--layers", "C8"]),
+                                       ("attention-kernels", ["--only", "fft"])])
+def test_gpu_bench_arguments_are_checked_before_cuda(capsys, tmp_path, suite, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", suite, "--out", str(tmp_path), *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and bad[0].lstrip("-") in err and "needs a CUDA GPU" not in err
 
 
 def test_gpu_bench_report_only_runs_anywhere(tmp_path):

@@ -100,14 +100,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return int(e.code or 0)
         return 0
     # a GPU suite checks for CUDA itself (dsv4.bench.args.require_cuda) after its arguments and
-    # its GPU-free modes (--report-only, decode-step's CPU dry run)
-    try:
-        return int(_suite_main(args.suite)(args.extra, prog=f"dsv4 bench {args.suite}") or 0)
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return int(e.code or 0)
-        print(e.code, file=sys.stderr)
-        return 1
+    # its GPU-free modes (--report-only, decode-step's CPU dry run); its usage errors exit 2
+    return int(_suite_main(args.suite)(args.extra, prog=f"dsv4 bench {args.suite}") or 0)
 
 
 def _suite_main(suite: str):  # type: ignore[no-untyped-def]
