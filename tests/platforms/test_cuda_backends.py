@@ -120,6 +120,8 @@ def test_fp8_linear_plan_and_results_match_the_base_path(tiny, make_layer):
     assert plan.eligible == set(LINEARS) and not plan.skipped
     qr = random_x(5, tiny.q_lora_rank).to(BF16)
     assert rel_err(fp8_gemm(layer.wq_b, qr), layer.wq_b(qr)) < 1e-2
+    x = random_x(40, tiny.hidden_size).to(BF16)
+    assert rel_err(fp8_gemm(layer.fused_wqa_wkv, x), layer.fused_wqa_wkv(x)) < 1e-2
     assert rel_err(fp8_gemm(layer.indexer.wq_b, qr), layer.indexer.wq_b(qr)) < 1e-2
     o = random_x(5 * layer.n_heads, layer.head_dim).to(BF16).view(5, layer.n_heads, -1)
     base = layer.wo_b(layer._wo_a_grouped(o))
@@ -188,7 +190,7 @@ def test_cuda_backends_against_the_reference(tiny, ratio, backend, fmt, expect):
         cfg = flashmla_shaped(cfg)
     layer, ref = _cuda_pair(cfg, ratio, backend)
     assert layer.fp8_plan.eligible == ({*LINEARS} if ratio == 4 else
-                                       {"wq_b", "wo_a", "wo_b"}), layer.fp8_plan.describe()
+                                       {*LINEARS} - {"indexer.wq_b"}), layer.fp8_plan.describe()
     x = random_x(200, cfg.hidden_size).to("cuda", BF16)
     with mock.patch("dsv4.platforms.cuda.fp8_gemm", wraps=fp8_gemm) as spy, \
             record_selection(layer) as seen:
@@ -249,3 +251,27 @@ def test_verify_runs_a_platforms_declared_variants(tiny):
     labels = {r.platform for r in rows}
     assert labels == {"ref-variants", "ref-variants[fp8 cache]"}
     assert len(rows) == 27 and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_stream_plan_calls_take_the_fp8_input_gemm(tiny, ratio):
+    """Calls above the fused input-projection launch's tokens and within the fp8 kernels'
+    (here 40 and 100 tokens) run ``fused_wqa_wkv`` through the weight-streaming kernel, with
+    the reference's output; a longer call (150) keeps the base path."""
+    layer, ref = _cuda_pair(tiny, ratio, "torch")
+    assert layer.plan.fused_max_tokens < 40
+    x = random_x(290, tiny.hidden_size).to("cuda", BF16)
+    cache, ref_cache = layer.new_cache(290), ref.new_cache(290)
+    begin = 0
+    for n, takes in ((40, True), (100, True), (150, False)):
+        pos = torch.arange(begin, begin + n)
+        with mock.patch("dsv4.platforms.cuda.fp8_gemm", wraps=fp8_gemm) as spy, \
+                record_selection(layer) as seen:
+            y = layer(x[begin:begin + n], pos, cache)
+        assert any(c.args[0] is layer.fused_wqa_wkv for c in spy.call_args_list) == takes
+        with replay_selection(ref, seen):
+            y_ref = ref(x[begin:begin + n], pos, ref_cache)
+        assert rel_err(y, y_ref) < 1e-2, (n, rel_err(y, y_ref))
+        begin += n

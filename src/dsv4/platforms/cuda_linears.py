@@ -39,8 +39,10 @@ benchmarks/results/h200/attention_kernels: 4-17x faster than dequantise + GEMM t
 calls (prefill) use the base path."""
 
 BLOCK = 128
-LINEARS = ("wq_b", "wo_a", "wo_b", "indexer.wq_b")
-"""The layer's fp8 linears this module can take over (module names relative to the layer)."""
+LINEARS = ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
+"""The layer's fp8 linears this module can take over (module names relative to the layer).
+``fused_wqa_wkv`` through ``_fused_wqa_wkv_gemm``: the calls above the fused input-projection
+launch's tokens (the stream plan; below it the one-launch kernel reads the fp8 weight itself)."""
 
 
 @dataclass(frozen=True)
