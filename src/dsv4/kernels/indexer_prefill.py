@@ -194,11 +194,8 @@ if triton_available():
         vis_max = tl.max(vis, axis=0)
         j = jb * BN + tl.arange(0, BN)
         if jb * BN < vis_max:
-            logical = j // B
-            seen = (j < vis_max) & (logical < max_logical)
-            phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-            valid = seen & (phys >= 0)
-            k = _load_index_keys(keys_ptr, phys, j % B, valid, blk_stride, B, D, FMT, BN, DT)
+            k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, vis_max, max_logical,
+                                 blk_stride, B, D, FMT, BN, DT)
             kt = tl.trans(k)  # [D, BN], read once for every head
             cols = tl.arange(0, D)
             q_rows = q_ptr + rows[:, None] * sqt + cols[None, :]

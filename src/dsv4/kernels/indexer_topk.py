@@ -97,10 +97,17 @@ if triton_available():
         patch_interpreter_index()
 
     @triton.jit
-    def _load_index_keys(st_ptr, phys, off, valid, blk_stride, B, D: tl.constexpr,
-                         FMT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
-        """[BN, D] keys in DT of rows (block ``phys``, offset ``off``); zeros where not valid.
-        FMT: 0 bf16, 1 fp8, 2 fp4."""
+    def _load_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical, blk_stride, B,
+                         D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                         DT: tl.constexpr):
+        """[BN, D] keys in DT of entries ``j`` [BN] of the sequence in ``slot``, found through its
+        block-table row; zeros for entries >= ``limit``, beyond the table or in an unheld
+        block. FMT: 0 bf16, 1 fp8, 2 fp4."""
+        logical = j // B
+        seen = (j < limit) & (logical < max_logical)
+        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
+        valid = seen & (phys >= 0)
+        off = j % B
         cols = tl.arange(0, D)
         p = tl.where(valid, phys, 0).to(tl.int64)
         if FMT == 0:
@@ -158,12 +165,8 @@ if triton_available():
             jb = tl.program_id(1) * tiles + i
             j = jb * BN + tl.arange(0, BN)
             if jb * BN < visible:
-                logical = j // B
-                seen = (j < visible) & (logical < max_logical)
-                phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-                valid = seen & (phys >= 0)
-                k = _load_index_keys(keys_ptr, phys, j % B, valid, blk_stride, B, D, FMT, BN,
-                                     DT)
+                k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                                     blk_stride, B, D, FMT, BN, DT)
                 logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
                 s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
                 s = tl.where(j < visible, s, float("-inf"))
