@@ -254,13 +254,13 @@ class CudaAttention(DeepseekV4Attention):
         return super()._indexer_wq_b_gemm(qr)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # the kernel's inverse RoPE for every call it takes, long ones too (the torch rotation's
+        # slice + cat of o took ~1 ms per 8K-token step on the H200); then the fp8 GEMMs, or
+        # the base path's for calls they do not take
+        o = self._inverse_rope(o, positions)
         if self._fp8_ready("wo_a", o):
-            o = self._inverse_rope(o, positions)
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
-        if self._elementwise_ready(o):  # long calls: the kernel's inverse RoPE, the base GEMMs
-            # (the torch rotation's slice + cat of o took ~1 ms per 8K-token step on the H200)
-            return self.wo_b(self._wo_a_grouped(fused_inverse_rope(self, o, positions)))
-        return super()._o_proj(o, positions)
+        return self.wo_b(self._wo_a_grouped(o))
 
     # ---- fused elementwise stages (dsv4.platforms.cuda_elementwise) -------------------
     def _elementwise_ready(self, x: torch.Tensor) -> bool:
