@@ -49,7 +49,8 @@ if triton_available():
                           WINDOW: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        first = tl.load(pos_ptr + t) - K + 1  # the window's oldest position (WINDOW only)
+        # the window's oldest position; given rows read no position
+        first = tl.load(pos_ptr + t) - K + 1 if WINDOW else 0
         lanes = tl.arange(0, BLOCK)
         for c in range(0, K, BLOCK):
             offs = c + lanes
@@ -108,4 +109,4 @@ def entry_flat_rows(store: PagedStore, rows: torch.Tensor, slots: torch.Tensor) 
                          f"{tuple(slots.shape)} [T]")
     if rows.shape[1] and rows.stride(1) != 1:
         rows = rows.contiguous()
-    return _launch(store, slots, slots, rows, rows.shape[1])
+    return _launch(store, slots, slots, rows, rows.shape[1])  # no positions read: slots stand in
