@@ -172,11 +172,41 @@ def test_inverse_rope(shape):
     o = rand(t, lay.n_heads, lay.head_dim, seed=shape, scale=2.0)
     pos = positions(t)
     want = lay.rotary.rotate(o, pos, torch.float32, inverse=True)
-    got = ew.fused_inverse_rope(lay, o, pos)
+    work = o.clone()
+    got = ew.fused_inverse_rope(lay, work, pos)
     check(got, want)
+    # in place: the same storage, the nope dims not rewritten
+    nope = lay.head_dim - lay.rope_dim
+    assert got.data_ptr() == work.data_ptr()
+    assert torch.equal(got[..., :nope], o[..., :nope])
     # inverse undoes forward (up to the two bf16 roundings)
     back = rope_heads(got, pos, lay.rotary.inv_freq)
     assert float((back.float() - o.float()).abs().max()) < 0.05
+    # a strided last dim is copied first; the caller's tensor is left alone
+    wide = torch.stack([o, torch.zeros_like(o)], dim=-1).flatten(-2)[..., ::2]
+    before = wide.clone()
+    check(ew.fused_inverse_rope(lay, wide, pos), want)
+    assert torch.equal(wide, before)
+
+
+@kernel_runs
+@pytest.mark.parametrize("shape", [0, 2])
+def test_hadamard_heads_per_program(shape):
+    """Every head tile (16 / 32 / 64 heads per program, ragged last tile) gives the same
+    result: the tile changes the MMA's M side only (exact products; on a GPU the MMA kinds may
+    sum in another order, so one quantisation step may differ in a rare element)."""
+    cfg = small_cfg(**SHAPES[shape])
+    lay = stage_layer(cfg)
+    iq = rand(3, 17, cfg.index_head_dim, seed=shape, scale=3.0)
+    pos = positions(3)
+    outs = [rope_hadamard_fp4(iq, pos, lay.rotary.inv_freq, block_h=b) for b in (16, 32, 64)]
+    for o in outs[1:]:
+        if _INTERPRET:
+            assert torch.equal(o, outs[0])
+        else:
+            check(o, outs[0], quant=True)
+    with pytest.raises(ValueError, match="block_h"):
+        rope_hadamard_fp4(iq, pos, lay.rotary.inv_freq, block_h=8)
 
 
 @kernel_runs
@@ -190,6 +220,14 @@ def test_empty_and_strided_inputs():
     x = rand(3, 4, 256)[:, :, ::2]  # non-contiguous last dim: copied first
     pos = positions(3).to(torch.int32)
     check(rope_heads(x, pos, inv), lay.rotary.rotate(x, pos, torch.float32))
+    # out= : x itself (in place) or a strided view with a contiguous last dim
+    y = rand(3, 4, 128, seed=1)
+    want = lay.rotary.rotate(y, pos, torch.float32, inverse=True)
+    assert rope_heads(y, pos, inv, inverse=True, out=y) is y
+    check(y, want)
+    dst = torch.zeros(4, 3, 128, dtype=BF16, device=DEV).transpose(0, 1)
+    assert rope_heads(y, pos, inv, out=dst) is dst
+    check(dst, lay.rotary.rotate(y, pos, torch.float32))
 
 
 @kernel_runs
@@ -203,6 +241,10 @@ def test_bad_shapes_raise():
         rope_heads(rand(2, 2, 128), pos, inv, fp8_dims=100, fp8_block=64)
     with pytest.raises(ValueError):
         rope_hadamard_fp4(rand(2, 2, 96), pos, inv)  # not a power of two
+    x = rand(2, 2, 128)
+    for bad in (rand(2, 3, 128), rand(2, 2, 256)[..., ::2]):  # wrong shape; strided last dim
+        with pytest.raises(ValueError, match="out must"):
+            rope_heads(x, pos, inv, out=bad)
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -239,8 +281,8 @@ def test_gpu_model_shapes(model, t, ratio):
     errs["query"] = check(ew.fused_query_heads(lay, q, pos),
                           DeepseekV4Attention._query_heads(lay, None, pos))
     o = rand(t, c.num_attention_heads, c.head_dim, seed=5)
-    errs["inverse"] = check(ew.fused_inverse_rope(lay, o, pos),
-                            lay.rotary.rotate(o, pos, torch.float32, inverse=True))
+    want = lay.rotary.rotate(o, pos, torch.float32, inverse=True)
+    errs["inverse"] = check(ew.fused_inverse_rope(lay, o.clone(), pos), want)
     print(model, t, ratio, errs)
 
 

@@ -130,13 +130,15 @@ if triton_available():
     @triton.jit
     def _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j,
                       D2: tl.constexpr, NOPE2: tl.constexpr, NORM: tl.constexpr,
-                      SIGN: tl.constexpr):
+                      SIGN: tl.constexpr, BH: tl.constexpr, BD2: tl.constexpr):
         """The even / odd elements [BH, BD2] of heads h of token t, RMS-normalised (NORM) and
-        rotated, in fp32; pairs j >= NOPE2 carry RoPE."""
-        m = (h < H)[:, None] & (j < D2)[None, :]
-        base = x_ptr + t * sxt + h[:, None] * sxh + 2 * j[None, :]
-        xe = tl.load(base, mask=m, other=0.0).to(tl.float32)
-        xo = tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
+        rotated, in fp32, and the mask of the heads' [BH, 2 * BD2] elements; pairs j >= NOPE2
+        carry RoPE. The heads are read as contiguous rows (vector loads) and split into pairs
+        in registers."""
+        d = tl.arange(0, 2 * BD2)
+        m = (h < H)[:, None] & (d < 2 * D2)[None, :]
+        x = tl.load(x_ptr + t * sxt + h[:, None] * sxh + d[None, :], mask=m, other=0.0)
+        xe, xo = tl.split(tl.reshape(x.to(tl.float32), [BH, BD2, 2]))
         if NORM:
             r = tl.rsqrt(tl.sum(xe * xe + xo * xo, axis=1) / (2 * D2) + eps)
             xe = xe * r[:, None]
@@ -157,7 +159,7 @@ if triton_available():
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, BD2)
         ye, yo, m = _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j, D2,
-                                  NOPE2, NORM, SIGN)
+                                  NOPE2, NORM, SIGN, BH, BD2)
         out_dt = o_ptr.dtype.element_ty
         ye = _rounded(ye, out_dt)
         yo = _rounded(yo, out_dt)
@@ -172,9 +174,9 @@ if triton_available():
             q = (j < QPAIRS)[None, :]
             ye = tl.where(q, _quant_dequant(ye, k, FP8_MAX, E4M3_MANT, E4M3_MIN_EXP), ye)
             yo = tl.where(q, _quant_dequant(yo, k, FP8_MAX, E4M3_MANT, E4M3_MIN_EXP), yo)
-        out = o_ptr + t * sot + h[:, None] * soh + 2 * j[None, :]
-        tl.store(out, ye.to(out_dt), mask=m)
-        tl.store(out + 1, yo.to(out_dt), mask=m)
+        d = tl.arange(0, 2 * BD2)
+        y = tl.reshape(tl.join(ye, yo), [BH, 2 * BD2])  # pairs back in place: one row each
+        tl.store(o_ptr + t * sot + h[:, None] * soh + d[None, :], y.to(out_dt), mask=m)
 
     @triton.jit
     def _hadamard_sign(v):
@@ -194,8 +196,8 @@ if triton_available():
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, D2)
-        ye, yo, m = _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, 0.0, t, h, j, D2,
-                                  NOPE2, False, 1)
+        ye, yo, _ = _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, 0.0, t, h, j, D2,
+                                  NOPE2, False, 1, BH, D2)
         out_dt = o_ptr.dtype.element_ty
         # the rotated query in the layer dtype is the Hadamard's input (exact as MMA operands)
         ye = _rounded(ye, out_dt).to(DOT_DT)
@@ -272,14 +274,17 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
 
 def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
                norm_eps: float | None = None, inverse: bool = False, fp8_dims: int = 0,
-               fp8_block: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               fp8_block: int = 0, out_dtype: torch.dtype | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE of x [T, H, D] (or [T, D]) at ``positions`` [T] on its last 2 * len(inv_freq) dims.
 
     ``norm_eps``: first x / sqrt(mean(x^2) + eps) per head (no weight). ``inverse``: rotate by
     the negated angle. ``fp8_block`` > 0: then E4M3 quant-dequant of the first ``fp8_dims``
     dims (after rounding to the output dtype) with a power-of-two scale per ``fp8_block`` dims,
     the rule of :func:`dsv4.layers.quant_sim.fp8_block_sim`. Returns a new contiguous tensor of
-    x's shape in ``out_dtype`` (default x's dtype)."""
+    x's shape in ``out_dtype`` (default x's dtype), or ``out`` (x's shape, contiguous last dim,
+    any other strides; it may be x itself: each program reads its heads before writing them).
+    """
     _require(x)
     xh = _heads_view(x)
     positions = positions.contiguous()
@@ -288,35 +293,47 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if fp8_block and (fp8_block % 2 or fp8_dims % fp8_block or fp8_dims > d):
         raise ValueError(f"fp8_dims={fp8_dims} must be a multiple of the even fp8_block="
                          f"{fp8_block} and at most {d}")
-    out = torch.empty(xh.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(xh.shape, dtype=out_dtype or x.dtype, device=x.device)
+        oh = out
+    else:
+        oh = out.unsqueeze(1) if out.dim() == 2 else out
+        if tuple(oh.shape) != tuple(xh.shape) or oh.stride(2) != 1 or out.device != x.device:
+            raise ValueError(f"out must have x's shape {tuple(x.shape)} and a contiguous last "
+                             f"dim on {x.device}, got {tuple(out.shape)} {out.stride()}")
     if t and n_heads:
         bd2 = triton.next_power_of_2(d2)
         bh = min(triton.next_power_of_2(n_heads), max(1, 2048 // bd2))
         grid = (t, triton.cdiv(n_heads, bh))
         _rope_heads_kernel[grid](
-            xh, xh.stride(0), xh.stride(1), out, out.stride(0), out.stride(1), positions,
+            xh, xh.stride(0), xh.stride(1), oh, oh.stride(0), oh.stride(1), positions,
             inv_freq, n_heads, 0.0 if norm_eps is None else norm_eps, D2=d2, NOPE2=nope2,
             BH=bh, BD2=bd2, NORM=norm_eps is not None, SIGN=-1 if inverse else 1,
             QPAIRS=fp8_dims // 2 if fp8_block else 0, QBLOCK=fp8_block // 2, num_warps=4)
-    return out.view(x.shape)
+    return out if out.shape == x.shape else out.view(x.shape)
 
 
-def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-                      ) -> torch.Tensor:
+def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+                      block_h: int | None = None) -> torch.Tensor:
     """RoPE of x [T, H, D] (D a power of two, >= 32) at ``positions``, then per head the
     rotation H_D v / sqrt(D) and the FP4 E2M1 block-32 simulation
     (:func:`dsv4.layers.quant_sim.indexer_quant_sim`), each stage rounded to x's dtype as the
-    torch path rounds. Returns a new contiguous tensor of x's shape and dtype."""
+    torch path rounds. Returns a new contiguous tensor of x's shape and dtype. ``block_h``:
+    heads per program (16, 32 or 64; default by the call's size)."""
     _require(x)
     xh = _heads_view(x)
     positions = positions.contiguous()
     t, n_heads, d = xh.shape
     if d < 2 * MMA_MIN or d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two >= {2 * MMA_MIN}")
+    if block_h not in (None, 16, 32, 64):
+        raise ValueError(f"block_h must be 16, 32 or 64, got {block_h}")
     d2, nope2 = _pair_dims(d, inv_freq)
     out = torch.empty(xh.shape, dtype=x.dtype, device=x.device)
     if t and n_heads:
-        bh = MMA_MIN
+        # heads per program: the MMA's minimum for short calls (more programs), 64 heads on
+        # wgmma once there are programs to fill the GPU (the +-1 tiles built once per 64 heads)
+        bh = block_h or (64 if t * n_heads >= 64 * 256 and n_heads >= 64 else MMA_MIN)
         grid = (t, triton.cdiv(n_heads, bh))
         # under the interpreter the MMA runs on fp32 operands (its bf16 dot is wrong on the
         # test install); the operands are bf16 values and +-1 either way, products exact

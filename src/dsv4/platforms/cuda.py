@@ -255,8 +255,9 @@ class CudaAttention(DeepseekV4Attention):
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # the kernel's inverse RoPE for every call it takes, long ones too (the torch rotation's
-        # slice + cat of o took ~1 ms per 8K-token step on the H200); then the fp8 GEMMs, or
-        # the base path's for calls they do not take
+        # slice + cat of o took ~1 ms per 8K-token step on the H200), in place on o's rope dims
+        # (o is this step's attention output); then the fp8 GEMMs, or the base path's for calls
+        # they do not take
         o = self._inverse_rope(o, positions)
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
