@@ -252,11 +252,15 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         base = {"section": "gemm", "model": model, "gemm": name, "N": N, "K": K, "G": G,
                 "M": M, "rotations": rot}
         impls: list[tuple[str, Callable]] = [("dsv4_fp8", ours), ("dequant_bf16", current)]
-        if variants:  # probes around the table's choice: half / double the row tile and split
+        if variants:  # probes around the table's choice: half / double the row tile and split,
+            # deeper pipelines (more weight bytes in flight per program), twice the split
             c = choose_fp8_config(M, N, K)
-            for tag, bn, sk in (("bn32", 32, c.split_k * 2), ("bn128", 128, max(1, c.split_k // 2)),
-                                ("split1", c.block_n, 1)):
-                vc = Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": sk})
+            for tag, change in (
+                    ("bn32", dict(block_n=32, split_k=c.split_k * 2)),
+                    ("bn128", dict(block_n=128, split_k=max(1, c.split_k // 2))),
+                    ("split1", dict(split_k=1)), ("split2x", dict(split_k=c.split_k * 2)),
+                    ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6))):
+                vc = Fp8GemmConfig(**{**c.__dict__, **change})
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc)))
         for impl, fn in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))

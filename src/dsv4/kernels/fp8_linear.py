@@ -144,12 +144,18 @@ if triton_available():
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
-    def _block_scale(sc_ptr, idx, SCALE_F32: tl.constexpr):
+    def _scale_raw(sc_ptr, idx, SCALE_F32: tl.constexpr):
+        """The stored scale of block ``idx`` as loaded: the float32 or the e8m0 byte."""
+        return tl.load(sc_ptr + idx)
+
+    @triton.jit
+    def _scale_value(raw, SCALE_F32: tl.constexpr):
+        """The multiplier of a stored scale (:func:`_scale_raw`)."""
         if SCALE_F32:
-            v = tl.load(sc_ptr + idx)
+            v = raw
         else:
-            b = tl.load(sc_ptr + idx).to(tl.int32)
             # 2^(b-127) built from its bits (exact); byte 0 is the subnormal 2^-127, 255 is NaN
+            b = raw.to(tl.int32)
             v = (b << 23).to(tl.float32, bitcast=True)
             v = tl.where(b == 0, 5.877471754111438e-39, v)
             v = tl.where(b == 255, float("nan"), v)
@@ -188,11 +194,16 @@ if triton_available():
             x_ptrs = x_base + offs_m[:, None] * sxm + (kb0 * BK + offs_k)[None, :]
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         sc_row = sc_ptr + (row0 // BK) * stride_sc
+        # each block's scale is read one iteration ahead and decoded where it is used: a scale
+        # load inside the iteration that needs it held the iteration (and the next tile's
+        # copy) for a global-load latency
+        raw_next = _scale_raw(sc_row, kb0, SCALE_F32)
         for kb in range(kb0, kb1):
+            s = _scale_value(raw_next, SCALE_F32)
+            raw_next = _scale_raw(sc_row, tl.minimum(kb + 1, kb1 - 1), SCALE_F32)
             # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16 dot of
             # a converted operand is wrong); the products are exact in fp32 either way
             w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
-            s = _block_scale(sc_row, kb, SCALE_F32)
             if SWAP:
                 xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
                 acc += tl.dot(w, xt, input_precision=DOT_PREC) * s

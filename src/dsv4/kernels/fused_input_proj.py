@@ -354,6 +354,15 @@ if _HAVE_TRITON:
             _store_seg(acc, o4, s4, e3, e4, r_lo, r_hi, rows, offs_m, m_mask, SWAP)
 
     @triton.jit
+    def _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask, kb, FOLD: tl.constexpr):
+        """The fp32 scales of K block ``kb`` for a tile's rows: one value when the tile lies in
+        one 128-row scale block (FOLD), else one per row."""
+        if FOLD:
+            return tl.load(sc_ptr + (lo // 128) * stride_sc + kb)
+        else:
+            return tl.load(sc_ptr + (offs_n // 128) * stride_sc + kb, mask=n_mask, other=0.0)
+
+    @triton.jit
     def _group(x_ptr, stride_xm, M, K, w_ptr, sc_ptr, stride_sc, ws_ptr, cnt_ptr, m_ws, n_total,
                o0, s0, o1, s1, o2, s2, o3, s3, o4, s4, e0, e1, e2, e3, e4,
                lo, hi, row_base, split, pid_m, cnt_idx,
@@ -380,6 +389,9 @@ if _HAVE_TRITON:
                 row_addr = (w_ptr + offs_n * K + kb0 * BK).to(tl.int64, bitcast=True)
                 _prefetch_l2(tl.where(n_mask, row_addr, 0), PREFETCH)
             tl.extra.cuda.gdc_wait()
+        if IS_FP8:  # each block's scale is read one iteration ahead (fp8_linear's reason)
+            sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask, tl.minimum(kb0, nkb - 1),
+                                  FOLD)
         for kb in range(kb0, kb1):
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
             if SWAP:
@@ -388,15 +400,16 @@ if _HAVE_TRITON:
                 xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             if IS_FP8:
                 wb = w.to(tl.bfloat16)  # e4m3 -> bf16 is exact
+                sc = sc_next
+                sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask,
+                                      tl.minimum(kb + 1, kb1 - 1), FOLD)
                 if FOLD:  # the tile lies in one 128-row scale block; a power of two: exact
-                    sc = tl.load(sc_ptr + (lo // 128) * stride_sc + kb)
                     xs = (xt.to(tl.float32) * sc).to(tl.bfloat16)
                     if SWAP:  # noqa: SIM108
                         acc = tl.dot(wb, xs, acc)
                     else:
                         acc = tl.dot(xs, tl.trans(wb), acc)
                 else:
-                    sc = tl.load(sc_ptr + (offs_n // 128) * stride_sc + kb, mask=n_mask, other=0.0)
                     if SWAP:
                         acc += tl.dot(wb, xt) * sc[:, None]
                     else:
