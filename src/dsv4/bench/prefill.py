@@ -246,25 +246,49 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
 
 
 def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
-    """The profiler's kernel table of one prefill call of ``x`` on a fresh cache (on a CPU: the
-    operator table, by CPU time)."""
+    """The profiler's kernel table of one prefill call of ``x`` on a fresh cache, and (on a
+    GPU) the PyTorch operators by the device time of their kernels, with their input shapes:
+    which call of the layer's torch code a costly elementwise / copy kernel comes from. On a
+    CPU: the operator table, by CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = x.is_cuda
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     cache = layer.new_cache(x.shape[0])
     try:
-        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        with profile(activities=acts, record_shapes=gpu) as prof:
             layer(x, torch.arange(x.shape[0]), cache)
             if gpu:
                 torch.cuda.synchronize()
     finally:
         cache.free()
-    events = prof.key_averages()
-    key = "device_time_total" if gpu else "self_cpu_time_total"
-    total = sum(getattr(e, key, 0.0) for e in events)
-    table = events.table(sort_by=key, row_limit=25, max_name_column_width=70)
-    what = "kernel" if gpu else "CPU operator"
-    return f"## {title}: {total / 1e3:.1f} ms of {what} time in one call\n\n{table}\n"
+    if not gpu:
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        table = events.table(sort_by="self_cpu_time_total", row_limit=25,
+                             max_name_column_width=70)
+        return f"## {title}: {total / 1e3:.1f} ms of CPU operator time in one call\n\n{table}\n"
+    kernels = [e for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels)
+    lines = [f"## {title}: {total / 1e3:.1f} ms of kernel time in one call", "",
+             "| kernel | calls | ms | us / call | share |", "|---|---|---|---|---|"]
+    for e in kernels[:25]:
+        t = e.self_device_time_total
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {t / 1e3:.3f} | {t / e.count:.1f} | "
+                     f"{t / max(total, 1e-9):.1%} |")
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.key.startswith("aten::") and e.device_time_total > 0]
+    ops.sort(key=lambda e: -e.device_time_total)
+    lines += ["", "PyTorch operators by their kernels' time (nested operators count in each "
+              "level), with input shapes:", "",
+              "| operator | input shapes | calls | kernel ms | CPU ms |", "|---|---|---|---|---|"]
+    for e in ops[:20]:
+        shapes = str(e.input_shapes)[:110].replace("|", "/")
+        lines.append(f"| `{e.key}` | {shapes} | {e.count} | {e.device_time_total / 1e3:.3f} | "
+                     f"{e.cpu_time_total / 1e3:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def predicted_case_s(last: tuple[int, float] | None, tokens: int, reps: int) -> float:
