@@ -3,6 +3,8 @@ configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) a
 
     PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|all]
 
+``gemm``: the fp8 weight-streaming GEMM's configurations and the one-pass dequantisation;
+
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
 indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro shapes;
 ``stages``: the RoPE /
@@ -40,8 +42,8 @@ from dsv4.kernels import sparse_mqa as sm
 from dsv4.kernels import store_rows as sr
 
 TARGET = GPUTarget("cuda", 90, 32)
-DIV16 = {"sxm", "sxg", "sym", "syg", "R", "Kg", "sqt", "sqh", "sot", "soh", "swi", "w_blk", "sci",
-         "c_blk", "H", "B"}
+DIV16 = {"sxm", "sxg", "sym", "syg", "R", "Kg", "K", "sqt", "sqh", "sot", "soh", "swi", "w_blk",
+         "sci", "c_blk", "H", "B"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
 
@@ -87,6 +89,16 @@ def gemm() -> None:
             except Exception:
                 traceback.print_exc()
                 print(f"FAIL fp8_gemm {c}", flush=True)
+
+
+def dequant() -> None:
+    """The one-pass fp8 -> bf16 weight copy of long calls (``fp8_dequantize``)."""
+    types = dict(w_ptr="*fp8e4nv", sc_ptr="*u8", stride_sc="i32", o_ptr="*bf16", K="i32")
+    for f32 in (False, True):
+        t = {**types, "sc_ptr": "*fp32"} if f32 else types
+        r = compile_one(fl._dequant_kernel, t, dict(BN=32, BK=128, SCALE_F32=f32),
+                        dict(num_warps=4))
+        print(f"fp8 dequant scale_f32={f32}: {r}", flush=True)
 
 
 def mqa() -> None:
@@ -231,6 +243,7 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which in ("gemm", "all"):
         gemm()
+        dequant()
     if which in ("mqa", "all"):
         mqa()
     if which in ("steps", "all") and not steps():

@@ -9,6 +9,7 @@ import torch
 from dsv4.kernels.fp8_linear import (
     Fp8GemmConfig,
     choose_fp8_config,
+    fp8_dequantize,
     fp8_grouped_linear,
     fp8_grouped_linear_reference,
     fp8_linear,
@@ -65,6 +66,23 @@ def test_grouped_reference_is_per_group_linear():
     for g in range(2):
         ref = float64_eval(x[:, g], w[g * 256:(g + 1) * 256], s[g * 2:(g + 1) * 2])
         assert rel(y[:, g], ref) < 1e-12
+
+
+@pytest.mark.parametrize("scale", ["e8m0", "uint8", "f32"])
+def test_one_pass_dequantize_equals_the_layer_dequantisation(scale):
+    """fp8_dequantize (the kernel under the interpreter / on a GPU, else the reference) gives
+    exactly dequantize_fp8_block's bf16 weight: e4m3 x 2^k is exact; a general fp32 scale's
+    product is rounded once to nearest, as the base path's fp32 product cast to bf16."""
+    w, s = make_weight(256, 384, device=DEV, seed=7, f32_scale=scale == "f32")
+    if scale == "uint8":
+        s = s.view(torch.uint8)
+    want = dequantize_fp8_block(w.cpu(), (s.view(torch.float8_e8m0fnu) if scale == "uint8"
+                                          else s).cpu(), BF16)
+    got = fp8_dequantize(w, s)
+    assert got.dtype == BF16 and got.shape == (256, 384)
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="scale shape"):
+        fp8_dequantize(w, s[:1])
 
 
 def test_bad_shapes_raise():

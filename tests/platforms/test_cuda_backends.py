@@ -257,20 +257,29 @@ def test_verify_runs_a_platforms_declared_variants(tiny):
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_stream_plan_calls_take_the_fp8_input_gemm(tiny, ratio):
-    """Calls above the fused input-projection launch's tokens and within the fp8 kernels'
-    (here 40 and 100 tokens) run ``fused_wqa_wkv`` through the weight-streaming kernel, with
-    the reference's output; a longer call (150) keeps the base path."""
+    """Calls above the fused input-projection launch's tokens run ``fused_wqa_wkv`` through
+    the fp8 linears, with the reference's output: within the streaming kernels' tokens (here 40
+    and 100) the weight-streaming GEMM, above them (150) a one-pass dequantised copy + cuBLAS."""
+    from dsv4.kernels import fp8_linear as fl
+
     layer, ref = _cuda_pair(tiny, ratio, "torch")
     assert layer.plan.fused_max_tokens < 40
     x = random_x(290, tiny.hidden_size).to("cuda", BF16)
     cache, ref_cache = layer.new_cache(290), ref.new_cache(290)
     begin = 0
-    for n, takes in ((40, True), (100, True), (150, False)):
+    w = layer.fused_wqa_wkv.weight
+    for n, streams in ((40, True), (100, True), (150, False)):
         pos = torch.arange(begin, begin + n)
         with mock.patch("dsv4.platforms.cuda.fp8_gemm", wraps=fp8_gemm) as spy, \
+                mock.patch("dsv4.platforms.cuda_linears.fp8_linear",
+                           wraps=fl.fp8_linear) as stream, \
+                mock.patch("dsv4.platforms.cuda_linears.fp8_dequantize",
+                           wraps=fl.fp8_dequantize) as dequant, \
                 record_selection(layer) as seen:
             y = layer(x[begin:begin + n], pos, cache)
-        assert any(c.args[0] is layer.fused_wqa_wkv for c in spy.call_args_list) == takes
+        assert any(c.args[0] is layer.fused_wqa_wkv for c in spy.call_args_list)
+        assert any(c.args[1] is w for c in stream.call_args_list) == streams
+        assert any(c.args[0] is w for c in dequant.call_args_list) == (not streams)
         with replay_selection(ref, seen):
             y_ref = ref(x[begin:begin + n], pos, ref_cache)
         assert rel_err(y, y_ref) < 1e-2, (n, rel_err(y, y_ref))

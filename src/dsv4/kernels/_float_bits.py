@@ -1,6 +1,7 @@
 """Float-bit helpers the Triton kernels share: powers of two and power-of-two scale exponents
 taken from the float32 bits (never a floating ``log2``, as :func:`dsv4.layers.fp8.ceil_log2`),
-and the fp8 / fp4 quantisers' constants as constexpr globals. Triton is imported guarded."""
+round-to-nearest-even to bf16 on the bits, and the fp8 / fp4 quantisers' constants as constexpr
+globals. Triton is imported guarded."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ if triton_available():
         """k of the power-of-two scale 2^k = 2^ceil(log2(max(amax, FLOOR) * (1 / QMAX))), the
         official simulations' rule (the product in float32, as theirs)."""
         return ceil_log2(tl.maximum(amax, FLOOR) * (1.0 / QMAX))
+
+    @triton.jit
+    def rounded(x, dtype: tl.constexpr):
+        """fp32 x rounded to ``dtype`` (to nearest, ties to even), still as fp32. bf16 is rounded
+        on the bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, the GPU rounds; this
+        way both give the torch result (and the cast of the rounded value is exact)."""
+        if dtype == tl.bfloat16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            return b.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dtype).to(tl.float32)

@@ -8,6 +8,9 @@ Entry points:
   [M, G, heads/G * head_dim]), all groups in one launch.
 * ``fp8_linear_reference`` / ``fp8_grouped_linear_reference``: dequantise + matmul (the oracle,
   and the path taken on a machine without Triton or off CUDA).
+* ``fp8_dequantize(weight, scale) -> [N, K] bf16``: the dequantised weight in one pass (read
+  e4m3 + scales, write bf16), for long calls that run a bf16 GEMM on it: the same values as
+  :func:`dsv4.layers.fp8.dequantize_fp8_block` (whose PyTorch ops take two passes).
 
 ``scale`` is ``torch.float8_e8m0fnu`` (byte e means 2^(e-127); it multiplies), raw ``uint8`` bytes
 of the same meaning, or float32 (any positive value). N, K (R, Kg) must be multiples of 128.
@@ -44,6 +47,7 @@ from dsv4.layers.fp8 import e8m0_to_float
 __all__ = [
     "Fp8GemmConfig",
     "choose_fp8_config",
+    "fp8_dequantize",
     "fp8_grouped_linear",
     "fp8_grouped_linear_reference",
     "fp8_linear",
@@ -141,6 +145,7 @@ if triton_available():
 
         patch_interpreter_index()
 
+    from dsv4.kernels._float_bits import rounded
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -244,6 +249,19 @@ if triton_available():
                                    cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(cnt_ptr + cnt_idx, 0, sem="relaxed", scope="gpu")
+
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, sc_ptr, stride_sc, o_ptr, K, BN: tl.constexpr, BK: tl.constexpr,
+                        SCALE_F32: tl.constexpr):
+        """One [BN, BK] tile (inside one 128 x 128 scale block) of the dequantised weight."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        k0 = tl.program_id(1) * BK
+        s = _scale_value(_scale_raw(sc_ptr + (tl.program_id(0) * BN // 128) * stride_sc,
+                                    k0 // 128, SCALE_F32), SCALE_F32)
+        offs = rows.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BK))[None, :]
+        w = tl.load(w_ptr + offs, eviction_policy="evict_first").to(tl.float32)
+        tl.store(o_ptr + offs, rounded(w * s, tl.bfloat16).to(tl.bfloat16))
 
 
 # ---------------------------------------------------------------------------------- launch
@@ -367,3 +385,21 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         raise ValueError("out must have a contiguous last dim")
     _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace)
     return y
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``weight * scale`` [N, K] in one pass over it (e4m3 times the block's
+    scale in fp32, rounded once to bf16: exact for ue8m0 scales, the values of
+    :func:`dsv4.layers.fp8.dequantize_fp8_block`). Off CUDA without the interpreter: that
+    function."""
+    _check_weight(weight, scale)
+    n, k = weight.shape
+    if not (triton_available() and (weight.device.type == "cuda" or _INTERPRET)):
+        return _dequant(weight, scale, torch.float32).to(torch.bfloat16)
+    out = torch.empty(n, k, device=weight.device, dtype=torch.bfloat16)
+    sc_f32 = scale.dtype == torch.float32
+    sc = (scale if sc_f32 else scale.view(torch.uint8)).contiguous()
+    bn, bk = 32, 128
+    _dequant_kernel[(n // bn, k // bk)](weight.contiguous(), sc, sc.stride(0), out, k, BN=bn,
+                                        BK=bk, SCALE_F32=sc_f32, num_warps=4)
+    return out

@@ -61,6 +61,7 @@ if triton_available():
         FP8_FLOOR,
         FP8_MAX,
         pow2,
+        rounded,
         scale_exponent,
     )
 
@@ -95,18 +96,6 @@ if triton_available():
         return (f + up.to(tl.float32)) * pow2(s) * pow2(k)
 
     @triton.jit
-    def _rounded(x, dtype: tl.constexpr):
-        """fp32 x rounded to ``dtype`` (to nearest, ties to even), still as fp32. bf16 is rounded
-        on the bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, the GPU rounds; this
-        way both give the torch result (and the cast of the rounded value is exact)."""
-        if dtype == tl.bfloat16:
-            b = x.to(tl.int32, bitcast=True)
-            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-            return b.to(tl.float32, bitcast=True)
-        else:
-            return x.to(dtype).to(tl.float32)
-
-    @triton.jit
     def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps_q,
                              eps_kv, QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
                              BKV: tl.constexpr):
@@ -118,14 +107,14 @@ if triton_available():
         rq = tl.rsqrt(tl.sum(xq * xq, axis=0) / QR + eps_q)
         wq = tl.load(wq_ptr + oq, mask=mq, other=0.0).to(tl.float32)
         q_dt = q_ptr.dtype.element_ty
-        tl.store(q_ptr + t * sqt + oq, _rounded(xq * rq * wq, q_dt).to(q_dt), mask=mq)
+        tl.store(q_ptr + t * sqt + oq, rounded(xq * rq * wq, q_dt).to(q_dt), mask=mq)
         ok = tl.arange(0, BKV)
         mk = ok < KV
         xk = tl.load(row + QR + ok, mask=mk, other=0.0).to(tl.float32)
         rk = tl.rsqrt(tl.sum(xk * xk, axis=0) / KV + eps_kv)
         wk = tl.load(wkv_ptr + ok, mask=mk, other=0.0).to(tl.float32)
         kv_dt = kv_ptr.dtype.element_ty
-        tl.store(kv_ptr + t * skt + ok, _rounded(xk * rk * wk, kv_dt).to(kv_dt), mask=mk)
+        tl.store(kv_ptr + t * skt + ok, rounded(xk * rk * wk, kv_dt).to(kv_dt), mask=mk)
 
     @triton.jit
     def _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j,
@@ -161,8 +150,8 @@ if triton_available():
         ye, yo, m = _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j, D2,
                                   NOPE2, NORM, SIGN, BH, BD2)
         out_dt = o_ptr.dtype.element_ty
-        ye = _rounded(ye, out_dt)
-        yo = _rounded(yo, out_dt)
+        ye = rounded(ye, out_dt)
+        yo = rounded(yo, out_dt)
         if QBLOCK > 0:  # E4M3 with a power-of-two scale per QBLOCK pairs, of pairs < QPAIRS
             a = tl.maximum(tl.abs(ye), tl.abs(yo))
             k = tl.zeros([BH, BD2], dtype=tl.int32)
@@ -200,8 +189,8 @@ if triton_available():
                                   NOPE2, False, 1, BH, D2)
         out_dt = o_ptr.dtype.element_ty
         # the rotated query in the layer dtype is the Hadamard's input (exact as MMA operands)
-        ye = _rounded(ye, out_dt).to(DOT_DT)
-        yo = _rounded(yo, out_dt).to(DOT_DT)
+        ye = rounded(ye, out_dt).to(DOT_DT)
+        yo = rounded(yo, out_dt).to(DOT_DT)
         row = (2 * j)[:, None]
         c = tl.arange(0, FP4_BLK)
         for b in tl.static_range(2 * D2 // FP4_BLK):
@@ -210,7 +199,7 @@ if triton_available():
             ho = _hadamard_sign((row + 1) & col).to(tl.float32).to(DOT_DT)
             acc = tl.dot(ye, he, input_precision=DOT_PREC)
             acc = tl.dot(yo, ho, acc, input_precision=DOT_PREC)
-            v = _rounded(acc * HSCALE, out_dt)
+            v = rounded(acc * HSCALE, out_dt)
             k = scale_exponent(tl.max(tl.abs(v), axis=1), FP4_FLOOR, FP4_MAX)
             q = _quant_dequant(v, k[:, None], FP4_MAX, E2M1_MANT, E2M1_MIN_EXP)
             out = o_ptr + t * sot + h[:, None] * soh + col

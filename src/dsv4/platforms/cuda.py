@@ -80,7 +80,6 @@ from dsv4.platforms.cuda_elementwise import (
     fused_query_heads,
 )
 from dsv4.platforms.cuda_linears import (
-    FP8_GEMM_MAX_TOKENS,
     Fp8LinearPlan,
     fp8_gemm,
     fp8_wo_a_wo_b,
@@ -231,9 +230,10 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- fp8 weight-streaming linears (dsv4.platforms.cuda_linears) -------------------
     def _fp8_ready(self, name: str, x: torch.Tensor) -> bool:
-        """Host-side test, no sync: the fp8 kernel takes this call of linear ``name``."""
+        """Host-side test, no sync: the fp8 kernels take this call of linear ``name`` (the
+        weight-streaming GEMM, or for long calls a one-pass dequantised copy + cuBLAS)."""
         return (self._fp8_enabled and name in self.fp8_plan.eligible
-                and x.shape[0] <= FP8_GEMM_MAX_TOKENS and self.offloader.is_noop)
+                and self.offloader.is_noop)
 
     def _fused_wqa_wkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
         # the stream plan's main GEMM (calls above plan.fused_max_tokens): the weight-streaming

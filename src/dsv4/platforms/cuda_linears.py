@@ -12,11 +12,14 @@ accumulates in fp32 and is scaled by the block's power of two (exact), the sum o
 fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on the dequantised
 weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions.
 
-Which layers and calls take it is decided on the host, without device syncs (CUDA-graph
-capturable), by :func:`plan_fp8_linears` after every weight change, and per call by the token
-count (:data:`FP8_GEMM_MAX_TOKENS`: decode-sized calls; a long prefill amortises one dequantised
-copy over many tokens and runs the base path's cuBLAS GEMM) and the offloader (an offloader that
-moves weights rebinds them around the forward: the base path then runs, as for CUDA graphs).
+Which layers take it is decided on the host, without device syncs (CUDA-graph capturable), by
+:func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
+that moves weights rebinds them around the forward: the base path then runs, as for CUDA
+graphs). The token count picks the kernel: calls of at most :data:`FP8_GEMM_MAX_TOKENS` tokens
+stream the fp8 weight; longer calls (prefill) amortise one dequantised bf16 copy over their
+tokens and run cuBLAS on it, the base path's GEMM, with the copy made in one pass
+(:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base path's two PyTorch passes took ~140 us
+per weight and call at Flash sizes on the H200, ~1.4 ms of a 16K-token Flash prefill).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
-from dsv4.kernels.fp8_linear import fp8_grouped_linear, fp8_linear
+from dsv4.kernels.fp8_linear import fp8_dequantize, fp8_grouped_linear, fp8_linear
 from dsv4.layers.linear import Linear
 from dsv4.layers.weight_layout import get_layout
 
@@ -34,9 +38,9 @@ if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
 
 FP8_GEMM_MAX_TOKENS = 128
-"""Calls of at most this many tokens use the fp8 kernels (measured at M = 1, 16, 64 in
-benchmarks/results/h200/attention_kernels: 4-17x faster than dequantise + GEMM there); longer
-calls (prefill) use the base path."""
+"""Calls of at most this many tokens use the weight-streaming kernels (measured at M = 1, 16, 64
+in benchmarks/results/h200/attention_kernels: 4-17x faster than dequantise + GEMM there); longer
+calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM."""
 
 BLOCK = 128
 LINEARS = ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
@@ -101,17 +105,26 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
 
 
 def fp8_gemm(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16, scales applied in the kernel."""
+    """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
+    kernel, or (long calls) a one-pass dequantised copy and cuBLAS."""
     assert lin.scale is not None
-    return fp8_linear(x, lin.weight, lin.scale)
+    if x.shape[0] <= FP8_GEMM_MAX_TOKENS:
+        return fp8_linear(x, lin.weight, lin.scale)
+    return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:
     """The output projection after inverse RoPE: ``wo_a`` grouped in one launch over this rank's
     output groups (g-major: group g = heads g*hpg .. g*hpg + hpg - 1), then ``wo_b`` (through
-    the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden]."""
+    the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden].
+    Long calls: the base path's grouped product on a one-pass dequantised ``wo_a``."""
     lin = layer.wo_a
     assert lin.scale is not None
-    z = fp8_grouped_linear(o.reshape(o.shape[0], layer.o_groups, -1), lin.weight, lin.scale)
+    og = o.reshape(o.shape[0], layer.o_groups, -1)
+    if o.shape[0] <= FP8_GEMM_MAX_TOKENS:
+        z = fp8_grouped_linear(og, lin.weight, lin.scale)
+    else:
+        w = fp8_dequantize(lin.weight, lin.scale).view(layer.o_groups, -1, og.shape[2])
+        z = torch.einsum("tgc,grc->tgr", og, w)
     z = z.flatten(1)
     return fp8_gemm(layer.wo_b, z) if wo_b else layer.wo_b(z)
