@@ -13,8 +13,9 @@ without Triton's interpreter):
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
    query's visible entries only write -inf.
 2. **Top-k** (``_topk_kernel``, one program per query): a radix select on order-preserving 32-bit
-   keys of the fp32 scores (4 passes of 8-bit histograms over the visible entries) finds the
-   k-th largest score v and how many entries equal to v are still needed; a compaction pass then
+   keys of the fp32 scores (4 passes of 8-bit histograms over the visible entries; none when
+   k covers every visible entry) finds the k-th largest score v and how many entries equal to
+   v are still needed; a compaction pass then
    takes every entry above v and, of those equal to v, the lowest-indexed ones (the tie rule);
    a bitonic sort of the k taken entries on (score, -index) writes them in the torch path's
    order: score descending, equal scores by ascending entry index. -1 pads the rest. -0.0 and
@@ -181,20 +182,12 @@ if triton_available():
         b = tl.where(b == -2147483648, 0, b)
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
-    @triton.jit(do_not_specialize=["width"])
-    def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
-                     KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
-        t = tl.program_id(0)
-        row = s_ptr + t.to(tl.int64) * sst
-        out = o_ptr + t.to(tl.int64) * sot
-        visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
-        take_n = tl.minimum(visible, K)
-        lanes = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 256)
-        # radix select, 8 bits a pass from the top, on u = key ^ sign bit (unsigned order): the
-        # take_n-th largest key is ``prefix``; ``need`` of the entries equal to it are taken
-        prefix = take_n * 0
-        need = take_n
+    @triton.jit
+    def _radix_select(row, visible, need, lanes, bins, BLOCK: tl.constexpr):
+        """(prefix, need): the ``need``-th largest order key of the row's ``visible`` scores as
+        an unsigned-order prefix (key ^ sign bit), and how many of the entries equal to it are
+        still to be taken; 4 passes of 8-bit histograms from the top."""
+        prefix = need * 0
         for level in tl.static_range(4):
             shift = 24 - 8 * level  # constexpr: level is unrolled
             hist = tl.zeros([256], tl.int32)
@@ -210,6 +203,26 @@ if triton_available():
             digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
             need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
             prefix = prefix | (digit << shift)
+        return prefix, need
+
+    @triton.jit(do_not_specialize=["width"])
+    def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
+                     KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
+        t = tl.program_id(0)
+        row = s_ptr + t.to(tl.int64) * sst
+        out = o_ptr + t.to(tl.int64) * sot
+        visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
+        take_n = tl.minimum(visible, K)
+        lanes = tl.arange(0, BLOCK)
+        bins = tl.arange(0, 256)
+        # radix select, 8 bits a pass from the top, on u = key ^ sign bit (unsigned order): the
+        # take_n-th largest key is ``prefix``; ``need`` of the entries equal to it are taken.
+        # With every visible entry taken (visible <= K: short contexts) the passes are skipped:
+        # prefix 0 is the lowest key, which no score has (it is a NaN's), so all are above it
+        prefix = take_n * 0
+        need = take_n
+        if visible > K:
+            prefix, need = _radix_select(row, visible, need, lanes, bins, BLOCK)
         kth = prefix ^ -2147483648
         # compaction: every entry above the k-th key, then the lowest-indexed equal ones
         taken = take_n * 0
