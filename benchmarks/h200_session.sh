@@ -60,20 +60,23 @@ prefill)
         --attention-backend flashmla,triton --step-kernels on,off --reps 2 \
         --max-case-seconds 20
     ;;
-steps)  # after a change to the step's elementwise / GEMM kernels: tests, verify, eval, benches
-    step pytest_steps 200 "${PYTEST[@]}" tests/kernels/test_rope_norm.py \
+steps)  # after a change to the step's elementwise / GEMM / top-k kernels: tests, verify,
+    # decode + prefill benches, eval, GEMM probes (one call of < 9 minutes)
+    step pytest_steps 220 "${PYTEST[@]}" tests/kernels/test_rope_norm.py \
         tests/kernels/test_fp8_linear.py tests/kernels/test_fused_input_proj.py \
+        tests/kernels/test_indexer_topk.py tests/kernels/test_indexer_prefill.py \
         tests/platforms/test_cuda_backends.py tests/test_attention_conformance.py
-    step verify_cuda 80 python3 -m dsv4 verify --platform cuda
-    step eval_cuda 60 python3 -m dsv4 eval --device cuda --platform cuda \
-        --cache-format fp8_ds_mla/fp8
-    step decode_step 100 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+    step verify_cuda 60 python3 -m dsv4 verify --platform cuda
+    step decode_step 90 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
-    step prefill_profile 50 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+    step prefill_profile 45 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
         --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
         --attention-backend flashmla,triton --reps 1 --profile
-    step gemm_probes 150 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm
+    step eval_cuda 40 python3 -m dsv4 eval --device cuda --platform cuda \
+        --cache-format fp8_ds_mla/fp8
+    step gemm_probes 75 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
+        --quick
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
