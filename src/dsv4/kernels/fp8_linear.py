@@ -118,8 +118,11 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmCo
     """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length.
 
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
-    benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes. M > 64:
-    64 x 128 tiles, split only when the tiles alone leave SMs idle. Untuned on this kernel.
+    benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
+    that no program streams more than 16 K blocks (H200, M=1, session 22's GEMM probes: Pro
+    ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6
+    pipeline stages lost on every shape). M > 64: 64 x 128 tiles, split only when the tiles
+    alone leave SMs idle. Untuned on this kernel.
     """
     nkb = K // BLOCK
     if M <= 64:
@@ -130,7 +133,10 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmCo
         c = Fp8GemmConfig(block_m=64, block_n=128, swap=False, num_warps=8, num_stages=3)
         target = n_sm
     tiles = -(-M // c.block_m) * (n_rows // c.block_n)
-    split = max(1, min(nkb, -(-target // tiles), 16))
+    split = -(-target // tiles)
+    if M <= 64:
+        split = max(split, -(-nkb // 16))
+    split = max(1, min(nkb, split, 16))
     return Fp8GemmConfig(**{**c.__dict__, "split_k": split})
 
 
