@@ -222,3 +222,20 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
 
 
 _TINY = DSV4Config.preset("tiny")
+
+
+def test_profile_tables_gpu_layout_from_a_cpu_profile():
+    """The GPU report's three tables (kernels, operators with shapes, host events) build from
+    any finished profile; on a CPU profile the kernel and operator tables are empty."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4.bench.prefill import profile_tables
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        a = torch.randn(64, 64)
+        (a @ a).relu().sum()
+    md = profile_tables(prof, "t", 0.0125, gpu=True)
+    assert "## t: 0.0 ms of kernel time" in md and "12.5 ms on the host clock" in md
+    assert "| operator | input shapes |" in md
+    host = md.split("Host side:")[1]
+    assert "`aten::mm`" in host or "`aten::matmul`" in host

@@ -257,11 +257,18 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
     cache = layer.new_cache(x.shape[0])
     try:
         with profile(activities=acts, record_shapes=gpu) as prof:
+            t0 = time.perf_counter()
             layer(x, torch.arange(x.shape[0]), cache)
             if gpu:
                 torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
     finally:
         cache.free()
+    return profile_tables(prof, title, wall, gpu)
+
+
+def profile_tables(prof: Any, title: str, wall: float, gpu: bool) -> str:
+    """Markdown of a finished profile of one call (see :func:`profile_call`)."""
     if not gpu:
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
@@ -273,6 +280,8 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
     kernels.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in kernels)
     lines = [f"## {title}: {total / 1e3:.1f} ms of kernel time in one call", "",
+             f"The call took {wall * 1e3:.1f} ms on the host clock under the profiler (launch "
+             "to the end of its last kernel); kernel time below.", "",
              "| kernel | calls | ms | us / call | share |", "|---|---|---|---|---|"]
     for e in kernels[:25]:
         t = e.self_device_time_total
@@ -288,6 +297,17 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
         shapes = str(e.input_shapes)[:110].replace("|", "/")
         lines.append(f"| `{e.key}` | {shapes} | {e.count} | {e.device_time_total / 1e3:.3f} | "
                      f"{e.cpu_time_total / 1e3:.3f} |")
+    # where the host's time goes (a GPU idle between kernels waits on these): every event by
+    # its own CPU time, CUDA runtime calls (launches, copies, syncs) included
+    cpu = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    cpu.sort(key=lambda e: -e.self_cpu_time_total)
+    cpu_total = sum(e.self_cpu_time_total for e in cpu)
+    lines += ["", f"Host side: {cpu_total / 1e3:.1f} ms of self CPU time in profiled events "
+              "(Python between them not counted); the largest:", "",
+              "| event | calls | self CPU ms | us / call |", "|---|---|---|---|"]
+    for e in cpu[:15]:
+        lines.append(f"| `{e.key[:80]}` | {e.count} | {e.self_cpu_time_total / 1e3:.3f} | "
+                     f"{e.self_cpu_time_total / e.count:.1f} |")
     return "\n".join(lines) + "\n"
 
 
