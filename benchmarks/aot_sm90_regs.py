@@ -113,14 +113,15 @@ def mqa() -> None:
             c = sm.choose_sparse_config(64, H, d, 640, fmt=fmt)
             n = d - 64
             fp8 = fmt == "fp8_ds_mla"
-            for split in (False, True):
+            for split, pre in ((False, False), (True, False), (True, True)):
                 consts = dict(D=d, DV=d, BH=c.block_h, BN=c.block_n, SPLIT=split, FP8=fp8, NOPE=n,
                               DR=(n + 128) if fp8 else 0, SR=8 if fp8 else 0,
-                              DOT_DT=tl.bfloat16, DOT_PREC="tf32")
+                              DOT_DT=tl.bfloat16, DOT_PREC="tf32", PREFETCH=pre)
                 try:
                     r = compile_one(sm._sparse_mqa_kernel, types, consts,
                                     dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} {c}: {r}", flush=True)
+                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} prefetch={pre} {c}: {r}",
+                          flush=True)
                 except Exception:
                     traceback.print_exc()
                     print(f"FAIL sparse_mqa {fmt} {c}", flush=True)

@@ -137,6 +137,7 @@ class SparseMqaConfig:
     num_warps: int = 8
     num_stages: int = 2
     block_dv: int = 0  # output columns per program (a power of two >= 64 dividing d); 0 = all d
+    prefetch: bool = False  # the next tile's loads issued before this tile's math (block_dv 0)
 
 
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
@@ -206,12 +207,13 @@ if triton_available():
         patch_interpreter_index()
 
     @triton.jit
-    def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
-                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr,
-                   DT: tl.constexpr, C0=0, DW: tl.constexpr = 0):
-        """[BN, DW] rows (columns C0 .. C0 + DW of the D-wide rows; DW = 0: all D) in DT, zeros
-        where not valid. fp8 rows are dequantised in DT: bf16 on a GPU (e4m3 x 2^k is exact in
-        bf16; half the registers of fp32), fp32 under the interpreter. C0 is a multiple of 64."""
+    def _fetch_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
+                    NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, C0=0,
+                    DW: tl.constexpr = 0):
+        """The global loads of :func:`_load_rows` (columns C0 .. C0 + DW, DW = 0: all D), as
+        stored: fp8 rows (e4m3 bytes, the scale bytes of their 64-dim tiles, the bf16 rope
+        dims), or the bf16 rows (twice, the second unused). :func:`_rows_from` finishes them;
+        apart, a tile's loads can be issued before the previous tile is computed."""
         W: tl.constexpr = D if DW == 0 else DW
         r = tl.where(valid, rows, 0)
         blk = (r // B).to(tl.int64)
@@ -220,52 +222,105 @@ if triton_available():
         if FP8:
             base = blk * blk_stride
             d_ptr = st_ptr + (base + off * DR)[:, None]
-            is_nope = cols < NOPE
-            m_nope = valid[:, None] & is_nope[None, :]
+            m_nope = valid[:, None] & (cols < NOPE)[None, :]
             m_rope = valid[:, None] & (cols >= NOPE)[None, :]
             e = tl.load(d_ptr + cols[None, :], mask=m_nope, other=0)
-            e = e.to(tl.float8e4nv, bitcast=True).to(DT)
-            # one scale byte per 64-dim tile: load [BN, W/64], then widen to [BN, W]
+            # one scale byte per 64-dim tile: [BN, W/64]
             tiles = C0 // 64 + tl.arange(0, W // 64)
             sb = tl.load(st_ptr + (base + B * DR + off * SR)[:, None] + tiles[None, :],
-                         mask=valid[:, None] & (tiles < NOPE // 64)[None, :],
-                         other=127).to(tl.int32)
-            sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
-            sc = tl.where(sb == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, W // 64, 64)), (BN, W))
+                         mask=valid[:, None] & (tiles < NOPE // 64)[None, :], other=127)
             rp = (d_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
             rope = tl.load(rp + (cols - NOPE)[None, :], mask=m_rope, other=0.0)
-            k = tl.where(is_nope[None, :], e * sc, rope.to(DT))
+            return e, sb, rope
         else:
             ptr = st_ptr + (blk * blk_stride + off * D)[:, None] + cols[None, :]
-            k = tl.load(ptr, mask=valid[:, None], other=0.0).to(DT)
-        return k
+            k = tl.load(ptr, mask=valid[:, None], other=0.0)
+            return k, k, k
+
+    @triton.jit
+    def _rows_from(e, sb, rope, D: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr,
+                   BN: tl.constexpr, DT: tl.constexpr, C0=0, DW: tl.constexpr = 0):
+        """[BN, DW] rows in DT from :func:`_fetch_rows`' loads: fp8 rows dequantised (bf16 on
+        a GPU: e4m3 x 2^k is exact in bf16, half the registers of fp32; fp32 under the
+        interpreter), bf16 rows cast."""
+        W: tl.constexpr = D if DW == 0 else DW
+        if FP8:
+            cols = C0 + tl.arange(0, W)
+            is_nope = cols < NOPE
+            v = e.to(tl.float8e4nv, bitcast=True).to(DT)
+            b = sb.to(tl.int32)
+            sc = (b << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
+            sc = tl.where(b == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, W // 64, 64)), (BN, W))
+            return tl.where(is_nope[None, :], v * sc, rope.to(DT))
+        else:
+            return e.to(DT)
+
+    @triton.jit
+    def _load_rows(st_ptr, rows, valid, blk_stride, B, D: tl.constexpr, FP8: tl.constexpr,
+                   NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, BN: tl.constexpr,
+                   DT: tl.constexpr, C0=0, DW: tl.constexpr = 0):
+        """[BN, DW] rows (columns C0 .. C0 + DW of the D-wide rows; DW = 0: all D) in DT, zeros
+        where not valid (fp8 rows dequantised, :func:`_rows_from`). C0 is a multiple of 64."""
+        e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, C0,
+                                  DW)
+        return _rows_from(e, sb, rope, D, FP8, NOPE, BN, DT, C0, DW)
+
+    @triton.jit
+    def _attend_tile(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_DT: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+        """One tile of the online softmax: scores of q against rows k, P.V into acc."""
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
 
     @triton.jit
     def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale, c0,
                 D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
                 NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
         """Online softmax over rows lo .. hi of one index list; acc holds output columns
-        c0 .. c0 + DV (DV < D: the scores use whole rows, P.V this program's columns)."""
-        for j in range(lo, hi, BN):
-            offs = j + tl.arange(0, BN)
+        c0 .. c0 + DV (DV < D: the scores use whole rows, P.V this program's columns).
+        PREFETCH (whole rows only): the next tile's index and row loads are issued before the
+        current tile is computed (one tile held in registers as stored), for the 1-stage
+        configurations whose loads the compiler does not pipeline."""
+        if PREFETCH:
+            offs = lo + tl.arange(0, BN)
             rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
             valid = rows >= 0
-            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN, DOT_DT)
-            if DV == D:
-                v = k
-            else:  # this program's output columns of the same rows (from the cache: just read)
-                v = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
-                               DOT_DT, c0, DV)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BH, BN], log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DT), v, input_precision=DOT_PREC)
-            m_i = m_new
+            e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR)
+            for j in range(lo, hi, BN):
+                cur_valid = valid
+                cur_e = e
+                cur_sb = sb
+                cur_rope = rope
+                offs = j + BN + tl.arange(0, BN)  # the next tile (all masked past hi)
+                rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
+                valid = rows >= 0
+                e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR,
+                                          SR)
+                k = _rows_from(cur_e, cur_sb, cur_rope, D, FP8, NOPE, BN, DOT_DT)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, k, cur_valid, qk_scale,
+                                             DOT_DT, DOT_PREC)
+        else:
+            for j in range(lo, hi, BN):
+                offs = j + tl.arange(0, BN)
+                rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
+                valid = rows >= 0
+                k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
+                               DOT_DT)
+                if DV == D:
+                    v = k
+                else:  # this program's output columns of the same rows (from the cache)
+                    v = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR,
+                                   BN, DOT_DT, c0, DV)
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_DT,
+                                             DOT_PREC)
         return m_i, l_i, acc
 
     @triton.jit(do_not_specialize=["T", "W", "KC", "chunk", "n_split"])
@@ -276,6 +331,7 @@ if triton_available():
         D: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
         SPLIT: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr,
         SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
+        PREFETCH: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
@@ -299,12 +355,12 @@ if triton_available():
         j1 = tl.minimum(j0 + chunk, W + KC)
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, win_ptr, widx_ptr + t.to(tl.int64) * swi,
                                 tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale, c0,
-                                D, DV, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
+                                D, DV, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC, PREFETCH)
         if KC > 0:
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
                                     tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
                                     qk_scale, c0, D, DV, BN, FP8, NOPE, DR, SR, DOT_DT,
-                                    DOT_PREC)
+                                    DOT_PREC, PREFETCH)
         if SPLIT:  # partial (acc, max, sum) for the combine kernel
             row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
             tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
@@ -429,6 +485,9 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if dv & (dv - 1) or dv < 64 or d % dv:
         raise ValueError(f"block_dv={cfg.block_dv} must be 0 or a power of two >= 64 dividing "
                          f"the head dim {d}")
+    if cfg.prefetch and dv != d:
+        raise ValueError(f"prefetch needs whole rows per program (block_dv 0), got block_dv="
+                         f"{cfg.block_dv}")
     sink_f = sink.to(torch.float32).contiguous()
     if split > 1:
         ws_acc = torch.empty(split * T * H * d, device=q.device, dtype=torch.float32)
@@ -445,7 +504,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         D=d, DV=dv, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n,
         DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, PREFETCH=cfg.prefetch,
     )
     if split > 1:
         sp = triton.next_power_of_2(split)
