@@ -81,7 +81,8 @@ def gemm() -> None:
                 continue
             seen.add(key)
             consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
-                          SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32")
+                          SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32",
+                          GEMV=False)
             try:
                 r = compile_one(fl._fp8_gemm_kernel, types, consts,
                                 dict(num_warps=c.num_warps, num_stages=c.num_stages))
@@ -89,6 +90,19 @@ def gemm() -> None:
             except Exception:
                 traceback.print_exc()
                 print(f"FAIL fp8_gemm {c}", flush=True)
+
+
+def gemv() -> None:
+    """The MMA-free one-token variant (``Fp8GemmConfig(gemv=True)``) at the bench's probe tiles."""
+    types = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
+                 stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
+                 cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
+                 m_tiles="i32", G="i32")
+    for bn, warps in ((64, 8), (32, 4), (128, 8)):
+        consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
+                      DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True)
+        r = compile_one(fl._fp8_gemm_kernel, types, consts, dict(num_warps=warps, num_stages=3))
+        print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)
 
 
 def dequant() -> None:
@@ -244,6 +258,7 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which in ("gemm", "all"):
         gemm()
+        gemv()
         dequant()
     if which in ("mqa", "all"):
         mqa()

@@ -142,6 +142,8 @@ def test_kernel_matches_float64(NK, M):
     Fp8GemmConfig(block_m=16, block_n=32, split_k=3),  # ragged splits of 8 K blocks
     Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False),
     Fp8GemmConfig(block_m=64, block_n=64, split_k=8, swap=False),
+    Fp8GemmConfig(block_m=1, block_n=64, split_k=1, gemv=True),  # one token a program, no MMA
+    Fp8GemmConfig(block_m=1, block_n=32, split_k=3, gemv=True),
 ])
 def test_kernel_configs_and_scales(cfg):
     # exponents -120 .. +100: products stay finite and normal in fp32
@@ -170,9 +172,12 @@ def test_grouped_kernel(M):
     w, s = make_weight(G * R, Kg, device=DEV, seed=M)
     x = torch.randn(M, G, Kg).to(BF16).to(DEV)
     want = fp8_grouped_linear_reference(x.cpu(), w.cpu(), s.cpu(), F64, F64)
-    for cfg in (None, Fp8GemmConfig(block_m=16, block_n=64, split_k=2)):
+    for cfg in (None, Fp8GemmConfig(block_m=16, block_n=64, split_k=2),
+                Fp8GemmConfig(block_m=1, block_n=64, split_k=2, gemv=True)):
         y = fp8_grouped_linear(x, w, s, out_dtype=F32, config=cfg)
         assert y.shape == (M, G, R) and rel(y, want) < 1e-5
+    with pytest.raises(ValueError, match="gemv needs block_m=1"):
+        fp8_grouped_linear(x, w, s, config=Fp8GemmConfig(block_m=16, gemv=True))
     # o [M, H, d] viewed as groups, no copy
     o = torch.randn(M, 4, 128).to(BF16).to(DEV)
     y = fp8_grouped_linear(o.view(M, G, Kg), w, s)

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -268,6 +269,17 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                     ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6))):
                 vc = Fp8GemmConfig(**{**c.__dict__, **change})
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc)))
+            if M == 1:  # the MMA-free one-token path (Fp8GemmConfig.gemv) at a few tiles
+                gemv_probes: tuple[tuple[str, dict[str, Any]], ...] = (
+                        ("gemv64w8", dict(block_n=64, num_warps=8)),
+                        ("gemv32", dict(block_n=32, num_warps=4, split_k=c.split_k * 2)),
+                        ("gemv64w8_split2x", dict(block_n=64, num_warps=8,
+                                                  split_k=c.split_k * 2)),
+                        ("gemv128w8", dict(block_n=128, num_warps=8,
+                                           split_k=max(1, c.split_k // 2))))
+                for tag, gchange in gemv_probes:
+                    vc = Fp8GemmConfig(**{**c.__dict__, "block_m": 1, "gemv": True, **gchange})
+                    impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc)))
         for impl, fn in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)

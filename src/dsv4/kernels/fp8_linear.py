@@ -32,6 +32,11 @@ and the last program of a tile to arrive (acq_rel counter) sums the partials in 
 writes y: deterministic, graph-replayable (the counter is reset), no float atomics - the same
 protocol as :mod:`dsv4.kernels.fused_input_proj`. Small M uses the swapped MMA (weight rows on the
 MMA's M side, x^T as the narrow N side); larger M uses plain tiles. ``choose_config`` picks by M.
+``Fp8GemmConfig(gemv=True, block_m=1)`` is an MMA-free variant, one token per program: the
+e4m3 tile is widened to fp32 in registers (loaded one tile ahead) and multiplied by x times the
+block's scale (exact products for ue8m0 scales), summed per column and reduced once; it is a
+probe of ``dsv4 bench attention-kernels`` at M = 1, not a default (its H200 time is not yet
+measured).
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class Fp8GemmConfig:
     swap: bool = True  # weight rows on the MMA's M side (small M)
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # one token per program without MMAs (block_m 1, swap): fp32 FMAs
 
 
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmConfig:
@@ -178,7 +184,7 @@ if triton_available():
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False,
     ):
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
@@ -209,20 +215,36 @@ if triton_available():
         # load inside the iteration that needs it held the iteration (and the next tile's
         # copy) for a global-load latency
         raw_next = _scale_raw(sc_row, kb0, SCALE_F32)
+        if GEMV:  # one token (BM = 1): fp32 products summed per column, reduced once at the end
+            part = tl.zeros([BN, BK], dtype=tl.float32)
+            # the weight tile streams global -> registers, one tile ahead of its FMAs (the
+            # compiler pipelines only loads that feed an MMA)
+            w_raw = tl.load(w_ptrs, mask=kb0 < kb1, other=0.0, eviction_policy="evict_first")
         for kb in range(kb0, kb1):
             s = _scale_value(raw_next, SCALE_F32)
             raw_next = _scale_raw(sc_row, tl.minimum(kb + 1, kb1 - 1), SCALE_F32)
-            # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16 dot of
-            # a converted operand is wrong); the products are exact in fp32 either way
-            w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
-            if SWAP:
-                xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
-                acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
+            if GEMV:
+                # no MMA: e4m3 x (bf16 x times the block's scale) is exact in fp32 for ue8m0
+                # scales (4 x 8 significant bits)
+                wf = w_raw.to(tl.float32)
+                w_raw = tl.load(w_ptrs + BK, mask=kb + 1 < kb1, other=0.0,
+                                eviction_policy="evict_first")
+                xv = tl.load(x_base + pid_m * sxm + kb * BK + offs_k).to(tl.float32)
+                part += wf * (xv * s)[None, :]
             else:
-                xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
-                acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
+                # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
+                # dot of a converted operand is wrong); the products are exact in fp32 either way
+                w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
+                if SWAP:
+                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
+                    acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
+                else:
+                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
+                    acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
             w_ptrs += BK
             x_ptrs += BK
+        if GEMV:
+            acc = tl.sum(part, axis=1)[:, None]  # [BN, 1]: the swapped tile of one token
 
         cols = n0 + offs_n  # output column within the group
         if SWAP:
@@ -296,6 +318,9 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
         raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")
+    if cfg.gemv and (cfg.block_m != 1 or not cfg.swap):
+        raise ValueError(f"gemv needs block_m=1 and swap=True, got block_m={cfg.block_m}, "
+                         f"swap={cfg.swap}")
     n_tiles = R // bn
     m_tiles = -(-M // cfg.block_m)
     m_ws = m_tiles * cfg.block_m
@@ -314,7 +339,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        DOT_PREC="ieee" if _INTERPRET else "tf32",
+        DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
