@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_session.sh prefill  # call 3: prefill bench, step kernels on and off
 #   bash benchmarks/h200_session.sh kernels  # attention kernels changed: tests, verify, benches
 #   bash benchmarks/h200_session.sh steps    # rope / GEMM kernels changed: the same + GEMM probes
+#   bash benchmarks/h200_session.sh probes   # opt-in variants (prefetch, gemv) beside defaults
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -77,6 +78,17 @@ steps)  # after a change to the step's elementwise / GEMM / top-k kernels: tests
         --cache-format fp8_ds_mla/fp8
     step gemm_probes 75 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
         --quick
+    ;;
+probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the defaults
+    step pytest_probes 200 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
+        tests/kernels/test_fp8_linear.py tests/platforms/test_cuda_backends.py
+    step attention_decode 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+        --only attention --quick
+    step gemm_probes 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
+        --quick
+    step prefill_profile 60 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
+        --attention-backend flashmla --reps 1 --profile
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
