@@ -89,6 +89,9 @@ probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the
     step prefill_profile 60 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
         --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
         --attention-backend flashmla --reps 1 --profile
+    step decode_step 60 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 \
+        --strategies ours_triton_fp8,ours_flashmla --reps 3
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
