@@ -103,7 +103,8 @@ class CacheStep:
         pos_host = host[:t]
         dev, keep = _to_device(host, pool.device)
         views = list(torch.split(dev, [_numel(s) for s in shapes]))
-        views = [v.view(s) for v, s in zip(views, shapes, strict=True)]
+        # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
+        views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
         step = cls(pool, caches, starts, list(counts), views[0], views[1], pos_host, seq_ids,
                    _keepalive=keep)
         for k_job, (name, e, _k) in enumerate(job_meta):
