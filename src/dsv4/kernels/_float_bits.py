@@ -1,7 +1,7 @@
 """Float-bit helpers the Triton kernels share: powers of two and power-of-two scale exponents
 taken from the float32 bits (never a floating ``log2``, as :func:`dsv4.layers.fp8.ceil_log2`),
-round-to-nearest-even to bf16 on the bits, and the fp8 / fp4 quantisers' constants as constexpr
-globals. Triton is imported guarded."""
+UE8M0 scale bytes decoded from the bits, round-to-nearest-even to bf16 on the bits, and the
+fp8 / fp4 quantisers' constants as constexpr globals. Triton is imported guarded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ if triton_available():
     def pow2(k):
         """2^k as float32 for an int32 k in the normal range [-126, 127], from the bits."""
         return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def ue8m0(b):
+        """2^(b - 127) as float32 for UE8M0 scale bytes ``b`` (int32), from the bits: exact,
+        byte 0 the subnormal 2^-127. Byte 255 (the format's NaN) gives +inf here; a caller
+        that must see NaN checks it."""
+        v = (b << 23).to(tl.float32, bitcast=True)
+        return tl.where(b == 0, 5.877471754111438e-39, v)
 
     @triton.jit
     def ceil_log2(x):

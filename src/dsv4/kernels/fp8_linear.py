@@ -157,7 +157,7 @@ if triton_available():
 
         patch_interpreter_index()
 
-    from dsv4.kernels._float_bits import rounded
+    from dsv4.kernels._float_bits import rounded, ue8m0
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -171,11 +171,8 @@ if triton_available():
         if SCALE_F32:
             v = raw
         else:
-            # 2^(b-127) built from its bits (exact); byte 0 is the subnormal 2^-127, 255 is NaN
             b = raw.to(tl.int32)
-            v = (b << 23).to(tl.float32, bitcast=True)
-            v = tl.where(b == 0, 5.877471754111438e-39, v)
-            v = tl.where(b == 255, float("nan"), v)
+            v = tl.where(b == 255, float("nan"), ue8m0(b))  # byte 255 is the format's NaN
         return v
 
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])

@@ -90,6 +90,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from dsv4.kernels._float_bits import ue8m0
     from dsv4.kernels.sparse_mqa import _load_rows
 
     if _INTERPRET:
@@ -138,9 +139,7 @@ if triton_available():
             val = tl.where((nib & 8) != 0, -mag, mag)
             sb = tl.load(st_ptr + (base + B * HALF + off * NS4)[:, None]
                          + tl.arange(0, NS4)[None, :], mask=valid[:, None], other=127)
-            sb = sb.to(tl.int32)
-            sc = (sb << 23).to(tl.float32, bitcast=True)  # 2^(b - 127), exact for b >= 1
-            sc = tl.where(sb == 0, 5.877471754111438e-39, sc)
+            sc = ue8m0(sb.to(tl.int32))
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS4, 32)), (BN, D))
             k = (val * sc).to(DT)
         return k

@@ -201,6 +201,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from dsv4.kernels._float_bits import ue8m0
+
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
 
@@ -248,9 +250,7 @@ if triton_available():
             cols = C0 + tl.arange(0, W)
             is_nope = cols < NOPE
             v = e.to(tl.float8e4nv, bitcast=True).to(DT)
-            b = sb.to(tl.int32)
-            sc = (b << 23).to(tl.float32, bitcast=True)  # 2^(b-127), exact for b >= 1
-            sc = tl.where(b == 0, 5.877471754111438e-39, sc).to(DT)  # exact in bf16 too
+            sc = ue8m0(sb.to(tl.int32)).to(DT)  # exact in bf16 too
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, W // 64, 64)), (BN, W))
             return tl.where(is_nope[None, :], v * sc, rope.to(DT))
         else:
