@@ -147,6 +147,7 @@ if triton_available():
         FP8_FLOOR,
         FP8_MAX,
         pow2,
+        rounded,
         scale_exponent,
     )
 
@@ -168,8 +169,7 @@ if triton_available():
             return tl.load(ptr + idx, mask=mask, other=0).to(tl.int32) & 0xFFFF
         else:
             x = tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            b = x.to(tl.int32, bitcast=True)
-            return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+            return (rounded(x, tl.bfloat16).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
 
     @triton.jit
     def _scale_exp(amax, FLOOR: tl.constexpr, QMAX: tl.constexpr):
