@@ -20,7 +20,7 @@ from dsv4.config import DSV4Config
 from dsv4.derived_state import restore_derived_state
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.indexer import Indexer
-from dsv4.layers.linear import Linear, MergedLinear
+from dsv4.layers.linear import Linear, MergedLinear, grouped_linear
 from dsv4.layers.mqa import sparse_mqa_paged
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
@@ -634,8 +634,7 @@ class DeepseekV4Attention(nn.Module):
     def _wo_a_grouped(self, o: torch.Tensor) -> torch.Tensor:
         g, r_o = self.o_groups, self.cfg.o_lora_rank
         w = self.wo_a.dequantized_weight(o.dtype).view(g, r_o, -1)
-        z = torch.einsum("tgc,grc->tgr", o.reshape(o.shape[0], g, -1), w)
-        return z.flatten(1)
+        return grouped_linear(o.reshape(o.shape[0], g, -1), w)
 
     def _compressor_jobs(self, kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None
                          ) -> list[tuple[Compressor, str, torch.Tensor]]:
