@@ -267,6 +267,13 @@ if triton_available():
         return _rows_from(e, sb, rope, D, FP8, NOPE, BN, DT, C0, DW)
 
     @triton.jit
+    def _tile_rows(idx_ptr, j, hi, BN: tl.constexpr):
+        """The rows of index-list entries j .. j + BN (-1 at and past ``hi``) and their mask."""
+        offs = j + tl.arange(0, BN)
+        rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
+        return rows, rows >= 0
+
+    @triton.jit
     def _attend_tile(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_DT: tl.constexpr,
                      DOT_PREC: tl.constexpr):
         """One tile of the online softmax: scores of q against rows k, P.V into acc."""
@@ -290,18 +297,14 @@ if triton_available():
         current tile is computed (one tile held in registers as stored), for the 1-stage
         configurations whose loads the compiler does not pipeline."""
         if PREFETCH:
-            offs = lo + tl.arange(0, BN)
-            rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
-            valid = rows >= 0
+            rows, valid = _tile_rows(idx_ptr, lo, hi, BN)
             e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR)
             for j in range(lo, hi, BN):
                 cur_valid = valid
                 cur_e = e
                 cur_sb = sb
                 cur_rope = rope
-                offs = j + BN + tl.arange(0, BN)  # the next tile (all masked past hi)
-                rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
-                valid = rows >= 0
+                rows, valid = _tile_rows(idx_ptr, j + BN, hi, BN)  # the next tile
                 e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR,
                                           SR)
                 k = _rows_from(cur_e, cur_sb, cur_rope, D, FP8, NOPE, BN, DOT_DT)
@@ -309,9 +312,7 @@ if triton_available():
                                              DOT_DT, DOT_PREC)
         else:
             for j in range(lo, hi, BN):
-                offs = j + tl.arange(0, BN)
-                rows = tl.load(idx_ptr + offs, mask=offs < hi, other=-1)
-                valid = rows >= 0
+                rows, valid = _tile_rows(idx_ptr, j, hi, BN)
                 k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
                                DOT_DT)
                 if DV == D:
