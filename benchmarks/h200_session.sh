@@ -33,6 +33,30 @@ step() {  # step NAME SECONDS COMMAND...: run under a timeout, log to $OUT/NAME.
     fi
 }
 PYTEST=(python3 -m pytest -q -p no:cacheprovider)
+# steps several cases share (argument: the step's time limit in seconds)
+verify() { step verify_cuda "$1" python3 -m dsv4 verify --platform cuda; }
+eval_fp8() {
+    step eval_cuda "$1" python3 -m dsv4 eval --device cuda --platform cuda \
+        --cache-format fp8_ds_mla/fp8
+}
+decode_all() {  # every layer type, our attention kernel and FlashMLA's, one profiled step each
+    step decode_step "$1" python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
+        --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
+}
+prefill_16k() {  # prefill_16k SECONDS BACKENDS: one profiled 16K-token C4 call per backend
+    step prefill_profile "$1" python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
+        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
+        --attention-backend "$2" --reps 1 --profile
+}
+gemm_probes() {
+    step gemm_probes "$1" python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" \
+        --only gemm --quick
+}
+attention_decode() {
+    step attention_decode "$1" python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
+        --only attention --quick
+}
 case "${1:-}" in
 check)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
@@ -46,14 +70,13 @@ check)
         --ignore=tests/kernels/test_indexer_prefill.py \
         --ignore=tests/kernels/test_compress_entries.py \
         --ignore=tests/kernels/test_indexer_topk.py --ignore=tests/kernels/test_rope_norm.py
-    step verify_cuda 100 python3 -m dsv4 verify --platform cuda
+    verify 100
     ;;
 decode)
     step decode_step 420 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
         --strategies ours_unfused,ours_triton_fp8,ours_flashmla --reps 3 --profile
-    step eval_cuda 120 python3 -m dsv4 eval --device cuda --platform cuda \
-        --cache-format fp8_ds_mla/fp8
+    eval_fp8 120
     ;;
 prefill)
     step prefill 540 python3 -m dsv4 bench prefill --out "$OUT/prefill" --only layer \
@@ -67,28 +90,18 @@ steps)  # after a change to the step's elementwise / GEMM / top-k kernels: tests
         tests/kernels/test_fp8_linear.py tests/kernels/test_fused_input_proj.py \
         tests/kernels/test_indexer_topk.py tests/kernels/test_indexer_prefill.py \
         tests/platforms/test_cuda_backends.py tests/test_attention_conformance.py
-    step verify_cuda 60 python3 -m dsv4 verify --platform cuda
-    step decode_step 90 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
-        --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
-        --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
-    step prefill_profile 45 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
-        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
-        --attention-backend flashmla,triton --reps 1 --profile
-    step eval_cuda 40 python3 -m dsv4 eval --device cuda --platform cuda \
-        --cache-format fp8_ds_mla/fp8
-    step gemm_probes 75 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
-        --quick
+    verify 60
+    decode_all 90
+    prefill_16k 45 flashmla,triton
+    eval_fp8 40
+    gemm_probes 75
     ;;
 probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the defaults
     step pytest_probes 200 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_fp8_linear.py tests/platforms/test_cuda_backends.py
-    step attention_decode 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
-        --only attention --quick
-    step gemm_probes 90 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
-        --quick
-    step prefill_profile 60 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
-        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
-        --attention-backend flashmla --reps 1 --profile
+    attention_decode 90
+    gemm_probes 90
+    prefill_16k 60 flashmla
     step decode_step 60 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
@@ -97,23 +110,18 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
         tests/kernels/test_flashmla_backend.py
-    step verify_cuda 50 python3 -m dsv4 verify --platform cuda
-    step decode_step 100 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
-        --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 \
-        --strategies ours_triton_fp8,ours_flashmla --reps 3 --profile
+    verify 50
+    decode_all 100
     step decode_step_64k 60 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
-    step attention_decode 60 python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
-        --only attention --quick
+    attention_decode 60
     step attention_prefill 70 python3 -m dsv4 bench prefill --out "$OUT/pa" --only attention \
         --reps 3
-    step prefill_profile 50 python3 -m dsv4 bench prefill --out "$OUT/pp" --only layer \
-        --models flash,pro --layers C4 --tokens 16384 --chunk 0 \
-        --attention-backend flashmla,triton --reps 1 --profile
+    prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|kernels" >&2
     exit 2
     ;;
 esac
