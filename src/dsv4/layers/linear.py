@@ -22,7 +22,10 @@ FP8_BLOCK = 128
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y [T, G * R] with columns g*R .. g*R + R - 1 = x[:, g] @ w[g]^T, for x [T, G, C] and
     w [G, R, C] (``wo_a``'s output groups): one batched GEMM over the groups, written straight
-    into the [T, G, R] rows (a [G, T, R] result would need a copy to flatten)."""
+    into the [T, G, R] rows (a [G, T, R] result would need a copy to flatten). Under autograd
+    (an ``out=`` GEMM is not differentiable) the einsum and its copy."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return torch.einsum("tgc,grc->tgr", x, w).flatten(1)
     y = torch.empty(x.shape[0], x.shape[1], w.shape[1], dtype=torch.result_type(x, w),
                     device=x.device)
     torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
