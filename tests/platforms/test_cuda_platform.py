@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
-from dsv4.platforms.cuda import CudaAttention, CudaPlan
+from dsv4.platforms.cuda import CudaAttention
 from dsv4.random_weights import random_layer_weights
 
 from conftest import assert_decode_graph_equals_eager, random_x, rel_err
@@ -48,8 +48,12 @@ def test_graph_replay_of_the_input_stage_is_bit_identical(tiny, ratio):
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_decode_with_graphs_equals_eager_and_reference(tiny, ratio):
+    # the same plan with graphs off: every call runs the same strategy (the fused kernel and
+    # the stream plan accumulate in different orders, so a 100-token call through each differs
+    # in a few last bits on some inputs - a plan with a different fused_max_tokens is no "eager")
     graphed = cuda_layer(tiny, ratio)
-    eager = cuda_layer(tiny, ratio, plan=CudaPlan(fused_max_tokens=256, graph_max_tokens=0))
+    eager = cuda_layer(tiny, ratio)
+    eager.use_cuda_graphs(False)
     ref = DeepseekV4Attention.build(tiny, tiny.layer_of_ratio(ratio), device="cuda")
     ref.load_weights(random_layer_weights(tiny, ref.layer_id, seed=1).items())
     x = random_x(150, tiny.hidden_size).to("cuda", torch.bfloat16)
