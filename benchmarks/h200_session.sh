@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_session.sh kernels  # attention kernels changed: tests, verify, benches
 #   bash benchmarks/h200_session.sh steps    # rope / GEMM kernels changed: the same + GEMM probes
 #   bash benchmarks/h200_session.sh probes   # opt-in variants (prefetch, gemv) beside defaults
+#   bash benchmarks/h200_session.sh recheck  # graph/eager + last suite files, prefill profile
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -106,6 +107,13 @@ probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
     ;;
+recheck)  # the GPU tests of the graph / eager comparison and the suite's last files (run
+    # -rf), the 16K prefill profile with the host table's calling functions
+    step pytest_recheck 200 "${PYTEST[@]}" -rf tests/platforms/test_cuda_platform.py \
+        tests/test_properties.py tests/test_tensor_parallel.py tests/test_prefill_memory.py \
+        tests/test_bench_prefill.py
+    prefill_16k 80 flashmla
+    ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
@@ -121,7 +129,7 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|kernels" >&2
     exit 2
     ;;
 esac

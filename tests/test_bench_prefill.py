@@ -239,3 +239,23 @@ def test_profile_tables_gpu_layout_from_a_cpu_profile():
     assert "| operator | input shapes |" in md
     host = md.split("Host side:")[1]
     assert "`aten::mm`" in host or "`aten::matmul`" in host
+
+
+def test_profile_tables_name_the_dsv4_lines_behind_host_events():
+    """With stacks recorded, each host event row names the dsv4 lines that issued it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4 import DeepseekV4Attention
+    from dsv4.bench.prefill import profile_tables
+    from dsv4.random_weights import random_layer_weights
+
+    layer = DeepseekV4Attention.build(_TINY, _TINY.layer_of_ratio(4))
+    layer.load_weights(random_layer_weights(_TINY, layer.layer_id, seed=0).items())
+    x = torch.randn(16, _TINY.hidden_size, dtype=layer.dtype)
+    cache = layer.new_cache(16)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        layer(x, torch.arange(16), cache)
+    host = profile_tables(prof, "t", 0.01, gpu=True).split("Host side:")[1]
+    assert "| from (calls) |" in host
+    assert ".py(" in host  # e.g. `attention.py(160)` (n)
+    assert "bench/" not in host
