@@ -109,7 +109,8 @@ probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the
     ;;
 recheck)  # the GPU tests of the graph / eager comparison and the suite's last files (run
     # -rf), the 16K prefill profile with the host table's calling functions
-    step pytest_recheck 200 "${PYTEST[@]}" -rf tests/platforms/test_cuda_platform.py \
+    step pytest_recheck 200 "${PYTEST[@]}" -rf tests/test_host_copy.py \
+        tests/platforms/test_cuda_platform.py \
         tests/test_properties.py tests/test_tensor_parallel.py tests/test_prefill_memory.py \
         tests/test_bench_prefill.py
     prefill_16k 80 flashmla

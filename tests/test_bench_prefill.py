@@ -255,6 +255,8 @@ def test_profile_tables_name_the_dsv4_lines_behind_host_events():
     cache = layer.new_cache(16)
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         layer(x, torch.arange(16), cache)
+    if not any(".py(" in e.name for e in prof.events()):
+        pytest.skip("this torch / Python build's profiler records no Python frames")
     host = profile_tables(prof, "t", 0.01, gpu=True).split("Host side:")[1]
     assert "| from (calls) |" in host
     assert ".py(" in host  # e.g. `attention.py(160)` (n)

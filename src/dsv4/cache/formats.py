@@ -83,6 +83,7 @@ supported (their rows read back unspecified values).
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -125,6 +126,13 @@ _BF16_MANTISSA_BITS, _BF16_MIN_NORMAL_EXP = 7, -126
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.cache
+def _e2m1_grid(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The E2M1 magnitudes on ``device``, made once per (dtype, device): a fresh small tensor
+    per call would be a pageable host-to-device copy, a stream synchronisation, on CUDA."""
+    return torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)
 
 
 def _pow2_exponent(blocks: Tensor, floor: float, qmax: float) -> Tensor:
@@ -548,7 +556,7 @@ class IndexFp4Format(PackedFormat):
         exponent = _pow2_exponent(v, FP4_AMAX_FLOOR, FP4_E2M1_MAX)
         sigma = pow2(exponent, cdt).unsqueeze(-1)
         q = round_e2m1((v / sigma).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)).reshape(n, self.dim)
-        grid = torch.tensor(E2M1_MAGNITUDES, dtype=cdt, device=values.device)
+        grid = _e2m1_grid(cdt, values.device)
         code = torch.searchsorted(grid, q.abs().contiguous()).to(torch.uint8)
         nibble = code | (torch.signbit(q).to(torch.uint8) << 3)
         data = nibble[:, 0::2] | (nibble[:, 1::2] << 4)
@@ -557,7 +565,7 @@ class IndexFp4Format(PackedFormat):
     def _decode(self, data: Tensor, scales: Tensor, cdt: torch.dtype) -> Tensor:
         n = data.shape[0]
         nibble = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(n, self.dim)
-        grid = torch.tensor(E2M1_MAGNITUDES, dtype=cdt, device=data.device)
+        grid = _e2m1_grid(cdt, data.device)
         mag = grid[(nibble & 7).long()]
         q = torch.where((nibble & 8) != 0, -mag, mag).reshape(n, self.blocks, MXFP4_BLOCK)
         sigma = pow2(scales.to(torch.int32) - E8M0_BIAS, cdt).unsqueeze(-1)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
+from dsv4.host_copy import upload
 
 
 @dataclass
@@ -101,7 +102,7 @@ class CacheStep:
         build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
         host, shapes, job_meta, seq_ids = build(starts, slots, counts, specs)
         pos_host = host[:t]
-        dev, keep = _to_device(host, pool.device)
+        dev, keep = upload(host, pool.device)
         views = list(torch.split(dev, [_numel(s) for s in shapes]))
         # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
         views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
@@ -173,7 +174,7 @@ class CallTransaction:
                         for name, s in pool.stores.items()}
         self.rings: dict[str, torch.Tensor] = {}
         if snapshot_rings:
-            slots = torch.tensor([c.slot for c in caches], device=pool.device)
+            slots = upload(torch.tensor([c.slot for c in caches]), pool.device)[0]
             self.rings = {name: ring[slots].clone() for name, (_, ring) in pool.rings.items()}
 
     def window_release_from(self) -> list[int]:
@@ -193,7 +194,7 @@ class CallTransaction:
                 store.shrink_to(c.slot, n)
             store.sync()
         if self.rings:
-            slots = torch.tensor([c.slot for c in self.caches], device=self.pool.device)
+            slots = upload(torch.tensor([c.slot for c in self.caches]), self.pool.device)[0]
             for name, saved in self.rings.items():
                 self.pool.rings[name][1][slots] = saved
         for c, n in zip(self.caches, self.lengths, strict=True):
@@ -285,13 +286,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _to_device(host: torch.Tensor, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One host-to-device copy of a step's metadata (pinned and asynchronous on CUDA; the pinned
-    buffer is kept with the step so that a CUDA graph that captured the copy can replay it)."""
-    if device.type == "cpu":
-        return host, None
-    pinned = host.pin_memory() if device.type == "cuda" else host
-    return pinned.to(device, non_blocking=True), pinned

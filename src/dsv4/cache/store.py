@@ -16,6 +16,7 @@ import torch
 from dsv4.cache.blocks import BlockAllocator, CacheCapacityError
 from dsv4.cache.formats import RowFormat
 from dsv4.config import ceil_div
+from dsv4.host_copy import upload_into
 
 
 class PagedStore:
@@ -135,7 +136,7 @@ class PagedStore:
     def sync(self) -> None:
         """Copy the changed parts of the host table to the device mirror."""
         for slot, (lo, hi) in self._dirty.items():
-            self.table_dev[slot, lo:hi].copy_(self.table[slot, lo:hi])
+            upload_into(self.table_dev[slot, lo:hi], self.table[slot, lo:hi])
         self._dirty.clear()
 
     # ------------------------------------------------------------------ device side

@@ -66,6 +66,7 @@ import numpy as np
 import torch
 
 from dsv4.cache.formats import RowFormat
+from dsv4.host_copy import upload
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import FMTS, check_key_store, index_kernel_format, topk_entries
 
@@ -154,14 +155,6 @@ def _chunks(tiles: torch.Tensor, cap_rows: int) -> list[tuple[int, int, int, int
         out.append((i, j, starts[i], total))
         i = j
     return out
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The tile table on ``device`` without a host sync (pinned, asynchronous; the caching host
-    allocator keeps the pinned buffer until the copy is done)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------- the kernel
@@ -273,7 +266,7 @@ def prefill_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     q, table, tiles = _prepare(q, weights, keys, fmt, block_table, runs, block_q)
     s = torch.empty(q.shape[0], width, device=q.device, dtype=torch.float32)
     _launch(q, weights, keys, fmt, rows_per_block, table, pos, width, weight_scale,
-            _to_device(tiles, q.device), 0, s, block_q, block_n, num_warps, num_stages)
+            upload(tiles, q.device)[0], 0, s, block_q, block_n, num_warps, num_stages)
     return s
 
 
@@ -311,7 +304,7 @@ def indexer_topk_prefill(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         return out.fill_(-1)
     q, table, tiles = _prepare(q, weights, keys, fmt, block_table, runs, block_q)
     chunks = _chunks(tiles, max(1, workspace_bytes // (4 * width)))
-    tiles_dev = _to_device(tiles, q.device)
+    tiles_dev = upload(tiles, q.device)[0]
     ws = torch.empty(max(c[3] for c in chunks), width, device=q.device, dtype=torch.float32)
     for i, j, row0, rows in chunks:
         s = ws[:rows]
