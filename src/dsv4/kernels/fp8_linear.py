@@ -35,8 +35,9 @@ MMA's M side, x^T as the narrow N side); larger M uses plain tiles. ``choose_con
 ``Fp8GemmConfig(gemv=True, block_m=1)`` is an MMA-free variant, one token per program: the
 e4m3 tile is widened to fp32 in registers (loaded one tile ahead) and multiplied by x times the
 block's scale (exact products for ue8m0 scales), summed per column and reduced once; it is a
-probe of ``dsv4 bench attention-kernels`` at M = 1, not a default (its H200 time is not yet
-measured).
+probe of ``dsv4 bench attention-kernels`` at M = 1, not a default: on the H200 it won only the
+small indexer ``wq_b`` (Flash 8.5 -> 7.8 us) and lost on every large weight
+(benchmarks/results/h200/session23_probes/gemm/).
 """
 
 from __future__ import annotations

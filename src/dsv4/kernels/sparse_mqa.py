@@ -137,7 +137,8 @@ class SparseMqaConfig:
     num_warps: int = 8
     num_stages: int = 2
     block_dv: int = 0  # output columns per program (a power of two >= 64 dividing d); 0 = all d
-    prefetch: bool = False  # the next tile's loads issued before this tile's math (block_dv 0)
+    prefetch: bool = False  # the next tile's loads issued before this tile's math (block_dv 0);
+    # a probe: slower than the default tiles on the H200 (results/h200/session23_probes/ak/)
 
 
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
