@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4 import process_weights_after_loading
-from dsv4.host_copy import upload, upload_into
+from dsv4.host_copy import upload, upload_into, upload_once
 from dsv4.random_weights import random_layer_weights
 
 from conftest import HAS_CUDA, random_x
@@ -22,11 +22,17 @@ def test_cpu_upload_is_a_plain_copy():
     assert torch.equal(dst, host)
 
 
-def test_capture_is_refused_before_anything_is_copied(monkeypatch):
+class _OnCuda:
+    device = torch.device("cuda")
+
+
+def test_one_off_uploads_refuse_capture(monkeypatch):
+    """upload_once / upload_into keep no snapshot: under capture they raise before copying."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    host = torch.arange(4)
-    with pytest.raises(RuntimeError, match="CUDA graph"):
-        upload(host, torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="upload_into: .*CUDA graph"):
+        upload_into(_OnCuda(), torch.arange(4))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="upload_once: .*CUDA graph"):
+        upload_once(torch.arange(4), torch.device("cuda"))
 
 
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

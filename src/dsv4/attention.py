@@ -18,7 +18,7 @@ from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep, CallTransaction
 from dsv4.config import DSV4Config
 from dsv4.derived_state import restore_derived_state
-from dsv4.host_copy import upload
+from dsv4.host_copy import upload_once
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.linear import Linear, MergedLinear, grouped_linear
@@ -781,7 +781,7 @@ class DeepseekV4Attention(nn.Module):
         if len(by_pool) == 1:
             pool, _, cs, ns = next(iter(by_pool.values()))
             return [(pool, None, cs, ns)]
-        return [(pool, upload(torch.tensor(rows), x.device)[0], cs, ns)
+        return [(pool, upload_once(torch.tensor(rows), x.device), cs, ns)
                 for pool, rows, cs, ns in by_pool.values()]
 
     def _check_cache(self, c: Any, i: int) -> None:

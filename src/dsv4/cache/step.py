@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
-from dsv4.host_copy import upload
+from dsv4.host_copy import upload, upload_once
 
 
 @dataclass
@@ -174,7 +174,7 @@ class CallTransaction:
                         for name, s in pool.stores.items()}
         self.rings: dict[str, torch.Tensor] = {}
         if snapshot_rings:
-            slots = upload(torch.tensor([c.slot for c in caches]), pool.device)[0]
+            slots = upload_once(torch.tensor([c.slot for c in caches]), pool.device)
             self.rings = {name: ring[slots].clone() for name, (_, ring) in pool.rings.items()}
 
     def window_release_from(self) -> list[int]:
@@ -194,7 +194,8 @@ class CallTransaction:
                 store.shrink_to(c.slot, n)
             store.sync()
         if self.rings:
-            slots = upload(torch.tensor([c.slot for c in self.caches]), self.pool.device)[0]
+            slots = upload_once(torch.tensor([c.slot for c in self.caches]),
+                                self.pool.device)
             for name, saved in self.rings.items():
                 self.pool.rings[name][1][slots] = saved
         for c, n in zip(self.caches, self.lengths, strict=True):
