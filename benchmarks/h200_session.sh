@@ -65,13 +65,15 @@ check)
         tests/kernels/test_paged_rows.py tests/kernels/test_indexer_prefill.py \
         tests/kernels/test_compress_entries.py tests/kernels/test_indexer_topk.py \
         tests/kernels/test_rope_norm.py
-    step pytest_gpu 300 "${PYTEST[@]}" --deselect tests/test_readme.py \
+    # -v: every test's name and outcome as it runs (a step cut by its limit still names the
+    # failures; session 23's cut run showed two F and no names)
+    step pytest_gpu 340 "${PYTEST[@]}" -v -rf --deselect tests/test_readme.py \
         --ignore=tests/integrations --deselect tests/test_transformers_dialect.py \
         --ignore=tests/kernels/test_store_rows.py --ignore=tests/kernels/test_paged_rows.py \
         --ignore=tests/kernels/test_indexer_prefill.py \
         --ignore=tests/kernels/test_compress_entries.py \
         --ignore=tests/kernels/test_indexer_topk.py --ignore=tests/kernels/test_rope_norm.py
-    verify 100
+    verify 70
     ;;
 decode)
     step decode_step 420 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
