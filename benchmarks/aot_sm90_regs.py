@@ -64,6 +64,8 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
                    if w.startswith(("REG", "STACK")))
     ptx = k.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no-mma"
+    if "e4m3.e4m3" in ptx:
+        mma += "(fp8)"
     return f"{use} {mma} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
 
 
@@ -80,16 +82,17 @@ def gemm() -> None:
             if key in seen:
                 continue
             seen.add(key)
-            consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
-                          SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32",
-                          GEMV=False)
-            try:
-                r = compile_one(fl._fp8_gemm_kernel, types, consts,
-                                dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                print(f"fp8_gemm M={M} {c}: {r}", flush=True)
-            except Exception:
-                traceback.print_exc()
-                print(f"FAIL fp8_gemm {c}", flush=True)
+            for act in (False, True):  # bf16 MMAs on the widened weight / fp8 x fp8 MMAs
+                consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
+                              SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
+                              DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False)
+                try:
+                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
+                                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
+                    print(f"fp8_gemm M={M} act_fp8={act} {c}: {r}", flush=True)
+                except Exception:
+                    traceback.print_exc()
+                    print(f"FAIL fp8_gemm act_fp8={act} {c}", flush=True)
 
 
 def gemv() -> None:
@@ -100,7 +103,8 @@ def gemv() -> None:
                  m_tiles="i32", G="i32")
     for bn, warps in ((64, 8), (32, 4), (128, 8)):
         consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
-                      DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True)
+                      DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True, ACT_FP8=False,
+                      INTERP=False)
         r = compile_one(fl._fp8_gemm_kernel, types, consts, dict(num_warps=warps, num_stages=3))
         print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)
 

@@ -71,6 +71,9 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     assert by[("attention", "dsv4")]["us"] == 7.0 and by[("attention", "dsv4")]["rel_err"] < 1e-2
     assert "skipped" in by[("attention", "flashmla")]
     assert by[("gemm", "dsv4_fp8")]["us"] == 3.0 and by[("gemm", "dequant_bf16")]["rel_err"] < 1e-2
+    # the fp8-activation probes are checked against the quantised-activation product
+    assert by[("gemm", "dsv4_fp8_act8")]["us"] == 3.0
+    assert by[("gemm", "dsv4_fp8_act8")]["rel_err"] < 1e-2  # bf16 output
     assert len(markdown_tables({"rows": rows})) > 8
 
 

@@ -155,6 +155,85 @@ def test_kernel_configs_and_scales(cfg):
     assert rel(fp8_linear(x, w2, s2, out_dtype=F32, config=cfg), float64_eval(x, w2, s2)) < 1e-5
 
 
+ACT_CONFIGS = [
+    Fp8GemmConfig(block_m=16, block_n=64, split_k=1, act_fp8=True),
+    Fp8GemmConfig(block_m=16, block_n=32, split_k=3, act_fp8=True),  # ragged K splits
+    Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False, act_fp8=True),
+]
+
+
+def act_rows(m, k, seed=3):
+    """bf16 rows of very different magnitudes per token and per 128-block (each block its own
+    scale), zeros, values that quantise to e4m3 subnormals, and block maxima at +-448 x 2^k."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.pow(2.0, torch.randint(-12, 12, (m, k // 128, 1),
+                                                                      generator=g).float()
+                                                   ).repeat_interleave(128, 1).view(m, k)
+    x[0, :128] = 0.0  # an all-zero block: the amax floor
+    if m > 1:  # row 1: one block only, its amax 1.0 at column 128 (scale 2^-8), the other
+        # values below 2^-14: e4m3 subnormal codes (multiples of 2^-9 after scaling)
+        x[1] = 0.0
+        x[1, 128:256] = torch.linspace(-6e-5, 6e-5, 128)
+        x[1, 128] = 1.0
+    if m > 2 and k > 256:
+        x[2, 256] = 3.0e4  # one large value dominating its block
+    return x.to(BF16)
+
+
+@kernel_runs
+@pytest.mark.parametrize("cfg", ACT_CONFIGS)
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_act_fp8_is_the_official_numerics(cfg, M):
+    """act_fp8 (dsv4-attention.md §6.3): equal, up to fp32 summation order, to the float64
+    product of the quantised activations (fp8_block_sim at 128, the official rule) and the
+    dequantised weight; not equal to the product with unquantised activations."""
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    w, s = make_weight(256, 1024, device=DEV)
+    w[:, 128] = 0.0  # row 1's output: its subnormal codes only
+    x = act_rows(M, 1024).to(DEV)
+    y = fp8_linear(x, w, s, out_dtype=F32, config=cfg)
+    xq = fp8_block_sim(x.cpu(), 128)
+    want = float64_eval(xq, w, s)
+    assert rel(y, want) < 1e-5
+    if M > 1:
+        assert rel(y[1], want[1]) < 1e-5
+    assert rel(y, float64_eval(x, w, s)) > 1e-3  # the quantisation is really applied
+
+
+@kernel_runs
+def test_act_fp8_grouped_and_fallback_agree():
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    cfg = Fp8GemmConfig(block_m=16, block_n=64, split_k=2, act_fp8=True)
+    w, s = make_weight(512, 256, device=DEV, seed=5)
+    x = act_rows(7, 512, seed=9).view(7, 2, 256).to(DEV)
+    y = fp8_grouped_linear(x, w, s, out_dtype=F32, config=cfg)
+    want = fp8_grouped_linear_reference(fp8_block_sim(x.cpu(), 128), w.cpu(), s.cpu(), F32)
+    assert rel(y, want) < 1e-5
+
+
+def test_act_fp8_cpu_fallback_quantises_too():
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    w, s = make_weight(128, 256)
+    x = act_rows(3, 256)
+    cfg = Fp8GemmConfig(act_fp8=True)
+    if _INTERPRET:
+        pytest.skip("the interpreter runs the kernel, not the fallback")
+    y = fp8_linear(x, w, s, out_dtype=F32, config=cfg)
+    assert torch.equal(y, fp8_linear_reference(fp8_block_sim(x, 128), w, s, F32))
+
+
+def test_act_fp8_with_gemv_is_refused():
+    if not _INTERPRET and not torch.cuda.is_available():
+        pytest.skip("the config is checked at launch")
+    w, s = make_weight(128, 256, device=DEV)
+    with pytest.raises(ValueError, match="act_fp8"):
+        fp8_linear(torch.randn(1, 256).to(BF16).to(DEV), w, s,
+                   config=Fp8GemmConfig(block_m=1, gemv=True, act_fp8=True))
+
+
 @kernel_runs
 def test_kernel_strided_x_and_out():
     w, s = make_weight(256, 256, device=DEV)

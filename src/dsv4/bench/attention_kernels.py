@@ -283,6 +283,22 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         for impl, fn in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
+        if variants:  # fp8 x fp8 MMAs on activations quantised per 128 (the official numerics,
+            # dsv4-attention.md §6.3): checked against the product of the quantised x
+            from dsv4.layers.quant_sim import fp8_block_sim
+
+            xq0 = fp8_block_sim(xs[0], 128)
+            ref_q = (fp8_grouped_linear_reference(xq0, w0, s0, torch.float32) if G > 1
+                     else fp8_linear_reference(xq0, w0, s0, torch.float32))
+            c = choose_fp8_config(M, N, K)
+            for tag, change in (("act8", {}), ("act8_split2x", dict(split_k=c.split_k * 2)),
+                                ("act8_bn128", dict(block_n=128,
+                                                    split_k=max(1, c.split_k // 2)))):
+                vc = Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change})
+                out_rows.append(_time_impl(base, f"dsv4_fp8_{tag}",
+                                           lambda i, vc=vc: ours(i, cfg=vc), rot, ref_q, floor_b,
+                                           copy_bw, time_graph))
+                print(out_rows[-1], flush=True)
 
 
 # ---------------------------------------------------------------------------------- report

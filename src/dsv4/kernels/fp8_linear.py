@@ -49,6 +49,7 @@ import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
 from dsv4.layers.fp8 import e8m0_to_float
+from dsv4.layers.quant_sim import fp8_block_sim
 
 __all__ = [
     "Fp8GemmConfig",
@@ -119,6 +120,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False  # one token per program without MMAs (block_m 1, swap): fp32 FMAs
+    act_fp8: bool = False  # activations quantised to e4m3 per 128 (§6.3): fp8 x fp8 MMAs
 
 
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmConfig:
@@ -158,7 +160,7 @@ if triton_available():
 
         patch_interpreter_index()
 
-    from dsv4.kernels._float_bits import rounded, ue8m0
+    from dsv4.kernels._float_bits import FP8_FLOOR, FP8_MAX, pow2, rounded, scale_exponent, ue8m0
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -176,13 +178,39 @@ if triton_available():
             v = tl.where(b == 255, float("nan"), ue8m0(b))  # byte 255 is the format's NaN
         return v
 
+    @triton.jit
+    def _act_quant(xt, AXIS: tl.constexpr, EMULATE: tl.constexpr):
+        """The official activation quantisation (dsv4-attention.md §6.3) of one 128-wide K
+        block of x, fp32 ``xt``, each token's 128 values along ``AXIS``: (q, sigma) with
+        sigma = 2^ceil(log2(max(amax, 1e-4) / 448)) per token and q = e4m3(clamp(x / sigma,
+        +-448)) rounded to nearest even - as float8e4nv for the MMA, or (EMULATE, Triton's CPU
+        interpreter, which has no fp8 arithmetic) the same value as float32, rounded on the
+        bits."""
+        k = scale_exponent(tl.max(tl.abs(xt), axis=AXIS), FP8_FLOOR, FP8_MAX)
+        y = xt * pow2(-k)[None, :] if AXIS == 0 else xt * pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        if EMULATE:
+            # normal e4m3 (|y| >= 2^-6): 3 mantissa bits kept, ties to even, on the bits;
+            # subnormal: multiples of 2^-9, ties to even by the fp32 add of 2^14 to |y| (its
+            # ulp there is 2^-9; below 2^14, for a negative y, it would be 2^-10)
+            b = y.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
+            a = tl.abs(y)
+            sub = (a + 16384.0) - 16384.0
+            sub = tl.where(y < 0, -sub, sub)
+            q = tl.where(a < 0.015625, sub, b.to(tl.float32, bitcast=True))
+        else:
+            q = y.to(tl.float8e4nv)
+        return q, pow2(k)
+
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
-        DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False,
+        DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
+        INTERP: tl.constexpr = False,
     ):
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
@@ -229,6 +257,21 @@ if triton_available():
                                 eviction_policy="evict_first")
                 xv = tl.load(x_base + pid_m * sxm + kb * BK + offs_k).to(tl.float32)
                 part += wf * (xv * s)[None, :]
+            elif ACT_FP8:
+                # fp8 x fp8 MMA (the weight tile as stored), each token's block product times
+                # its activation scale and the weight block's scale; interpreted: fp32 operands
+                # of the same values
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                if INTERP:
+                    w = w.to(tl.float32)
+                if SWAP:
+                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                    xq, sx = _act_quant(xt, 0, INTERP)
+                    acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
+                else:
+                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+                    xq, sx = _act_quant(xt, 1, INTERP)
+                    acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
             else:
                 # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
                 # dot of a converted operand is wrong); the products are exact in fp32 either way
@@ -319,6 +362,8 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     if cfg.gemv and (cfg.block_m != 1 or not cfg.swap):
         raise ValueError(f"gemv needs block_m=1 and swap=True, got block_m={cfg.block_m}, "
                          f"swap={cfg.swap}")
+    if cfg.gemv and cfg.act_fp8:
+        raise ValueError("act_fp8 runs fp8 MMAs; gemv has none: choose one")
     n_tiles = R // bn
     m_tiles = -(-M // cfg.block_m)
     m_ws = m_tiles * cfg.block_m
@@ -337,9 +382,15 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv,
+        DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
+        INTERP=_INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None) -> torch.Tensor:
+    """x as the kernel sees it: quantised per 128 (§6.3, exact in bf16) under ``act_fp8``."""
+    return fp8_block_sim(x, BLOCK) if config is not None and config.act_fp8 else x
 
 
 def _use_kernel(x: torch.Tensor) -> bool:
@@ -372,7 +423,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     if M == 0:
         return y
     if not _use_kernel(x):
-        y.copy_(fp8_linear_reference(x, weight, scale, y.dtype))
+        y.copy_(fp8_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     if y.stride(1) != 1:
@@ -406,7 +457,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if M == 0:
         return y
     if not _use_kernel(x):
-        y.copy_(fp8_grouped_linear_reference(x, weight, scale, y.dtype))
+        y.copy_(fp8_grouped_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
         return y
     if x.stride(2) != 1:
         x = x.contiguous()
