@@ -38,6 +38,14 @@ block's scale (exact products for ue8m0 scales), summed per column and reduced o
 probe of ``dsv4 bench attention-kernels`` at M = 1, not a default: on the H200 it won only the
 small indexer ``wq_b`` (Flash 8.5 -> 7.8 us) and lost on every large weight
 (benchmarks/results/h200/session23_probes/gemm/).
+
+``Fp8GemmConfig(act_fp8=True)`` changes the numerics to the official FP8 linear's
+(dsv4-attention.md §6.3): each token's 128-wide K block of x is quantised in the kernel to e4m3
+with the power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (RNE, clamped to +-448) and
+multiplied by the e4m3 weight tile with an fp8 x fp8 MMA; block products times both scales sum
+in fp32. Equal to the product of ``fp8_block_sim(x, 128)`` and the dequantised weight up to the
+order of the fp32 additions (the off-GPU fallback computes exactly that). Opt-in, a probe of the
+GEMM bench; not used by the layer.
 """
 
 from __future__ import annotations
