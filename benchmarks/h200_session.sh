@@ -109,13 +109,18 @@ probes)  # the opt-in kernel variants (sparse_mqa prefetch, fp8 gemv) beside the
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 \
         --strategies ours_triton_fp8,ours_flashmla --reps 3
     ;;
-recheck)  # the GPU tests of the graph / eager comparison and the suite's last files (run
-    # -rf), the 16K prefill profile with the host table's calling functions
+recheck)  # session 23's untested changes: the sync-free calls, the graph / eager test, the
+    # suite's last files (-rf), the 16K prefill profile, the GEMM probes (act8 columns), and
+    # the 16K / 64K prefill rows the sync fix should move (one call of < 9 minutes)
     step pytest_recheck 200 "${PYTEST[@]}" -rf tests/test_host_copy.py \
-        tests/platforms/test_cuda_platform.py \
+        tests/platforms/test_cuda_platform.py tests/test_parallel.py tests/test_offload.py \
         tests/test_properties.py tests/test_tensor_parallel.py tests/test_prefill_memory.py \
-        tests/test_bench_prefill.py
-    prefill_16k 80 flashmla
+        tests/test_bench_prefill.py tests/kernels/test_fp8_linear.py
+    prefill_16k 70 flashmla
+    gemm_probes 90
+    step prefill 120 python3 -m dsv4 bench prefill --out "$OUT/prefill" --only layer \
+        --models flash,pro --layers C4 --tokens 16384,65536 --chunk 0 \
+        --attention-backend flashmla --reps 2 --max-case-seconds 20
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \

@@ -261,3 +261,22 @@ def test_profile_tables_name_the_dsv4_lines_behind_host_events():
     assert "| from (calls) |" in host
     assert ".py(" in host  # e.g. `attention.py(160)` (n)
     assert "bench/" not in host
+
+
+def test_dsv4_callers_walks_up_to_the_nearest_dsv4_frame():
+    """The caller of an event is the nearest dsv4 Python-function event above it, skipping
+    frames outside dsv4 and dsv4.bench's own."""
+    from types import SimpleNamespace as Ev
+
+    from dsv4.bench.prefill import _dsv4_callers
+
+    bench = Ev(name="src/dsv4/bench/prefill.py(300): profile_call", cpu_parent=None)
+    step = Ev(name="src/dsv4/cache/step.py(69): plan", cpu_parent=bench)
+    torch_fn = Ev(name="torch/_tensor.py(10): __getitem__", cpu_parent=step)
+    events = [Ev(name="aten::select", cpu_parent=torch_fn),
+              Ev(name="aten::select", cpu_parent=step),
+              Ev(name="aten::mm", cpu_parent=bench),
+              Ev(name="aten::copy_", cpu_parent=None)]
+    got = _dsv4_callers(events)
+    assert got["aten::select"] == {"cache/step.py(69): plan": 2}
+    assert "aten::mm" not in got and "aten::copy_" not in got
