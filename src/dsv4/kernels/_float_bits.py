@@ -12,6 +12,7 @@ from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX
 if triton_available():
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
     FP8_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
@@ -42,6 +43,25 @@ if triton_available():
         """k of the power-of-two scale 2^k = 2^ceil(log2(max(amax, FLOOR) * (1 / QMAX))), the
         official simulations' rule (the product in float32, as theirs)."""
         return ceil_log2(tl.maximum(amax, FLOOR) * (1.0 / QMAX))
+
+    @triton.jit
+    def rint(x, LIBDEVICE: tl.constexpr):
+        """x (|x| < 2^22) rounded to an integer, ties to even: libdevice's ``rint`` on a GPU;
+        without it (Triton's CPU interpreter), NumPy's fp32 add rounds to nearest even, and
+        1.5 * 2^23 leaves no fraction bits."""
+        if LIBDEVICE:
+            return libdevice.rint(x)
+        else:
+            return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """float32 y rounded to a float format of MANT mantissa bits and smallest normal
+        2^MIN_EXP, as float32 (ties to even, subnormals included, no saturation: clamp first):
+        scaled so that the grid step is 1, rounded, scaled back (both scalings exact). E4M3:
+        MANT 3, MIN_EXP -6."""
+        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+        return rint(y * pow2(MANT - e), LIBDEVICE) * pow2(e - MANT)
 
     @triton.jit
     def rounded(x, dtype: tl.constexpr):

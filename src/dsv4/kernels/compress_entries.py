@@ -103,6 +103,7 @@ if triton_available():
         FP8_FLOOR,
         FP8_MAX,
         pow2,
+        round_minifloat,
         scale_exponent,
     )
 
@@ -139,21 +140,6 @@ if triton_available():
         return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (D,))
 
     @triton.jit
-    def _rint(x, LIBDEVICE: tl.constexpr):
-        """x (|x| < 2^22) rounded to an integer, ties to even."""
-        if LIBDEVICE:
-            return libdevice.rint(x)
-        else:  # NumPy's fp32 adds round to nearest even: 1.5 * 2^23 leaves no fraction bits
-            return (x + 12582912.0) - 12582912.0
-
-    @triton.jit
-    def _round_minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """y rounded to a float format of MANT mantissa bits and smallest normal 2^MIN_EXP (ties
-        to even, no saturation): scaled so the grid step is 1, rounded, scaled back (exact)."""
-        e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
-        return _rint(y * pow2(MANT - e), LIBDEVICE) * pow2(e - MANT)
-
-    @triton.jit
     def _block_quant_dequant(v, FLOOR: tl.constexpr, QMAX: tl.constexpr, MANT: tl.constexpr,
                              MIN_EXP: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Quant-dequant of the rows of v [blocks, block], a power-of-two scale per row:
@@ -161,7 +147,7 @@ if triton_available():
         k = scale_exponent(tl.max(tl.abs(v), 1), FLOOR, QMAX)
         y = v * pow2(-k)[:, None]
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        return _round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * pow2(k)[:, None]
+        return round_minifloat(y, MANT, MIN_EXP, LIBDEVICE) * pow2(k)[:, None]
 
     @triton.jit
     def _hadamard(v, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr):

@@ -168,7 +168,15 @@ if triton_available():
 
         patch_interpreter_index()
 
-    from dsv4.kernels._float_bits import FP8_FLOOR, FP8_MAX, pow2, rounded, scale_exponent, ue8m0
+    from dsv4.kernels._float_bits import (
+        FP8_FLOOR,
+        FP8_MAX,
+        pow2,
+        round_minifloat,
+        rounded,
+        scale_exponent,
+        ue8m0,
+    )
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -192,23 +200,12 @@ if triton_available():
         block of x, fp32 ``xt``, each token's 128 values along ``AXIS``: (q, sigma) with
         sigma = 2^ceil(log2(max(amax, 1e-4) / 448)) per token and q = e4m3(clamp(x / sigma,
         +-448)) rounded to nearest even - as float8e4nv for the MMA, or (EMULATE, Triton's CPU
-        interpreter, which has no fp8 arithmetic) the same value as float32, rounded on the
-        bits."""
+        interpreter, which has no fp8 arithmetic) the same value as float32."""
         k = scale_exponent(tl.max(tl.abs(xt), axis=AXIS), FP8_FLOOR, FP8_MAX)
         y = xt * pow2(-k)[None, :] if AXIS == 0 else xt * pow2(-k)[:, None]
         y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        if EMULATE:
-            # normal e4m3 (|y| >= 2^-6): 3 mantissa bits kept, ties to even, on the bits;
-            # subnormal: multiples of 2^-9, ties to even by the fp32 add of 2^14 to |y| (its
-            # ulp there is 2^-9; below 2^14, for a negative y, it would be 2^-10)
-            b = y.to(tl.int32, bitcast=True)
-            b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
-            a = tl.abs(y)
-            sub = (a + 16384.0) - 16384.0
-            sub = tl.where(y < 0, -sub, sub)
-            q = tl.where(a < 0.015625, sub, b.to(tl.float32, bitcast=True))
-        else:
-            q = y.to(tl.float8e4nv)
+        # interpreted: e4m3's grid as float32, subnormals included
+        q = round_minifloat(y, 3, -6, False) if EMULATE else y.to(tl.float8e4nv)
         return q, pow2(k)
 
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
