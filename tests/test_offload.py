@@ -27,6 +27,13 @@ def build(cfg, ratio, device, offloader=None, platform="reference", dtype=torch.
 def check_offload_with_fusion(cfg, device, platform):
     plain = build(cfg, 4, device, platform=platform)
     process_weights_after_loading(plain, passes=["compressor_fusion", *plain.default_passes()])
+    if platform == "cuda":
+        # an offloaded cuda layer runs the base path's fp8 linears and no input-stage graph
+        # (weights move around each call): the plain layer the same way, so the bits compare.
+        # (With its fp8 kernels and a graph padded to 64 rows the plain layer accumulates in
+        # another order: equal on most inputs, a last bit apart on some - session 23's flaky F.)
+        plain.use_fp8_gemms(False)
+        plain.use_cuda_graphs(False)
     off = CpuOffloader(device)
     layer = build(cfg, 4, device, off, platform=platform)
     report = process_weights_after_loading(layer,
