@@ -69,11 +69,14 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     return f"{use} {mma} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
 
 
+GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
+                  stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
+                  cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
+                  m_tiles="i32", G="i32")
+"""The fp8 GEMM kernel's runtime arguments (its configurations and the gemv variant)."""
+
+
 def gemm() -> None:
-    types = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
-                 stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
-                 cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                 m_tiles="i32", G="i32")
     seen = set()
     for M in (1, 16, 32, 64, 100):
         for n, k in ((32768, 1024), (4096, 8192), (7168, 16384), (8192, 4096)):
@@ -87,7 +90,7 @@ def gemm() -> None:
                               SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
                               DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False)
                 try:
-                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
+                    r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
                                     dict(num_warps=c.num_warps, num_stages=c.num_stages))
                     print(f"fp8_gemm M={M} act_fp8={act} {c}: {r}", flush=True)
                 except Exception:
@@ -97,15 +100,12 @@ def gemm() -> None:
 
 def gemv() -> None:
     """The MMA-free one-token variant (``Fp8GemmConfig(gemv=True)``) at the bench's probe tiles."""
-    types = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
-                 stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
-                 cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                 m_tiles="i32", G="i32")
     for bn, warps in ((64, 8), (32, 4), (128, 8)):
         consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
                       DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True, ACT_FP8=False,
                       INTERP=False)
-        r = compile_one(fl._fp8_gemm_kernel, types, consts, dict(num_warps=warps, num_stages=3))
+        r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
+                        dict(num_warps=warps, num_stages=3))
         print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)
 
 
