@@ -200,6 +200,8 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     assert [p.split(":")[0] for p in profiles][:2] == ["## tiny C4 torch 40 tokens",
                                                        "## tiny C4 torch 200 tokens"]
     assert len(profiles) == 8 and all("CPU operator time" in p for p in profiles)
+    # the host profile: the layer's own functions by name, file and line, with their callers
+    assert all("Host profile (cProfile" in p and "attention.py:" in p for p in profiles)
     off = "auto" + prefill.STEP_KERNELS_OFF
     assert [(r["backend"], r["mode"], r["tokens"], r["context"]) for r in rows][3:] == [
         ("torch" + prefill.STEP_KERNELS_OFF, "single", 40, 0),

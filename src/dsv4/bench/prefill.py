@@ -31,7 +31,7 @@ indices: 64 / 128 heads, head_dim 512, 4K / 16K queries at the end of a 64K cont
 ``sparse_mqa_reference`` on 64 queries first; our kernel also at a few other tiles
 (``ATTN_PROBES``: the best of them is a column). Writes prefill.json, prefill.md and prefill.png;
 ``--profile`` also prefill_profile.md (the profiler's kernel table of one call per timed
-single-call row).
+single-call row, and Python's profile of the host's work in one more call).
 """
 
 from __future__ import annotations
@@ -265,7 +265,55 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
             wall = time.perf_counter() - t0
     finally:
         cache.free()
-    return profile_tables(prof, title, wall, gpu)
+    return profile_tables(prof, title, wall, gpu) + host_profile(layer, x)
+
+
+def host_profile(layer: Any, x: torch.Tensor, rows: int = 18) -> str:
+    """Markdown of where the host's time goes in one more prefill call of ``x`` (fresh cache),
+    by Python's own profiler: the functions with the most time of their own, each with the
+    callers it was reached from most often, then the final device wait. Python-level names
+    where the torch profiler's stacks are missing (the device's build) - a call whose wall time
+    exceeds its kernel time with little final wait is bound by this host work."""
+    import cProfile
+    import pstats
+
+    cache = layer.new_cache(x.shape[0])
+    pos = torch.arange(x.shape[0])
+    prof = cProfile.Profile()
+    try:
+        t0 = time.perf_counter()
+        prof.enable()
+        layer(x, pos, cache)
+        prof.disable()
+        issued = time.perf_counter() - t0
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        prof.disable()
+        cache.free()
+    table = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    lines = ["", f"Host profile (cProfile, one more call): the host issued the call in "
+             f"{issued * 1e3:.1f} ms; the device finished {(wall - issued) * 1e3:.1f} ms "
+             "later. Functions by their own time:", "",
+             "| function | calls | own ms | cumulative ms | called most from |",
+             "|---|---|---|---|---|"]
+    ranked = sorted(table.items(), key=lambda kv: -kv[1][2])
+    for key, (_cc, calls, own, cum, callers) in ranked[:rows]:
+        top = sorted(callers.items(), key=lambda kv: -kv[1][1])[:2]
+        where = ", ".join(f"`{_where(k)}` ({v[1]})" for k, v in top)
+        lines.append(f"| `{_where(key)}` | {calls} | {own * 1e3:.3f} | {cum * 1e3:.3f} | "
+                     f"{where} |")
+    return "\n".join(lines) + "\n"
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    """A cProfile function key as ``path-after-dsv4/:line(name)`` (built-ins: their name)."""
+    path, line, name = key
+    if path == "~":
+        return name[:70].replace("|", "/")
+    short = path.replace("\\", "/").split("dsv4/")[-1].split("site-packages/")[-1]
+    return f"{short}:{line}({name})"
 
 
 def profile_tables(prof: Any, title: str, wall: float, gpu: bool) -> str:
