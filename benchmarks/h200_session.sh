@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_session.sh steps    # rope / GEMM kernels changed: the same + GEMM probes
 #   bash benchmarks/h200_session.sh probes   # opt-in variants (prefetch, gemv) beside defaults
 #   bash benchmarks/h200_session.sh recheck  # graph/eager + last suite files, prefill profile
+#   bash benchmarks/h200_session.sh hostprof # fp8 GEMM tests, 16K prefill with host profile
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -122,6 +123,10 @@ recheck)  # session 23's untested changes: the sync-free calls, the graph / eage
         --models flash,pro --layers C4 --tokens 16384,65536 --chunk 0 \
         --attention-backend flashmla --reps 2 --max-case-seconds 20
     ;;
+hostprof)  # the act_fp8 tests' GPU tolerance / exact case, the 16K prefill's host profile
+    step pytest_fp8 150 "${PYTEST[@]}" -rf tests/kernels/test_fp8_linear.py
+    prefill_16k 90 flashmla
+    ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
@@ -137,7 +142,7 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|kernels" >&2
     exit 2
     ;;
 esac
