@@ -22,6 +22,53 @@ def test_cpu_upload_is_a_plain_copy():
     assert torch.equal(dst, host)
 
 
+class _FakeEvent:
+    """Records what the ring asks of an event; done when the test says so."""
+
+    log: list[str] = []
+
+    def __init__(self):
+        self.done = False
+        self.id = len(_FakeEvent.log)
+        _FakeEvent.log.append(f"new {self.id}")
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        _FakeEvent.log.append(f"wait {self.id}")
+        self.done = True
+
+
+def test_pinned_ring_hands_out_fresh_slices_and_waits_only_on_reuse():
+    from dsv4.host_copy import PinnedRing
+
+    _FakeEvent.log = []
+    ring = PinnedRing(torch.zeros(4096, dtype=torch.uint8), _FakeEvent)
+    host = torch.arange(100, dtype=torch.int32)  # 400 bytes -> 512-byte slices
+    views = []
+    for i in range(8):  # fills the 4096 bytes exactly: no wait
+        view, lo, hi = ring.stage(host + i)
+        assert (lo, hi) == (512 * i, 512 * i + 512) and view.dtype == torch.int32
+        ring.guard(lo, hi)
+        views.append(view)
+    host.zero_()  # the slices are snapshots
+    assert all(torch.equal(v, torch.arange(100, dtype=torch.int32) + i)
+               for i, v in enumerate(views))
+    assert not any(e.startswith("wait") for e in _FakeEvent.log)
+    # the ninth wraps to byte 0: it waits for the first copy only, then overwrites its slice
+    view, lo, hi = ring.stage(torch.full((200,), 7, dtype=torch.int32))  # 800 -> 1024 bytes
+    assert (lo, hi) == (0, 1024) and _FakeEvent.log[-2:] == ["wait 0", "wait 1"]
+    assert torch.equal(views[0], torch.full((100,), 7, dtype=torch.int32))
+    assert torch.equal(views[2], torch.arange(100, dtype=torch.int32) + 2)  # untouched
+    ring.guard(lo, hi)
+    # larger than a quarter of the ring: not staged (the caller takes a fresh buffer)
+    assert ring.stage(torch.zeros(1025, dtype=torch.uint8)) is None
+
+
 class _OnCuda:
     device = torch.device("cuda")
 
@@ -52,6 +99,23 @@ def test_upload_reads_a_snapshot_the_host_may_change_at_once():
     host.zero_()
     assert torch.equal(out.cpu(), torch.arange(1000))
     assert torch.equal(dst.cpu(), torch.arange(1000))
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_ring_wraps_behind_a_busy_gpu():
+    """40 MiB through the 16 MiB ring while the GPU is still busy: the ring comes round to
+    slices whose copies have not run and must wait for them; every copy arrives intact."""
+    dev = torch.device("cuda")
+    big = torch.randn(4096, 4096, device=dev)
+    for _ in range(8):
+        big = big @ big / 64
+    host = torch.empty(1 << 18, dtype=torch.int32)  # 1 MiB
+    outs = []
+    for i in range(40):
+        host.fill_(i)
+        outs.append(upload(host, dev)[0])
+    assert all(bool((o == i).all()) for i, o in enumerate(outs))
 
 
 @cuda_only
