@@ -21,7 +21,7 @@ from dsv4.derived_state import restore_derived_state
 from dsv4.host_copy import upload_once
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.indexer import Indexer
-from dsv4.layers.linear import Linear, MergedLinear, grouped_linear
+from dsv4.layers.linear import FP8_BLOCK, Linear, MergedLinear, grouped_linear
 from dsv4.layers.mqa import sparse_mqa_paged
 from dsv4.layers.norm import RMSNorm, rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim
@@ -356,7 +356,9 @@ class DeepseekV4Attention(nn.Module):
         compressor score, indexer weights, indexer compressor score, overlap only for
         T <= multi_stream_token_threshold.
         """
-        if self._input_pack is not None:
+        if self._input_pack is not None and not self.cfg.act_quant:
+            # (the one-launch kernel reads one x for every segment; under act_quant only the
+            # fp8 segment's input is quantised: the stream plan's GEMMs)
             return self._fused_input_projections_gemm(x)
         return self._stream_input_projections(x)
 
@@ -396,10 +398,11 @@ class DeepseekV4Attention(nn.Module):
         The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821).
         May change: the kernel and the weight layout (e.g. preshuffled fp8 with activation
         quantisation).
-        Must keep: shape, dtype and the [qr | kv] column order; fall back to this method via
-        super() for inputs the fast path does not take.
+        Must keep: shape, dtype and the [qr | kv] column order, the §6.3 activation
+        quantisation under ``cfg.act_quant`` (:meth:`_fp8_linear_input`); fall back to this
+        method via super() for inputs the fast path does not take.
         """
-        return self.fused_wqa_wkv(x)
+        return self.fused_wqa_wkv(self._fp8_linear_input(x))
 
     def _compressor_kv_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Main compressor projection [T, 2 * coff * head_dim] with fp32 (acc dtype) output.
@@ -461,18 +464,20 @@ class DeepseekV4Attention(nn.Module):
         in the kernel instead of dequantising the weight per call).
         Must keep: the layer dtype out, the head-major column order (head h = columns
         h * head_dim ..), this rank's heads only under tensor parallelism (``wq_b`` is sliced),
-        and the canonical weight (fall back to ``super()`` where the fast path does not apply)."""
-        return self.wq_b(qr)
+        the §6.3 activation quantisation under ``cfg.act_quant``, and the canonical weight (fall
+        back to ``super()`` where the fast path does not apply)."""
+        return self.wq_b(self._fp8_linear_input(qr))
 
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
         index_head_dim] in the layer dtype (ratio-4 layers only).
 
         May change: the kernel (as :meth:`_wq_b_gemm`).
-        Must keep: the layer dtype out, the head-major column order, and no RoPE or numerics
-        simulation here (the indexer applies them)."""
+        Must keep: the layer dtype out, the head-major column order, the §6.3 activation
+        quantisation under ``cfg.act_quant``, and no RoPE or other numerics simulation here
+        (the indexer applies them)."""
         assert self.indexer is not None
-        return self.indexer.wq_b(qr)
+        return self.indexer.wq_b(self._fp8_linear_input(qr))
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``
@@ -621,11 +626,20 @@ class DeepseekV4Attention(nn.Module):
         May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``).
         Must keep: the g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and the
         [T, hidden] output; under tensor parallelism the local groups (``self.o_groups``, via
-        :meth:`_wo_a_grouped`), whose partial sum the forward all-reduces."""
+        :meth:`_wo_a_grouped`), whose partial sum the forward all-reduces; under
+        ``cfg.act_quant`` ``wo_b``'s input quantised (§6.3), ``wo_a``'s not."""
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
-        return self.wo_b(self._wo_a_grouped(o))
+        return self.wo_b(self._fp8_linear_input(self._wo_a_grouped(o)))
 
     # ---- fixed steps --------------------------------------------------------------------
+    def _fp8_linear_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of an fp8 linear as the official code multiplies it: under
+        ``cfg.act_quant`` quantised per token to e4m3 in blocks of 128 with a power-of-two scale
+        and dequantised (dsv4-attention.md §6.3; exact in bf16, so any GEMM of the result has
+        the official numerics up to its summation order), else ``x``. A fixed step: overrides
+        of the GEMMs call it, or quantise the same way inside their kernel."""
+        return fp8_block_sim(x, FP8_BLOCK) if self.cfg.act_quant else x
+
     def _tp_all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Tensor parallelism: the sum over the group of the ranks' partial ``wo_b`` outputs,
         on the current stream (identity without a group). A fixed step, not an override point,

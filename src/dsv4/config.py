@@ -17,8 +17,8 @@ from typing import Any
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashmla")
-RUNTIME_OPTIONS = ("simulate_quant", "multi_stream_token_threshold", "kv_cache_dtype",
-                   "index_cache_dtype", "index_numerics", "max_step_tokens",
+RUNTIME_OPTIONS = ("simulate_quant", "act_quant", "multi_stream_token_threshold",
+                   "kv_cache_dtype", "index_cache_dtype", "index_numerics", "max_step_tokens",
                    "attention_workspace_bytes", "check_finite_inputs", "attention_backend")
 """Options of this package (not model keys) that a config dict may carry."""
 
@@ -73,6 +73,12 @@ class DSV4Config:
     weight_block_size: tuple[int, int] = (128, 128)
     simulate_quant: bool = True
     """Run the official FP8 (kv nope) and Hadamard+FP4 (indexer) quantisation simulations."""
+    act_quant: bool = False
+    """The official activation quantisation of the fp8 linears (dsv4-attention.md §6.3): the
+    inputs of ``wq_a | wkv``, ``wq_b``, ``indexer.wq_b`` and ``wo_b`` (not ``wo_a``) quantised
+    per token to e4m3 in blocks of 128 with power-of-two scales (``fp8_block_sim`` at 128), in
+    every platform's GEMMs. Off: bf16 activations (the §9 "small error" against the official
+    numerics). A runtime option: never written to ``config.json``."""
     multi_stream_token_threshold: int = 1024
     """Input-GEMM stream overlap is enabled only for calls with at most this many tokens."""
     kv_cache_dtype: str = "auto"
@@ -211,6 +217,12 @@ class DSV4Config:
                     f"rope_scaling={y!r}: needs factor >= 1, original_max_position_embeddings > 0 "
                     "and beta_fast > beta_slow > 0"
                 )
+        need(isinstance(self.act_quant, bool), "act_quant", "must be True or False")
+        if self.act_quant:
+            for name in ("hidden_size", "q_lora_rank", "o_lora_rank"):
+                need(getattr(self, name) % 128 == 0, name,
+                     "must be a multiple of 128 with act_quant (the activations are quantised "
+                     "in blocks of 128 along it)")
         if self.fp8_weights:
             bn, bk = self.weight_block_size
             need(self.weight_block_size == (128, 128), "weight_block_size",
@@ -276,7 +288,7 @@ class DSV4Config:
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("rope_scaling", "fp8_weights", "weight_block_size",
-                          "check_finite_inputs", "attention_backend"):
+                          "check_finite_inputs", "attention_backend", "act_quant"):
                 continue
             v = getattr(self, f.name)
             d[f.name] = list(v) if isinstance(v, tuple) else v

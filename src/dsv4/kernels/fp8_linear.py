@@ -131,8 +131,11 @@ class Fp8GemmConfig:
     act_fp8: bool = False  # activations quantised to e4m3 per 128 (§6.3): fp8 x fp8 MMAs
 
 
-def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmConfig:
-    """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length.
+def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
+                      ) -> Fp8GemmConfig:
+    """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length;
+    ``act_fp8``: the same tiles with the activations quantised in the kernel (§6.3; session 24's
+    H200 probes: faster than bf16 activations on every Flash / Pro shape at M = 1).
 
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
     benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
@@ -154,7 +157,7 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132) -> Fp8GemmCo
     if M <= 64:
         split = max(split, -(-nkb // 16))
     split = max(1, min(nkb, split, 16))
-    return Fp8GemmConfig(**{**c.__dict__, "split_k": split})
+    return Fp8GemmConfig(**{**c.__dict__, "split_k": split, "act_fp8": act_fp8})
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -346,7 +349,8 @@ def _n_sm(idx: int) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132, an H200's, off CUDA)."""
     if device.type != "cuda":
         return 132
     return _n_sm(device.index if device.index is not None else torch.cuda.current_device())
@@ -360,7 +364,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous)."""
     M, G, Kg = x3.shape
     R = y3.shape[2]
-    cfg = config or choose_fp8_config(M, G * R, Kg, _sm_count(x3.device))
+    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device))
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
         raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")

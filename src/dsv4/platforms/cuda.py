@@ -192,7 +192,8 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- input stage ------------------------------------------------------------------
     def _run_parallel_input_projections(self, x: torch.Tensor) -> InputProjections:
-        fused = self._input_pack is not None and x.shape[0] <= self.plan.fused_max_tokens
+        fused = (self._input_pack is not None and x.shape[0] <= self.plan.fused_max_tokens
+                 and not self.cfg.act_quant)  # (the base method says why)
         stage = self._fused_input_projections_gemm if fused else self._stream_input_projections
         if (x.shape[0] <= self.plan.graph_max_tokens and self.offloader.is_noop
                 and not torch.cuda.is_current_stream_capturing()):
@@ -240,17 +241,17 @@ class CudaAttention(DeepseekV4Attention):
         # kernel instead of dequantising the fp8 weight per call (two elementwise passes over
         # it, ~40 us of a 64-token Flash step on the H200)
         if self._fp8_ready("fused_wqa_wkv", x):
-            return fp8_gemm(self.fused_wqa_wkv, x)
+            return fp8_gemm(self.fused_wqa_wkv, x, self.cfg.act_quant)
         return super()._fused_wqa_wkv_gemm(x)
 
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self._fp8_ready("wq_b", qr):
-            return fp8_gemm(self.wq_b, qr)
+            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant)
         return super()._wq_b_gemm(qr)
 
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
-            return fp8_gemm(self.indexer.wq_b, qr)
+            return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant)
         return super()._indexer_wq_b_gemm(qr)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -261,7 +262,7 @@ class CudaAttention(DeepseekV4Attention):
         o = self._inverse_rope(o, positions)
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
-        return self.wo_b(self._wo_a_grouped(o))
+        return self.wo_b(self._fp8_linear_input(self._wo_a_grouped(o)))
 
     # ---- fused elementwise stages (dsv4.platforms.cuda_elementwise) -------------------
     def _elementwise_ready(self, x: torch.Tensor) -> bool:

@@ -10,7 +10,11 @@ weights are never held twice.
 Numerics (declared): per 128-wide K block the e4m3 tile widens to bf16 exactly, the block product
 accumulates in fp32 and is scaled by the block's power of two (exact), the sum over blocks is
 fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on the dequantised
-weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions.
+weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions. Under the
+config's ``act_quant`` (§6.3) the streaming kernel quantises each 128-wide block of x to e4m3
+itself and runs fp8 x fp8 MMAs (Hopper keeps about 14 bits of a block's running sum: ~1e-4
+relative, the official kernels' numerics too); long calls quantise x with ``fp8_block_sim``
+before cuBLAS.
 
 Which layers take it is decided on the host, without device syncs (CUDA-graph capturable), by
 :func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
@@ -30,8 +34,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from dsv4.kernels.fp8_linear import fp8_dequantize, fp8_grouped_linear, fp8_linear
+from dsv4.kernels.fp8_linear import (
+    choose_fp8_config,
+    fp8_dequantize,
+    fp8_grouped_linear,
+    fp8_linear,
+    sm_count,
+)
 from dsv4.layers.linear import Linear, grouped_linear
+from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.weight_layout import get_layout
 
 if TYPE_CHECKING:
@@ -104,12 +115,19 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
     return not name.startswith("indexer.") or layer.indexer is not None
 
 
-def fp8_gemm(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
-    kernel, or (long calls) a one-pass dequantised copy and cuBLAS."""
+    kernel, or (long calls) a one-pass dequantised copy and cuBLAS. ``act_quant``: x quantised
+    as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim`` before
+    cuBLAS."""
     assert lin.scale is not None
+    n, k = lin.weight.shape
     if x.shape[0] <= FP8_GEMM_MAX_TOKENS:
-        return fp8_linear(x, lin.weight, lin.scale)
+        cfg = (choose_fp8_config(x.shape[0], n, k, sm_count(x.device), act_fp8=True)
+               if act_quant else None)
+        return fp8_linear(x, lin.weight, lin.scale, config=cfg)
+    if act_quant:
+        x = fp8_block_sim(x, BLOCK)
     return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
 
 
@@ -126,4 +144,6 @@ def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> to
     else:  # the base path's grouped product (an einsum's copy to flatten was 0.33 ms at 16K)
         w = fp8_dequantize(lin.weight, lin.scale).view(layer.o_groups, -1, og.shape[2])
         z = grouped_linear(og, w)
-    return fp8_gemm(layer.wo_b, z) if wo_b else layer.wo_b(z)
+    if wo_b:
+        return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant)
+    return layer.wo_b(layer._fp8_linear_input(z))

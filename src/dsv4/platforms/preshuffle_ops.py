@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4.layers.fp8 import FP8_E4M3_MAX, dequantize_fp8_block
+from dsv4.layers.fp8 import (
+    FP8_AMAX_FLOOR,
+    FP8_E4M3_MAX,
+    ceil_log2,
+    dequantize_fp8_block,
+    pow2,
+)
 
 SHUFFLE_LAYOUT = (16, 16)
 """AITER's blockscale B layout: 16 rows x 16 bytes per tile."""
@@ -90,12 +96,14 @@ def per_token_group_quant_fp8(
     fp8_max: float = FP8_E4M3_MAX,
     transpose_scale: bool = True,
     quant_dtype: torch.dtype = torch.float8_e4m3fn,
+    official: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """AITER per-token group FP8 quantisation (A.5): fp32 scale ``max(1e-10, amax) / fp8_max``.
 
-    The scale is NOT a power of two (unlike the official quantiser). With ``transpose_scale``
-    the scale has logical shape [M, K/group] but column-major storage (strides (1, M)), which is
-    what the preshuffled GEMM requires.
+    The scale is NOT a power of two (unlike the official quantiser, which ``official`` selects:
+    ``2^ceil(log2(max(amax, 1e-4) / fp8_max))``, dsv4-attention.md §6.3). With
+    ``transpose_scale`` the scale has logical shape [M, K/group] but column-major storage
+    (strides (1, M)), which is what the preshuffled GEMM requires.
     """
     if x.dim() != 2:
         raise ValueError(f"per_token_group_quant_fp8 needs x [M, K], got shape {tuple(x.shape)}")
@@ -103,8 +111,12 @@ def per_token_group_quant_fp8(
     if group <= 0 or k % group:
         raise ValueError(f"per_token_group_quant_fp8: K={k} must be a multiple of group={group}")
     xf = x.to(torch.float32).reshape(m, k // group, group)
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
-    scale = amax / fp8_max
+    if official:
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+        scale = pow2(ceil_log2(amax * (1.0 / fp8_max)), torch.float32)
+    else:
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
+        scale = amax / fp8_max
     # |x * (1/s)| <= fp8_max up to one rounding; the clamp only saturates that last ulp.
     x_q = (xf * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(quant_dtype).reshape(m, k)
     scale = scale.reshape(m, k // group)
