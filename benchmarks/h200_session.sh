@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_session.sh probes   # opt-in variants (prefetch, gemv) beside defaults
 #   bash benchmarks/h200_session.sh recheck  # graph/eager + last suite files, prefill profile
 #   bash benchmarks/h200_session.sh hostprof # fp8 GEMM tests, 16K prefill with host profile
+#   bash benchmarks/h200_session.sh actq     # host-copy ring + act_quant: tests, decode, prefill
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -127,6 +128,19 @@ hostprof)  # the act_fp8 tests' GPU tolerance / exact case, the 16K prefill's ho
     step pytest_fp8 150 "${PYTEST[@]}" -rf tests/kernels/test_fp8_linear.py
     prefill_16k 90 flashmla
     ;;
+actq)  # session 24: the pinned-ring host copies and act_quant - tests, decode rows with and
+    # without the official fp8 activations, the 16K prefill (profile) and 16K / 64K rows, verify
+    step pytest_actq 200 "${PYTEST[@]}" -rf tests/test_host_copy.py tests/test_act_quant.py \
+        tests/kernels/test_fp8_linear.py tests/platforms/test_cuda_platform.py
+    step decode_step 130 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
+        --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8
+    prefill_16k 60 flashmla
+    step prefill 60 python3 -m dsv4 bench prefill --out "$OUT/prefill" --only layer \
+        --models flash,pro --layers C4 --tokens 16384,65536 --chunk 0 \
+        --attention-backend flashmla --reps 2 --max-case-seconds 20
+    verify 60
+    ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
@@ -142,7 +156,7 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|actq|kernels" >&2
     exit 2
     ;;
 esac

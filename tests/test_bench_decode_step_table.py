@@ -18,12 +18,14 @@ from dsv4.platforms.registry import _needs_cuda
 
 def test_speedups_are_against_the_best_upstream_strategy_and_every_strategy_is_listed():
     times = {"serial4": 30.0, "multistream": 20.0, "rocm_style": 25.0, "fused4_dsv4": 16.0,
-             "cuda_plan": 10.0, "ours_unfused": 8.0, "ours_triton": 5.0, "ours_triton_fp8": 4.0}
+             "cuda_plan": 10.0, "ours_unfused": 8.0, "ours_triton": 5.0, "ours_triton_fp8": 4.0,
+             "ours_act8": 2.5}
     rows = [{"model": "flash", "layer_type": "C4", "M": m, "context": 512, "strategy": s,
              "us": t * m, "fraction": 0.5, "launches": 30}
             for m in (1, 4) for s, t in times.items()]
     rows += [{"model": "flash", "layer_type": "C4", "M": m, "context": 512,
-              "strategy": "ours_flashmla", "skipped": "not installed"} for m in (1, 4)]
+              "strategy": s, "skipped": "not installed"}
+             for m in (1, 4) for s in ("ours_flashmla", "ours_flashmla_act8")]
     add_speedups(rows)
     by = {(r["M"], r["strategy"]): r.get("speedup_vs_best_upstream") for r in rows}
     assert by[(1, "fused4_dsv4")] == 20.0 / 16.0 and by[(4, "cuda_plan")] == 2.0
@@ -33,8 +35,9 @@ def test_speedups_are_against_the_best_upstream_strategy_and_every_strategy_is_l
     assert len(lines) == 4 and all(s in lines[0] for s in STRATEGIES)
     assert all(f"{s} launches" in lines[0] for s in NEW_PATH)
     assert lines[2].startswith("| flash | C4 | 512 | 1 | 30.0 (0.50) |")
-    assert "| 4.0 (0.50) | skipped | 30 | 30 | 30 | skipped |" in lines[2]
-    assert lines[2].endswith("| 1.25x | 2.00x | 2.50x | 4.00x | 5.00x |")
+    assert ("| 4.0 (0.50) | skipped | 2.5 (0.50) | skipped | 30 | 30 | 30 | skipped | 30 | "
+            "skipped |") in lines[2]
+    assert lines[2].endswith("| 1.25x | 2.00x | 2.50x | 4.00x | 5.00x | 8.00x |")
 
 
 def test_floor_counts_the_cache_format_bytes(tiny):

@@ -25,12 +25,17 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
 * ``ours_flashmla``    FlashMLA's sparse fp8 decode kernel on the ``fp8_ds_mla`` cache (rows
                        skipped, with the reason, where FlashMLA is not installed or the shape
                        is not one it runs)
+* ``ours_act8``, ``ours_flashmla_act8``  ``ours_triton_fp8`` / ``ours_flashmla`` with
+                       ``act_quant`` (the official fp8 activations, §6.3: fp8 x fp8 MMAs in
+                       the streaming GEMMs; the input stage runs the stream plan)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
-and against the first strategy's output (rel. error <= 2e-2; the caches hold the same rows in
-every format, see :mod:`dsv4.bench.synthetic_cache`). ``floor_us`` = bytes of all the layer's
-weights plus the cache bytes the step reads (window rows and selected entries in the strategy's
-kv format, and every visible indexer key), over the copy bandwidth measured in the same run.
+and against the first strategy's output (rel. error <= 2e-2, 1e-1 for the ``act_quant`` rows,
+whose quantised activations move the output by a few 1e-2 on random weights; the caches hold
+the same rows in every format, see :mod:`dsv4.bench.synthetic_cache`). ``floor_us`` = bytes of
+all the layer's weights plus the cache bytes the step reads (window rows and selected entries in
+the strategy's kv format, and every visible indexer key), over the copy bandwidth measured in
+the same run.
 ``launches`` = GPU operations (kernels, copies, memsets) of one eager step of the same code,
 counted with the profiler (a graph replays the same operations).
 """
@@ -58,9 +63,10 @@ from dsv4.random_weights import random_layer_weights
 
 UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
-        "ours_flashmla")
+        "ours_flashmla", "ours_act8", "ours_flashmla_act8")
 STRATEGIES = UPSTREAM + OURS
-NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla")
+NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
+            "ours_flashmla_act8")
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Strategy:
     attention_backend: str = "torch"
     kv_cache_dtype: str = "bf16"
     step_kernels: bool = False
+    act_quant: bool = False
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -85,6 +92,9 @@ STRATEGY_SPECS = {
     "ours_triton": Strategy(1024, "plan", _BOTH, True, "triton", "bf16", True),
     "ours_triton_fp8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True),
     "ours_flashmla": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True),
+    "ours_act8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True, True),
+    "ours_flashmla_act8": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
+                                   True),
 }
 
 
@@ -93,7 +103,7 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     spec = STRATEGY_SPECS[strategy]
     c = cfg.replace(multi_stream_token_threshold=spec.threshold,
                     attention_backend=spec.attention_backend,
-                    kv_cache_dtype=spec.kv_cache_dtype)
+                    kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
     fused = {"all": 1 << 20, "plan": CudaPlan.load(cfg.hidden_size).fused_max_tokens,
              "none": 0}[spec.fused]
     plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0)  # the whole step is one graph
@@ -173,7 +183,7 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
             choice = layer.attention_choice(caches[0].pool).describe()
             eager = layer(x, pos, caches)  # warm-up and the eager answer
         except RuntimeError as ex:
-            if strategy != "ours_flashmla":
+            if STRATEGY_SPECS[strategy].attention_backend != "flashmla":
                 raise
             rows.append({**key, "skipped": f"{type(ex).__name__}: {ex}"})
             print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} {strategy:>15}: "
@@ -202,7 +212,7 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
         if base is None:
             base, base_name = out.clone(), strategy
         err = float((out.double() - base.double()).norm() / base.double().norm())
-        if err > 2e-2:
+        if err > (1e-1 if STRATEGY_SPECS[strategy].act_quant else 2e-2):
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel err "
                                f"{err:.2e} against {base_name}")
         times = []
