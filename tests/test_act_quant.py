@@ -99,15 +99,18 @@ def test_act_quant_option():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_cuda_layer_matches_the_reference_under_act_quant(tiny, make_layer, ratio):
-    """The cuda platform (fp8 kernels quantising in the kernel, graphs, step kernels) against
-    the float64 reference layer with the same option: as close as the bf16 path is without it,
-    far closer than to the unquantised numerics."""
+    """The cuda platform (fp8 kernels quantising in the kernel, graphs, step kernels) is as close
+    to the float64 evaluation with the option as the reference layer in bf16 is, and closer to
+    it than to the evaluation without. (The quantiser turns bf16's rounding of its inputs into
+    whole e4m3 steps now and then, so both bf16 paths sit 3-5e-2 from float64 on the tiny
+    model, against 1.5e-2 without the option: measured on the H200, session 24.)"""
     cfg = tiny.replace(act_quant=True)
     x = random_x(43, tiny.hidden_size, seed=11)
     want = run(make_layer(cfg, ratio, torch.float64), x.double())
     off = run(make_layer(tiny, ratio, torch.float64), x.double())
+    bf16 = run(make_layer(cfg, ratio), x.to(torch.bfloat16))
     cuda = make_layer(cfg, ratio, torch.bfloat16, platform="cuda", device="cuda")
     process_weights_after_loading(cuda)
     got = run(cuda, x.to("cuda", torch.bfloat16)).cpu()
     err = rel_err(got, want)
-    assert err < 0.25 * rel_err(off, want) and err < 2e-2
+    assert err < 1.25 * rel_err(bf16, want) and err < rel_err(got, off)
