@@ -80,12 +80,13 @@ def gemm() -> None:
     seen = set()
     for M in (1, 16, 32, 64, 100):
         for n, k in ((32768, 1024), (4096, 8192), (7168, 16384), (8192, 4096)):
-            c = fl.choose_fp8_config(M, n, k)
-            key = (c.block_m, c.block_n, c.split_k > 1, c.swap, c.num_warps, c.num_stages)
-            if key in seen:
-                continue
-            seen.add(key)
             for act in (False, True):  # bf16 MMAs on the widened weight / fp8 x fp8 MMAs
+                c = fl.choose_fp8_config(M, n, k, act_fp8=act)
+                key = (c.block_m, c.block_n, c.split_k > 1, c.swap, c.num_warps, c.num_stages,
+                       act)
+                if key in seen:
+                    continue
+                seen.add(key)
                 consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
                               SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
                               DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False)

@@ -111,6 +111,22 @@ def test_choose_config_table():
             c = choose_fp8_config(M, n, k)
             assert n % c.block_n == 0 and 1 <= c.split_k <= k // 128
             assert c.block_m >= min(M, 16)
+            a = choose_fp8_config(M, n, k, act_fp8=True)
+            assert a.act_fp8 and not c.act_fp8 and n % a.block_n == 0
+            assert a.block_m == c.block_m and 1 <= a.split_k <= k // 128
+
+
+def test_act_fp8_row_tile_rule():
+    """Under act_fp8 at M = 1: 128-row tiles (half the split) where they still give 1.5
+    programs per SM - of the H200 probes' Flash / Pro shapes, the ones where they won."""
+    shapes = {"flash wq_b": (32768, 1024), "flash wo_a": (8192, 4096), "flash wo_b": (4096, 8192),
+              "flash idx": (8192, 1024), "pro wq_b": (65536, 1536), "pro wo_a": (16384, 4096),
+              "pro wo_b": (7168, 16384), "pro idx": (8192, 1536)}
+    wide = {name for name, (n, k) in shapes.items()
+            if choose_fp8_config(1, n, k, act_fp8=True).block_n == 128}
+    assert wide == {"flash wq_b", "pro wq_b", "pro wo_b"}
+    assert choose_fp8_config(1, 7168, 16384, act_fp8=True).split_k == 4  # 8 at 64 rows
+    assert choose_fp8_config(16, 7168, 16384, act_fp8=True).block_n == 64  # measured at M=1
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -159,6 +175,7 @@ ACT_CONFIGS = [
     Fp8GemmConfig(block_m=16, block_n=64, split_k=1, act_fp8=True),
     Fp8GemmConfig(block_m=16, block_n=32, split_k=3, act_fp8=True),  # ragged K splits
     Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False, act_fp8=True),
+    Fp8GemmConfig(block_m=16, block_n=128, split_k=2, act_fp8=True),  # the M = 1 rule's wide tile
 ]
 
 

@@ -157,7 +157,15 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     if M <= 64:
         split = max(split, -(-nkb // 16))
     split = max(1, min(nkb, split, 16))
-    return Fp8GemmConfig(**{**c.__dict__, "split_k": split, "act_fp8": act_fp8})
+    bn = c.block_n
+    if act_fp8 and M == 1 and (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
+        # 128-row tiles at half the split where that still gives 1.5 programs per SM (session
+        # 24's act8 probes at M = 1: Pro wo_b 42.7 -> 37.2 us, Pro / Flash wq_b 32.2 -> 31.6 /
+        # 12.0 -> 11.6; the shapes it would leave with < 1.5 programs per SM - Flash wo_b,
+        # both wo_a, the indexer wq_b - lost or tied)
+        bn, split = 128, max(1, split // 2)
+    return Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": split,
+                            "act_fp8": act_fp8})
 
 
 # ---------------------------------------------------------------------------------- kernel
