@@ -1,14 +1,15 @@
 """Compile the Triton kernels for sm_90 on a machine WITHOUT a GPU and print each
 configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
 
-    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|all]
+    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|fused|all]
 
 ``gemm``: the fp8 weight-streaming GEMM's configurations and the one-pass dequantisation;
 
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
 indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro shapes;
 ``stages``: the RoPE /
-norm / quantisation kernels and the compressed entries. The CPU interpreter
+norm / quantisation kernels and the compressed entries; ``fused``: the one-launch input kernel
+at Flash / Pro C4 decode configurations, with and without ``act_quant``. The CPU interpreter
 accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled loop, once);
 this compiles what a GPU would.
 
@@ -34,6 +35,7 @@ from triton.compiler import ASTSource
 
 from dsv4.kernels import compress_entries as ce
 from dsv4.kernels import fp8_linear as fl
+from dsv4.kernels import fused_input_proj as fip
 from dsv4.kernels import indexer_prefill as ip
 from dsv4.kernels import indexer_topk as it
 from dsv4.kernels import paged_rows as pr
@@ -159,6 +161,51 @@ def combine() -> bool:
     return ok
 
 
+FUSED_TYPES = dict(x_ptr="*bf16", stride_xm="i32", M="i32", K="i32", w_ptr="*bf16", n16="i32",
+                   w8_ptr="*fp8e4nv", sc_ptr="*fp32", stride_sc="i32", n8="i32",
+                   ws_ptr="*fp32", cnt_ptr="*i32", m_ws="i32", o0="*bf16", s0="i32",
+                   o1="*fp32", s1="i32", o2="*fp32", s2="i32", o3="*bf16", s3="i32",
+                   o4="*fp32", s4="i32", e0="i32", e1="i32", e2="i32", e3="i32", e4="i32",
+                   m_tiles="i32", g16="i32", g8="i32")
+"""The one-launch input kernel's runtime arguments (the DSV4 C4 slot order)."""
+
+
+def fused() -> bool:
+    """The one-launch input kernel at the configurations choose_config gives a Flash / Pro C4
+    pack (fp8 fused_wqa_wkv, power-of-two scales) for decode M, with and without act_quant."""
+    import torch
+
+    ok, seen = True, set()
+    for hidden, n_fp8 in ((4096, 1536), (7168, 2048)):
+        segs = [("qr_kv", (torch.zeros(n_fp8, hidden, dtype=torch.float8_e4m3fn),
+                           torch.ones(n_fp8 // 128, hidden // 128)), torch.bfloat16)]
+        segs += [(n, torch.zeros(r, hidden, dtype=torch.bfloat16), dt) for n, r, dt in
+                 (("kv_score", 2048, torch.float32), ("idx_kv_score", 512, torch.float32),
+                  ("idx_weights", 64, torch.bfloat16))]
+        pack = fip.pack_input_weights(segs)
+        for M in (1, 16, 64):
+            c = fip.choose_config(M, pack)
+            if c.cublas:
+                continue
+            bn8 = c.block_n8 or 2 * c.block_n
+            g8 = -(-pack.n_fp8 // bn8)
+            fold = 128 % bn8 == 0 and pack.n_fp8 == g8 * bn8
+            pf = min(c.prefetch, (hidden // c.split_k) * 2) // 32 * 32 if c.pdl else 0
+            for act in (False, True):
+                key = (c, fold, pf, act)
+                if key in seen:
+                    continue
+                seen.add(key)
+                consts = dict(BM=c.block_m, BN=c.block_n, BN8=bn8, BK=c.block_k,
+                              SPLIT_K=c.split_k, SWAP=c.swap, HAS_FP8=True, FOLD=fold,
+                              USE_PDL=c.pdl, PREFETCH=pf, FENCE=True, ACT=act, INTERP=False,
+                              DOT_DT=tl.bfloat16, DOT_PREC="tf32")
+                ok &= _try(f"fused_input_proj hidden={hidden} M={M} act={act} {c}",
+                           fip.fused_input_proj_kernel, FUSED_TYPES, consts,
+                           dict(num_warps=c.num_warps, num_stages=c.num_stages))
+    return ok
+
+
 def _try(name: str, fn, types: dict, consts: dict, opts: dict) -> bool:
     try:
         print(f"{name}: {compile_one(fn, types, consts, opts)}", flush=True)
@@ -268,6 +315,8 @@ if __name__ == "__main__":
     if which in ("mqa", "all"):
         mqa()
     if which in ("steps", "all") and not steps():
+        raise SystemExit(1)
+    if which in ("fused", "all") and not fused():
         raise SystemExit(1)
     if which in ("stages", "all") and not stages():
         raise SystemExit(1)

@@ -54,9 +54,9 @@ def test_reference_layer_quantises_exactly_the_four_inputs(tiny, make_layer, rat
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_post_load_passes_keep_the_quantisation(tiny, make_layer, ratio):
     """With the one-launch input pack (the cuda platform's post-load pass; its fused compressor
-    weight too) the layer still quantises wq_a | wkv's input: the one-launch kernel would read
-    x unquantised for every segment, so act_quant runs the stream plan (the same result as
-    without the pack; a pack used anyway: 6e-2 away)."""
+    weight too) the layer still quantises wq_a | wkv's input, and only that one: the pack's
+    fp8 segment multiplies the quantised x (in the kernel on a GPU; here its reference), the
+    compressor segments x itself. Unquantised, the pack's result is 6e-2 away."""
     cfg = tiny.replace(act_quant=True)
     x = random_x(43, tiny.hidden_size, seed=7).to(torch.bfloat16)
     plain = run(make_layer(cfg, ratio), x)

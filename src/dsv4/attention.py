@@ -356,11 +356,16 @@ class DeepseekV4Attention(nn.Module):
         compressor score, indexer weights, indexer compressor score, overlap only for
         T <= multi_stream_token_threshold.
         """
-        if self._input_pack is not None and not self.cfg.act_quant:
-            # (the one-launch kernel reads one x for every segment; under act_quant only the
-            # fp8 segment's input is quantised: the stream plan's GEMMs)
+        if self._input_pack_usable():
             return self._fused_input_projections_gemm(x)
         return self._stream_input_projections(x)
+
+    def _input_pack_usable(self) -> bool:
+        """The one-launch input pack exists and can give this config's numerics: under
+        ``act_quant`` its qr_kv segment must be fp8 (the kernel quantises that segment's x and
+        no other; with a bf16 ``fused_wqa_wkv`` the stream plan runs). Host-side, no sync."""
+        pack = self._input_pack
+        return pack is not None and (not self.cfg.act_quant or pack.fp8_weight is not None)
 
     # ---- the stream plan (a fixed step that platform overrides call) -----------------
     def _stream_input_projections(
@@ -446,12 +451,14 @@ class DeepseekV4Attention(nn.Module):
         ``fuse_input_projections`` pass); same tuple as :meth:`_run_parallel_input_projections`.
 
         May change: the kernel and its tiling.
-        Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, the tuple order.
+        Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, the tuple order,
+        and under ``cfg.act_quant`` qr_kv from the quantised x (§6.3), the others from x.
         """
         from dsv4.kernels.fused_input_proj import fused_input_projections
 
         pack = self._current_input_pack()
-        outs = dict(zip((s.name for s in pack.segments), fused_input_projections(x, pack),
+        outs = dict(zip((s.name for s in pack.segments),
+                        fused_input_projections(x, pack, act_quant=self.cfg.act_quant),
                         strict=True))
         return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
                 outs.get("idx_weights"))

@@ -1,4 +1,5 @@
-"""Fused decode input projections: packing and reference on CPU; the Triton kernel on a GPU."""
+"""Fused decode input projections: packing and reference on CPU; the Triton kernel on a GPU (and
+small cases under Triton's CPU interpreter)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from dsv4.kernels.fused_input_proj import (
     triton_available,
 )
 from dsv4.platforms.cuda import capture_graph
+
+from conftest import KERNEL_DEV, kernel_runs
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -353,3 +356,44 @@ def test_triton_interpreter_tiny_shapes():
     if r.stdout.strip().startswith("SKIP"):
         pytest.skip(r.stdout.strip()[5:])
     assert r.stdout.strip().endswith("OK")
+
+
+# ---------------------------------------------------------------- act_quant (§6.3): any device
+@kernel_runs
+@pytest.mark.parametrize("cfg", [KernelConfig(block_m=16, block_n=32, split_k=2),
+                                 KernelConfig(block_m=16, block_n=64, split_k=1, swap=False),
+                                 KernelConfig(block_m=16, block_n=64, block_n8=64, split_k=1)])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_act_quant_quantises_the_fp8_segment_only(cfg, pow2):
+    """The fp8 segment multiplies fp8_block_sim(x, 128) (official activation quantisation),
+    the bf16 segments x itself: each against its float64 product (fp32 outputs), and the fp8
+    segment far from the unquantised product. Scales folded into x (powers of two) or not."""
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    g = torch.Generator().manual_seed(5)
+    K = 256
+    q = (torch.randn(256, K, generator=g) * 2).to(torch.float8_e4m3fn)
+    scale = torch.pow(2.0, torch.randint(-9, -5, (2, 2), generator=g).float())
+    if not pow2:
+        scale = scale * (0.5 + torch.rand(scale.shape, generator=g))
+    segs = [("wqa_wkv", (q, scale), F32),
+            ("compressor", (torch.randn(128, K, generator=g) * 0.02).to(BF16), F32),
+            ("idx_weights", (torch.randn(64, K, generator=g) * 0.02).to(BF16), F32)]
+    p = pack_input_weights(segs, device=KERNEL_DEV)
+    # rows of very different magnitudes per 128-block, so each block has its own scale
+    x = (torch.randn(5, K, generator=g) * torch.pow(2.0, torch.randint(
+        -6, 6, (5, 2, 1), generator=g).float()).repeat_interleave(128, 1).view(5, K)).to(BF16)
+    out = fused_input_projections(x.to(KERNEL_DEV), p, config=cfg, act_quant=True)
+    want = _float64_eval(fp8_block_sim(x, 128), p)[0]
+    plain = _float64_eval(x, p)
+    assert _rel(out[0].cpu(), want) < 1e-5 < 1e-3 < _rel(out[0].cpu(), plain[0])
+    for o, w in zip(out[1:], plain[1:], strict=True):
+        assert _rel(o.cpu(), w) < 1e-5
+    ref = fused_input_projections_reference(x, p, act_quant=True)
+    assert all(_rel(r, o.cpu()) < 1e-5 for r, o in zip(ref, out, strict=True))
+
+
+def test_act_quant_needs_an_fp8_segment():
+    p = pack_input_weights([("wqa_wkv", torch.randn(128, 128).to(BF16), BF16)])
+    with pytest.raises(ValueError, match="act_quant.*has none"):
+        fused_input_projections(torch.randn(2, 128).to(BF16), p, act_quant=True)

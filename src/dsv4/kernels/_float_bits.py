@@ -5,11 +5,17 @@ fp8 / fp4 quantisers' constants as constexpr globals. Triton is imported guarded
 
 from __future__ import annotations
 
-from dsv4.kernels.fused_input_proj import triton_available
 from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX
 from dsv4.layers.quant_sim import FP4_AMAX_FLOOR, FP4_E2M1_MAX
 
-if triton_available():
+try:  # guarded here too (not via fused_input_proj, which imports this module's helpers)
+    import triton as _triton  # noqa: F401
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the machine
+    _HAVE_TRITON = False
+
+if _HAVE_TRITON:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
@@ -74,3 +80,17 @@ if triton_available():
             return b.to(tl.float32, bitcast=True)
         else:
             return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def act_quant_block(xt, AXIS: tl.constexpr, EMULATE: tl.constexpr):
+        """The official activation quantisation (dsv4-attention.md §6.3) of one 128-wide K
+        block of x, fp32 ``xt``, each token's 128 values along ``AXIS``: (q, sigma) with
+        sigma = 2^ceil(log2(max(amax, 1e-4) / 448)) per token and q = e4m3(clamp(x / sigma,
+        +-448)) rounded to nearest even - as float8e4nv for an fp8 MMA, or (EMULATE, Triton's
+        CPU interpreter, which has no fp8 arithmetic) the same value as float32."""
+        k = scale_exponent(tl.max(tl.abs(xt), axis=AXIS), FP8_FLOOR, FP8_MAX)
+        y = xt * pow2(-k)[None, :] if AXIS == 0 else xt * pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        # interpreted: e4m3's grid as float32, subnormals included
+        q = round_minifloat(y, 3, -6, False) if EMULATE else y.to(tl.float8e4nv)
+        return q, pow2(k)

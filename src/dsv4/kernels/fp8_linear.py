@@ -179,15 +179,7 @@ if triton_available():
 
         patch_interpreter_index()
 
-    from dsv4.kernels._float_bits import (
-        FP8_FLOOR,
-        FP8_MAX,
-        pow2,
-        round_minifloat,
-        rounded,
-        scale_exponent,
-        ue8m0,
-    )
+    from dsv4.kernels._float_bits import act_quant_block, rounded, ue8m0
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -204,20 +196,6 @@ if triton_available():
             b = raw.to(tl.int32)
             v = tl.where(b == 255, float("nan"), ue8m0(b))  # byte 255 is the format's NaN
         return v
-
-    @triton.jit
-    def _act_quant(xt, AXIS: tl.constexpr, EMULATE: tl.constexpr):
-        """The official activation quantisation (dsv4-attention.md §6.3) of one 128-wide K
-        block of x, fp32 ``xt``, each token's 128 values along ``AXIS``: (q, sigma) with
-        sigma = 2^ceil(log2(max(amax, 1e-4) / 448)) per token and q = e4m3(clamp(x / sigma,
-        +-448)) rounded to nearest even - as float8e4nv for the MMA, or (EMULATE, Triton's CPU
-        interpreter, which has no fp8 arithmetic) the same value as float32."""
-        k = scale_exponent(tl.max(tl.abs(xt), axis=AXIS), FP8_FLOOR, FP8_MAX)
-        y = xt * pow2(-k)[None, :] if AXIS == 0 else xt * pow2(-k)[:, None]
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        # interpreted: e4m3's grid as float32, subnormals included
-        q = round_minifloat(y, 3, -6, False) if EMULATE else y.to(tl.float8e4nv)
-        return q, pow2(k)
 
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
@@ -282,11 +260,11 @@ if triton_available():
                     w = w.to(tl.float32)
                 if SWAP:
                     xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                    xq, sx = _act_quant(xt, 0, INTERP)
+                    xq, sx = act_quant_block(xt, 0, INTERP)
                     acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
                 else:
                     xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
-                    xq, sx = _act_quant(xt, 1, INTERP)
+                    xq, sx = act_quant_block(xt, 1, INTERP)
                     acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
             else:
                 # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16

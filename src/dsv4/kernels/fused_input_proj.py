@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.layers.quant_sim import fp8_block_sim
+
 __all__ = [
     "KernelConfig",
     "PackedInputWeights",
@@ -198,12 +200,15 @@ def _segment_weights_f32(packed: PackedInputWeights) -> list[torch.Tensor]:
 
 
 def fused_input_projections_reference(
-    x: torch.Tensor, packed: PackedInputWeights
+    x: torch.Tensor, packed: PackedInputWeights, act_quant: bool = False
 ) -> list[torch.Tensor]:
-    """float32 math (fp8 dequantised), cast per segment. Runs on any device."""
+    """float32 math (fp8 dequantised), cast per segment. Runs on any device. ``act_quant``:
+    the fp8 segment multiplies ``fp8_block_sim(x, 128)`` (§6.3), the others x."""
     xf = x.float()
-    return [(xf @ w.t()).to(seg.out_dtype)
-            for seg, w in zip(packed.segments, _segment_weights_f32(packed), strict=True)]
+    xq = fp8_block_sim(xf, FP8_BLOCK) if act_quant else xf
+    return [((xq if i == 0 and packed.fp8_weight is not None else xf) @ w.t()).to(seg.out_dtype)
+            for i, (seg, w) in enumerate(zip(packed.segments, _segment_weights_f32(packed),
+                                             strict=True))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,6 +311,7 @@ def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> Kernel
 
 
 if _HAVE_TRITON:
+    from dsv4.kernels._float_bits import act_quant_block
 
     @triton.jit
     def _fence_gpu():
@@ -368,7 +374,9 @@ if _HAVE_TRITON:
                lo, hi, row_base, split, pid_m, cnt_idx,
                IS_FP8: tl.constexpr, FOLD: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                BK: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
-               USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr):
+               USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr,
+               ACT: tl.constexpr, INTERP: tl.constexpr, DOT_DT: tl.constexpr,
+               DOT_PREC: tl.constexpr):
         offs_n = lo + tl.arange(0, BN)  # rows of this weight tensor
         n_mask = offs_n < hi
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -398,27 +406,41 @@ if _HAVE_TRITON:
                 xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
             else:
                 xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            # DOT_DT: bf16 on a GPU (the loads' own type: no conversion); float32 under the
+            # interpreter, whose bf16 dot is wrong (products of bf16 / e4m3 values are exact
+            # in fp32 either way)
             if IS_FP8:
-                wb = w.to(tl.bfloat16)  # e4m3 -> bf16 is exact
+                wb = w.to(DOT_DT)  # e4m3 -> bf16 is exact
+                if ACT:  # §6.3: x quantised per token and 128-wide block, dequantised (exact
+                    # in bf16): the bf16 MMA then gives the official product
+                    xq, sx = act_quant_block(xt.to(tl.float32), 0 if SWAP else 1, INTERP)
+                    if SWAP:
+                        xt = (xq.to(tl.float32) * sx[None, :]).to(DOT_DT)
+                    else:
+                        xt = (xq.to(tl.float32) * sx[:, None]).to(DOT_DT)
+                else:
+                    xt = xt.to(DOT_DT)
                 sc = sc_next
                 sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask,
                                       tl.minimum(kb + 1, kb1 - 1), FOLD)
                 if FOLD:  # the tile lies in one 128-row scale block; a power of two: exact
-                    xs = (xt.to(tl.float32) * sc).to(tl.bfloat16)
+                    xs = (xt.to(tl.float32) * sc).to(DOT_DT)
                     if SWAP:  # noqa: SIM108
-                        acc = tl.dot(wb, xs, acc)
+                        acc = tl.dot(wb, xs, acc, input_precision=DOT_PREC)
                     else:
-                        acc = tl.dot(xs, tl.trans(wb), acc)
+                        acc = tl.dot(xs, tl.trans(wb), acc, input_precision=DOT_PREC)
                 else:
                     if SWAP:
-                        acc += tl.dot(wb, xt) * sc[:, None]
+                        acc += tl.dot(wb, xt, input_precision=DOT_PREC) * sc[:, None]
                     else:
-                        acc += tl.dot(xt, tl.trans(wb)) * sc[None, :]
+                        acc += tl.dot(xt, tl.trans(wb), input_precision=DOT_PREC) * sc[None, :]
             else:
+                w = w.to(DOT_DT)
+                xt = xt.to(DOT_DT)
                 if SWAP:  # noqa: SIM108
-                    acc = tl.dot(w, xt, acc)
+                    acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
                 else:
-                    acc = tl.dot(xt, tl.trans(w), acc)
+                    acc = tl.dot(xt, tl.trans(w), acc, input_precision=DOT_PREC)
             w_ptrs += BK
             x_ptrs += BK
 
@@ -465,6 +487,8 @@ if _HAVE_TRITON:
         BM: tl.constexpr, BN: tl.constexpr, BN8: tl.constexpr, BK: tl.constexpr,
         SPLIT_K: tl.constexpr, SWAP: tl.constexpr, HAS_FP8: tl.constexpr, FOLD: tl.constexpr,
         USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr,
+        ACT: tl.constexpr = False, INTERP: tl.constexpr = False,
+        DOT_DT: tl.constexpr = tl.bfloat16, DOT_PREC: tl.constexpr = "tf32",
     ):
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -481,7 +505,8 @@ if _HAVE_TRITON:
             _group(x_ptr, stride_xm, M, K, w8_ptr, sc_ptr, stride_sc, ws_ptr, cnt_ptr, m_ws,
                    n_total, o0, s0, o1, s1, o2, s2, o3, s3, o4, s4, e0, e1, e2, e3, e4,
                    lo, hi, 0, split, pid_m, cnt_idx,
-                   True, FOLD, BN8, BM, 128, SPLIT_K, SWAP, USE_PDL, PREFETCH // 2, FENCE)
+                   True, FOLD, BN8, BM, 128, SPLIT_K, SWAP, USE_PDL, PREFETCH // 2, FENCE,
+                   ACT, INTERP, DOT_DT, DOT_PREC)
         else:
             g = grp - g8
             lo = g * n16 // g16
@@ -489,7 +514,8 @@ if _HAVE_TRITON:
             _group(x_ptr, stride_xm, M, K, w_ptr, sc_ptr, stride_sc, ws_ptr, cnt_ptr, m_ws,
                    n_total, o0, s0, o1, s1, o2, s2, o3, s3, o4, s4, e0, e1, e2, e3, e4,
                    lo, hi, n8, split, pid_m, cnt_idx,
-                   False, False, BN, BM, BK, SPLIT_K, SWAP, USE_PDL, PREFETCH, FENCE)
+                   False, False, BN, BM, BK, SPLIT_K, SWAP, USE_PDL, PREFETCH, FENCE,
+                   False, INTERP, DOT_DT, DOT_PREC)
 
     @triton.jit(do_not_specialize=["M", "s0", "s1", "s2", "s3", "s4", "e0", "e1", "e2", "e3",
                                    "e4"])
@@ -581,8 +607,12 @@ def fused_input_projections(
     *,
     config: KernelConfig | None = None,
     workspace: SplitKWorkspace | None = None,
+    act_quant: bool = False,
 ) -> list[torch.Tensor]:
     """y_s = x @ W_s^T for every segment s, in one launch; returns one tensor per segment.
+    ``act_quant``: the fp8 segment's x quantised in the kernel as the official code does
+    (dsv4-attention.md §6.3; the result is ``fp8_block_sim(x, 128)``'s product), the bf16
+    segments' x as it is; needs an fp8 segment.
 
     Pass ``out`` (same shapes/dtypes as returned) to reuse buffers, e.g. under CUDA graphs. A
     split-K launch needs a ``workspace`` (default: one cached on ``packed``; layers on one stream
@@ -597,10 +627,13 @@ def fused_input_projections(
         out = [torch.empty(M, s.rows, device=x.device, dtype=s.out_dtype) for s in packed.segments]
     else:
         _check_outputs(out, packed, M, x.device)
+    if act_quant and packed.fp8_weight is None:
+        raise ValueError("act_quant quantises the fp8 segment's input; this pack has none")
     if M == 0:
         return out
     if not triton_available() or (x.device.type != "cuda" and not _interpreting()):
-        for o, r in zip(out, fused_input_projections_reference(x, packed), strict=True):
+        for o, r in zip(out, fused_input_projections_reference(x, packed, act_quant),
+                        strict=True):
             o.copy_(r)
         return out
     if x.dtype != torch.bfloat16 and not _interpreting():
@@ -657,7 +690,9 @@ def fused_input_projections(
         m_tiles, g16, g8,
         BM=cfg.block_m, BN=cfg.block_n, BN8=bn8, BK=cfg.block_k,
         SPLIT_K=cfg.split_k, SWAP=cfg.swap, HAS_FP8=has_fp8, FOLD=fold, USE_PDL=cfg.pdl,
-        PREFETCH=pf, FENCE=not _interpreting(),
+        PREFETCH=pf, FENCE=not _interpreting(), ACT=act_quant, INTERP=_interpreting(),
+        DOT_DT=tl.float32 if _interpreting() else tl.bfloat16,
+        DOT_PREC="ieee" if _interpreting() else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kw,
     )
     return out

@@ -192,8 +192,7 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- input stage ------------------------------------------------------------------
     def _run_parallel_input_projections(self, x: torch.Tensor) -> InputProjections:
-        fused = (self._input_pack is not None and x.shape[0] <= self.plan.fused_max_tokens
-                 and not self.cfg.act_quant)  # (the base method says why)
+        fused = self._input_pack_usable() and x.shape[0] <= self.plan.fused_max_tokens
         stage = self._fused_input_projections_gemm if fused else self._stream_input_projections
         if (x.shape[0] <= self.plan.graph_max_tokens and self.offloader.is_noop
                 and not torch.cuda.is_current_stream_capturing()):
