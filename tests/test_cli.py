@@ -4,6 +4,7 @@ progress, every option has help, --help does not import torch."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -100,6 +101,25 @@ def test_eval_shows_progress_per_run(capfd):
     assert "[eval 1/2] reference fusion off eager: answering 2 problems" in err
     assert "[eval 2/2] reference fusion on eager" in err
     assert err.count("[eval] done: reference") == 2
+
+
+def test_eval_act_quant_runs_every_run_quantised(tmp_path, capfd, monkeypatch):
+    import dsv4.model.evaluate as ev
+
+    seen = []
+    real = ev.load_tiny_lm
+
+    def spy(*args, **kw):
+        seen.append(kw.get("act_quant"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ev, "load_tiny_lm", spy)
+    out = tmp_path / "e.json"
+    assert main(["eval", "--platform", "reference", "--problems", "4", "--act-quant",
+                 "--json", str(out)]) == 0
+    assert seen == [True, True]  # the baseline and the fusion run
+    assert json.loads(out.read_text())["act_quant"] is True
+    assert "fp8 activations (act_quant) in every run" in capfd.readouterr().out
 
 
 def test_bench_suite_help_is_the_suites_own(capsys):

@@ -66,7 +66,8 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
 
 def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int,
                    dtype: str, json_path: Path | None, decode_batch: int | None = -1,
-                   cache_formats: list[tuple[str, str]] | None = None) -> int:
+                   cache_formats: list[tuple[str, str]] | None = None,
+                   act_quant: bool = False) -> int:
     import torch
 
     from dsv4.model.evaluate import (
@@ -83,13 +84,14 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
     t0 = time.perf_counter()
     print(f"tiny-arith model {model}: {n} held-out problems (a=..;<filler>b=..;<filler>a+b=), "
           f"greedy batched decoding through the caches ({decode_batch or 'all'} sequences per "
-          f"decode forward), {dtype} on {device}", flush=True)
+          f"decode forward), {dtype} on {device}"
+          + (", fp8 activations (act_quant) in every run" if act_quant else ""), flush=True)
     runs = evaluate(model, platforms, device, n, dtype=torch_dtype(dtype),
                     decode_batch=decode_batch, on_start=lambda k, total, name: progress(
                         f"[eval {k}/{total}] {name}: answering {n} problems ..."),
                     log=lambda row: progress(f"[eval] done: {_one_line(row)} "
                                              f"({time.perf_counter() - t0:.0f} s so far)"),
-                    cache_formats=formats)
+                    cache_formats=formats, act_quant=act_quant)
     seconds = time.perf_counter() - t0
     print(format_table(runs))
     ok, verdict = eval_verdict(runs)
@@ -98,6 +100,7 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
         runs_to_json(runs, json_path, {"model": str(model), "device": device, "dtype": dtype,
                                        "decode_batch": decode_batch, "seconds": seconds,
                                        "cache_formats": ["/".join(c) for c in formats],
+                                       "act_quant": act_quant,
                                        "ok": ok, "verdict": verdict, "torch": torch.__version__})
     return 0 if ok else 1
 
@@ -132,7 +135,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     formats = [parse_cache_format(f) for f in args.cache_format or ["auto/auto"]]
     return run_model_eval(args.model, args.platform, device, args.problems, args.dtype,
-                          args.json, batch, formats)
+                          args.json, batch, formats, args.act_quant)
 
 
 @_user_errors
@@ -198,6 +201,9 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--decode-batch", type=int, default=None,
                    help="sequences per decode forward (0: all at once; default: 16 on a GPU, "
                         "all on the CPU)")
+    e.add_argument("--act-quant", action="store_true",
+                   help="every run, the reference baseline too, with the official fp8 "
+                        "activation quantisation of the fp8 linears (act_quant)")
     e.add_argument("--cache-format", action="append", metavar="KV/INDEX",
                    help="stored cache formats to run, repeatable: kv auto|bf16|fp8_ds_mla / "
                         "indexer keys auto|bf16|fp8|fp4, e.g. fp8_ds_mla/fp4 (default: "

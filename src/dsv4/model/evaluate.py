@@ -104,11 +104,12 @@ def default_decode_batch(device: str) -> int | None:
 def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform: str,
                     fusion: bool, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
                     mode: str = "graph", decode_batch: int | None = None,
-                    cache: tuple[str, str] = EXACT_CACHE) -> EvalRun:
+                    cache: tuple[str, str] = EXACT_CACHE, act_quant: bool = False) -> EvalRun:
     passes = passes_with_fusion(platform, fusion)
     t0 = time.perf_counter()
     model = load_tiny_lm(model_dir, platform=platform, device=device, dtype=dtype, passes=passes,
-                         kv_cache_dtype=cache[0], index_cache_dtype=cache[1])
+                         kv_cache_dtype=cache[0], index_cache_dtype=cache[1],
+                         act_quant=act_quant)
     if mode not in graph_modes(platform, device):
         mode = "eager"
     for block in model.layers:
@@ -133,12 +134,14 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
              device: str = "cpu", n: int = 400, fusions: Sequence[bool] = (False, True),
              dtype: torch.dtype = torch.bfloat16, log: Any = None,
              decode_batch: int | None = -1, on_start: Any = None,
-             cache_formats: Sequence[tuple[str, str]] = (EXACT_CACHE,)) -> list[EvalRun]:
+             cache_formats: Sequence[tuple[str, str]] = (EXACT_CACHE,),
+             act_quant: bool = False) -> list[EvalRun]:
     """Every platform x fusion setting (x CUDA graphs on / off where the platform has them)
     x stored cache format (``(kv_cache_dtype, index_cache_dtype)`` pairs); token agreement
     against ``reference`` without fusion with exact storage (always run first). A run that
     raises is reported with its error, never aborts the rest. ``decode_batch``: sequences per
-    decode forward (-1: :func:`default_decode_batch`, None: all at once).
+    decode forward (-1: :func:`default_decode_batch`, None: all at once). ``act_quant``: every
+    run, the baseline too, with the official fp8 activation quantisation (§6.3).
     ``on_start(k, total, name)`` and ``log(row)`` are called before and after each run."""
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
@@ -163,7 +166,7 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
             on_start(k, len(combos), run_label(platform, fusion, mode, "/".join(cache)))
         try:
             run = answer_problems(model_dir, problems, platform, fusion, device, dtype, mode,
-                                  decode_batch, cache)
+                                  decode_batch, cache, act_quant)
         except Exception as e:  # noqa: BLE001 - a broken platform is a row, not a crash
             if base is None:
                 raise
