@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_session.sh recheck  # graph/eager + last suite files, prefill profile
 #   bash benchmarks/h200_session.sh hostprof # fp8 GEMM tests, 16K prefill with host profile
 #   bash benchmarks/h200_session.sh actq     # host-copy ring + act_quant: tests, decode, prefill
+#   bash benchmarks/h200_session.sh actq2    # act_quant input kernel + tile rule, eval, verify
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -141,6 +142,17 @@ actq)  # session 24: the pinned-ring host copies and act_quant - tests, decode r
         --attention-backend flashmla --reps 2 --max-case-seconds 20
     verify 60
     ;;
+actq2)  # after session 24's last changes (none run on a GPU): act_quant in the one-launch input
+    # kernel, the act8 128-row tile rule, eval with act_quant; decode rows to compare with actq
+    step pytest_actq2 200 "${PYTEST[@]}" -rf tests/kernels/test_fused_input_proj.py \
+        tests/kernels/test_fp8_linear.py tests/test_act_quant.py tests/test_host_copy.py
+    step decode_step 130 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
+        --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8
+    step eval_act_quant 90 python3 -m dsv4 eval --device cuda --platform cuda --act-quant \
+        --cache-format fp8_ds_mla/fp8
+    verify 90
+    ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
@@ -156,7 +168,7 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|actq|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|actq|actq2|kernels" >&2
     exit 2
     ;;
 esac
