@@ -26,10 +26,12 @@ class _FakeEvent:
     """Records what the ring asks of an event; done when the test says so."""
 
     log: list[str] = []
+    made = 0
 
     def __init__(self):
         self.done = False
-        self.id = len(_FakeEvent.log)
+        self.id = _FakeEvent.made  # events numbered in creation order
+        _FakeEvent.made += 1
         _FakeEvent.log.append(f"new {self.id}")
 
     def record(self):
@@ -46,7 +48,7 @@ class _FakeEvent:
 def test_pinned_ring_hands_out_fresh_slices_and_waits_only_on_reuse():
     from dsv4.host_copy import PinnedRing
 
-    _FakeEvent.log = []
+    _FakeEvent.log, _FakeEvent.made = [], 0
     ring = PinnedRing(torch.zeros(4096, dtype=torch.uint8), _FakeEvent)
     host = torch.arange(100, dtype=torch.int32)  # 400 bytes -> 512-byte slices
     views = []
@@ -67,6 +69,29 @@ def test_pinned_ring_hands_out_fresh_slices_and_waits_only_on_reuse():
     ring.guard(lo, hi)
     # larger than a quarter of the ring: not staged (the caller takes a fresh buffer)
     assert ring.stage(torch.zeros(1025, dtype=torch.uint8)) is None
+
+
+def test_pinned_ring_waits_for_the_tail_a_lap_skipped():
+    """A lap that wraps early skips the ring's tail; a slice of the lap before that lies there
+    is the oldest in the queue and must not hide the next lap's slices behind it."""
+    from dsv4.host_copy import PinnedRing
+
+    _FakeEvent.log, _FakeEvent.made = [], 0
+    ring = PinnedRing(torch.zeros(8192, dtype=torch.uint8), _FakeEvent)
+
+    def put(nbytes):
+        view, lo, hi = ring.stage(torch.zeros(nbytes, dtype=torch.uint8))
+        ring.guard(lo, hi)
+        return lo, hi
+
+    # lap 1: events 0..4, the last at [7680, 8192)
+    assert [put(n) for n in (2048, 2048, 2048, 1536, 512)][-1] == (7680, 8192)
+    # lap 2: four 1792-byte slices (events 5..8), then the next would pass the end: it wraps
+    # before reaching event 4's slice
+    assert [put(1792) for _ in range(4)][-1] == (5376, 7168)
+    del _FakeEvent.log[:]
+    assert put(1792) == (0, 1792)  # lap 3: waits for event 4 (the tail), then event 5
+    assert [e for e in _FakeEvent.log if e.startswith("wait")] == ["wait 4", "wait 5"]
 
 
 class _OnCuda:

@@ -62,7 +62,11 @@ class PinnedRing:
             return None
         n = max(_ALIGN, -(-n // _ALIGN) * _ALIGN)
         with self.lock:
-            if self.head + n > self.capacity:
+            if self.head + n > self.capacity:  # wrap: the tail from head on is skipped
+                # this lap: slices of the last lap that lie there (and are the oldest) must be
+                # done before the queue's order can stand for the address order again
+                while self.pending and self.pending[0][0] >= self.head:
+                    self.pending.popleft()[2].synchronize()
                 self.head = 0
             lo, hi = self.head, self.head + n
             while len(self.pending) > 64 and self.pending[0][2].query():
