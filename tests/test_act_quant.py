@@ -114,3 +114,15 @@ def test_cuda_layer_matches_the_reference_under_act_quant(tiny, make_layer, rati
     got = run(cuda, x.to("cuda", torch.bfloat16)).cpu()
     err = rel_err(got, want)
     assert err < 1.25 * rel_err(bf16, want) and err < rel_err(got, off)
+
+
+def test_verify_fails_a_platform_that_skips_the_quantisation(monkeypatch):
+    """dsv4 verify's [act_quant] rows: a preshuffle layer whose wq_b / indexer wq_b inputs go
+    unquantised (its own two GEMMs still quantise) fails every one of them."""
+    from dsv4.platforms.preshuffle import PreshuffleAttention
+    from dsv4.verify import ACT_QUANT_TOLERANCE, conformance
+
+    monkeypatch.setattr(PreshuffleAttention, "_fp8_linear_input", lambda self, x: x)
+    rows = [r for r in conformance(["preshuffle"], tokens=64) if "act_quant" in r.platform]
+    assert len(rows) == 9 and all(r.tolerance == ACT_QUANT_TOLERANCE for r in rows)
+    assert not any(r.ok for r in rows)

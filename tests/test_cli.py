@@ -81,7 +81,8 @@ def test_verify_shows_progress_per_row(capfd):
     out, err = capfd.readouterr()
     conf = [ln for ln in err.splitlines() if ln.startswith("[verify conformance ")]
     cont = [ln for ln in err.splitlines() if ln.startswith("[verify contract ")]
-    assert len(conf) == 18 and conf[-1].startswith("[verify conformance 18/18] reference")
+    assert len(conf) == 27 and conf[-1].startswith("[verify conformance 27/27] reference")
+    assert conf[-1].startswith("[verify conformance 27/27] reference[act_quant] fusion on")
     assert len(cont) == 6 and cont[0].endswith(": ok")
     assert "PASS" in out
 
