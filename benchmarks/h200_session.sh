@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_session.sh hostprof # fp8 GEMM tests, 16K prefill with host profile
 #   bash benchmarks/h200_session.sh actq     # host-copy ring + act_quant: tests, decode, prefill
 #   bash benchmarks/h200_session.sh actq2    # act_quant input kernel + tile rule, eval, verify
+#   bash benchmarks/h200_session.sh gemmfull # every fp8 GEMM probe at M = 1, 16, 64
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -153,6 +154,11 @@ actq2)  # after session 24's last changes (none run on a GPU): act_quant in the 
         --cache-format fp8_ds_mla/fp8
     verify 90
     ;;
+gemmfull)  # every fp8 GEMM probe at M = 1, 16, 64 (act8 = the act_quant rule's choice,
+    # act8_mlarge = the non-swapped tile at M = 64, where act8 lost in the step)
+    step gemm_probes_all 400 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" \
+        --only gemm
+    ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_prefill.py tests/kernels/test_indexer_topk.py \
@@ -168,7 +174,7 @@ kernels)  # after a change to the attention kernels: their tests, verify, decode
     prefill_16k 50 flashmla,triton
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|actq|actq2|kernels" >&2
+    echo "usage: bash benchmarks/h200_session.sh check|decode|prefill|steps|probes|recheck|hostprof|actq|actq2|gemmfull|kernels" >&2
     exit 2
     ;;
 esac

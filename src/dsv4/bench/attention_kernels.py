@@ -289,10 +289,19 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             xq0 = fp8_block_sim(xs[0], 128)
             ref_q = (fp8_grouped_linear_reference(xq0, w0, s0, torch.float32) if G > 1
                      else fp8_linear_reference(xq0, w0, s0, torch.float32))
-            for tag, change in (("act8", {}), ("act8_split2x", dict(split_k=c.split_k * 2)),
-                                ("act8_bn128", dict(block_n=128,
-                                                    split_k=max(1, c.split_k // 2)))):
-                vc = Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change})
+            # act8: the layer's choice under act_quant (choose_fp8_config(act_fp8=True)); the
+            # others around the bf16 table's choice c; act8_mlarge (M > 16): the M > 64
+            # table's non-swapped tile (act8 lost in the M = 64 step, session 24)
+            act_probes: list[tuple[str, Fp8GemmConfig]] = [
+                ("act8", choose_fp8_config(M, N, K, act_fp8=True))]
+            act_probes += [(tag, Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change}))
+                           for tag, change in (
+                               ("act8_bn64", {}), ("act8_split2x", dict(split_k=c.split_k * 2)),
+                               ("act8_bn128", dict(block_n=128,
+                                                   split_k=max(1, c.split_k // 2))))]
+            if M > 16:
+                act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
+            for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
