@@ -68,6 +68,13 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
                       modes=("mixed",), ratios=(0,), fusions=(False,))
     rows += rank_rows(group, platforms=available("cpu"), tokens=40, dtypes=("bf16", "float64"),
                       modes=MODES, ratios=(0, 4), fusions=(False, True))
+    # act_quant: each rank quantises its own slice of wo_b's input (whole 128-blocks of its
+    # groups), the same blocks as TP=1 (float64 reference: to 1e-12 like the rows above)
+    res["act_rows"] = rank_rows(group, tp_preset(2).replace(act_quant=True),
+                                platforms=["reference", "preshuffle"], tokens=40,
+                                dtypes=("float64", "bf16"), modes=("prefill", "decode"),
+                                ratios=(4,), fusions=(False,))
+    rows += res["act_rows"]
     res["rows"] = rows
     lap("layer matrix")
 
@@ -160,6 +167,13 @@ def test_tp2_every_mode_and_platform_matches_tp1(tp2: Any) -> None:
     assert max(r.rel_err for r in rows if r.dtype == "float64"
                and r.platform == "reference") <= 1e-12
     print(f"TP=2 job: {seconds:.1f} s; rank 0: {results[0]['times']}")
+
+
+def test_tp2_act_quant_matches_tp1(tp2: Any) -> None:
+    results, _, _ = tp2
+    rows = [r for res in results for r in res["act_rows"]]
+    assert len(rows) == 2 * 2 * 2 * 2  # ranks x platforms x dtypes x modes
+    _check_rows(rows, 2)
 
 
 def test_tp2_children_run_without_nvlink_multicast(tp2: Any) -> None:
