@@ -28,7 +28,7 @@ class Int8Attention(DeepseekV4Attention):
         if not isinstance(self._wo_b_int8, torch.Tensor):  # the pass did not run
             return super()._o_proj(o, positions)
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
-        z = self._wo_a_grouped(o)
+        z = self._fp8_linear_input(self._wo_a_grouped(o))  # the contract: cfg.act_quant
         w = self._wo_b_int8.to(z.dtype) * self._wo_b_row_scale[:, None].to(z.dtype)
         return torch.nn.functional.linear(z, w)  # stands for the backend's int8 kernel
 
