@@ -158,6 +158,9 @@ gemmfull)  # every fp8 GEMM probe at M = 1, 16, 64 (act8 = the act_quant rule's 
     # act8_mlarge = the non-swapped tile at M = 64, where act8 lost in the step)
     step gemm_probes_all 400 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" \
         --only gemm
+    # the 16K prefill's host table again (session 24: Flash's 21 copy_ calls took 5.8 ms under
+    # cProfile, Pro's 0.66 ms)
+    prefill_16k 70 flashmla
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
