@@ -39,7 +39,7 @@ def _blocks(x: Tensor, block: int, what: str) -> Tensor:
     return x.to(compute_dtype(x.dtype)).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _block_scale(blocks: Tensor, floor: float, qmax: float) -> Tensor:
+def pow2_block_scale(blocks: Tensor, floor: float, qmax: float) -> Tensor:
     """``2^ceil(log2(max(amax, floor) * (1/qmax)))`` per block, shape [..., nblocks, 1].
 
     Multiplies by the reciprocal like the official kernel (``amax * fp8_max_inv``): the bits of
@@ -57,7 +57,7 @@ def fp8_block_sim(x: Tensor, block: int = 64) -> Tensor:
     Applied by the official model to the KV nope dims; matches the ``fp8_ds_mla`` cache format.
     """
     v = _blocks(x, block, "fp8_block_sim")
-    sigma = _block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+    sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
     q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
     return (q * sigma).reshape(x.shape).to(x.dtype)
 
@@ -75,7 +75,7 @@ def index_fp8_sim(x: Tensor) -> Tensor:
     format (:mod:`dsv4.cache.formats`) stores, so a row written and read back equals this.
     """
     v = _blocks(x, INDEX_FP8_BLOCK, "index_fp8_sim")
-    sigma = _block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+    sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
     q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
     return (q * sigma).reshape(x.shape).to(x.dtype)
 
@@ -88,7 +88,7 @@ def round_e2m1(y: Tensor) -> Tensor:
 def fp4_block_sim(x: Tensor, block: int = 32) -> Tensor:
     """FP4 E2M1 quant-dequant with a power-of-two scale per ``block`` values (§6.2)."""
     v = _blocks(x, block, "fp4_block_sim")
-    sigma = _block_scale(v, FP4_AMAX_FLOOR, FP4_E2M1_MAX)
+    sigma = pow2_block_scale(v, FP4_AMAX_FLOOR, FP4_E2M1_MAX)
     q = round_e2m1((v / sigma).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX))
     return (q * sigma).reshape(x.shape).to(x.dtype)
 

@@ -11,13 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4.layers.fp8 import (
-    FP8_AMAX_FLOOR,
-    FP8_E4M3_MAX,
-    ceil_log2,
-    dequantize_fp8_block,
-    pow2,
-)
+from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, dequantize_fp8_block
+from dsv4.layers.quant_sim import pow2_block_scale
 
 SHUFFLE_LAYOUT = (16, 16)
 """AITER's blockscale B layout: 16 rows x 16 bytes per tile."""
@@ -112,8 +107,7 @@ def per_token_group_quant_fp8(
         raise ValueError(f"per_token_group_quant_fp8: K={k} must be a multiple of group={group}")
     xf = x.to(torch.float32).reshape(m, k // group, group)
     if official:
-        amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
-        scale = pow2(ceil_log2(amax * (1.0 / fp8_max)), torch.float32)
+        scale = pow2_block_scale(xf, FP8_AMAX_FLOOR, fp8_max)
     else:
         amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_FLOOR)
         scale = amax / fp8_max
