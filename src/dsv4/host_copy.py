@@ -103,20 +103,30 @@ def _ring(device: torch.device) -> PinnedRing:
 
 def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``host`` on ``device`` without a host sync: (the device tensor, the pinned snapshot it was
-    copied from where a graph replays the copy - during CUDA-graph capture - else None). Keep
-    the snapshot as long as the graph."""
+    copied from when that is not a ring slice - during CUDA-graph capture, whose graph replays
+    the copy, or a copy too large for the ring - else None). Keep the snapshot as long as the
+    graph."""
     if device.type != "cuda":
         return host.to(device), None
-    if not torch.cuda.is_current_stream_capturing():
-        ring = _ring(device)
-        staged = ring.stage(host)
-        if staged is not None:
-            view, lo, hi = staged
-            dev = view.to(device, non_blocking=True)
-            ring.guard(lo, hi)
-            return dev, None
+    dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+    if not torch.cuda.is_current_stream_capturing() and _copy_through_ring(dev, host):
+        return dev, None
     pinned = host.pin_memory()
-    return pinned.to(device, non_blocking=True), pinned
+    dev.copy_(pinned, non_blocking=True)
+    return dev, pinned
+
+
+def _copy_through_ring(dst: torch.Tensor, host: torch.Tensor) -> bool:
+    """``dst.copy_(host)`` asynchronously through a slice of ``dst``'s device ring; False (and
+    nothing copied) when ``host`` is too large for the ring."""
+    ring = _ring(dst.device)
+    staged = ring.stage(host)
+    if staged is None:
+        return False
+    view, lo, hi = staged
+    dst.copy_(view, non_blocking=True)
+    ring.guard(lo, hi)
+    return True
 
 
 def upload_once(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -140,11 +150,5 @@ def upload_into(dst: torch.Tensor, host: torch.Tensor) -> None:
         dst.copy_(host)
         return
     _refuse_capture("upload_into")
-    ring = _ring(dst.device)
-    staged = ring.stage(host)
-    if staged is None:
+    if not _copy_through_ring(dst, host):
         dst.copy_(host.pin_memory(), non_blocking=True)
-        return
-    view, lo, hi = staged
-    dst.copy_(view, non_blocking=True)
-    ring.guard(lo, hi)
