@@ -27,7 +27,8 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        is not one it runs)
 * ``ours_act8``, ``ours_flashmla_act8``  ``ours_triton_fp8`` / ``ours_flashmla`` with
                        ``act_quant`` (the official fp8 activations, §6.3: fp8 x fp8 MMAs in
-                       the streaming GEMMs; the input stage runs the stream plan)
+                       the streaming GEMMs, the one-launch input kernel's fp8 segment
+                       quantised in the kernel)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy's output (rel. error <= 2e-2, 1e-1 for the ``act_quant`` rows,
