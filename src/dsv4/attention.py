@@ -636,7 +636,7 @@ class DeepseekV4Attention(nn.Module):
         :meth:`_wo_a_grouped`), whose partial sum the forward all-reduces; under
         ``cfg.act_quant`` ``wo_b``'s input quantised (§6.3), ``wo_a``'s not."""
         o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
-        return self.wo_b(self._fp8_linear_input(self._wo_a_grouped(o)))
+        return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- fixed steps --------------------------------------------------------------------
     def _fp8_linear_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -646,6 +646,12 @@ class DeepseekV4Attention(nn.Module):
         the official numerics up to its summation order), else ``x``. A fixed step: overrides
         of the GEMMs call it, or quantise the same way inside their kernel."""
         return fp8_block_sim(x, FP8_BLOCK) if self.cfg.act_quant else x
+
+    def _wo_b_product(self, z: torch.Tensor) -> torch.Tensor:
+        """``wo_b`` of the grouped ``wo_a`` output z through the module, its input quantised
+        under ``cfg.act_quant`` (the base path's tail of :meth:`_o_proj`, which platform
+        overrides reuse where their own kernel does not take the call)."""
+        return self.wo_b(self._fp8_linear_input(z))
 
     def _tp_all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """Tensor parallelism: the sum over the group of the ranks' partial ``wo_b`` outputs,

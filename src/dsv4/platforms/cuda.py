@@ -261,7 +261,7 @@ class CudaAttention(DeepseekV4Attention):
         o = self._inverse_rope(o, positions)
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
-        return self.wo_b(self._fp8_linear_input(self._wo_a_grouped(o)))
+        return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- fused elementwise stages (dsv4.platforms.cuda_elementwise) -------------------
     def _elementwise_ready(self, x: torch.Tensor) -> bool:

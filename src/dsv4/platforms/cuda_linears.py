@@ -146,4 +146,4 @@ def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> to
         z = grouped_linear(og, w)
     if wo_b:
         return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant)
-    return layer.wo_b(layer._fp8_linear_input(z))
+    return layer._wo_b_product(z)
