@@ -106,27 +106,39 @@ def test_cpu_fallback_without_kernel():
 
 
 def test_choose_config_table():
-    for M in (1, 3, 16, 17, 64, 65, 300):
+    for M in (1, 3, 16, 17, 33, 64, 65, 300):
         for n, k in ((32768, 1024), (4096, 8192), (8 * 1024, 4096), (128, 128)):
             c = choose_fp8_config(M, n, k)
             assert n % c.block_n == 0 and 1 <= c.split_k <= k // 128
             assert c.block_m >= min(M, 16)
             a = choose_fp8_config(M, n, k, act_fp8=True)
             assert a.act_fp8 and not c.act_fp8 and n % a.block_n == 0
-            assert a.block_m == c.block_m and 1 <= a.split_k <= k // 128
+            assert a.block_m >= min(M, 16) and 1 <= a.split_k <= k // 128
+
+
+PROBED = {"flash wq_b": (32768, 1024), "flash wo_a": (8192, 4096), "flash wo_b": (4096, 8192),
+          "flash idx": (8192, 1024), "pro wq_b": (65536, 1536), "pro wo_a": (16384, 4096),
+          "pro wo_b": (7168, 16384), "pro idx": (8192, 1536)}
 
 
 def test_act_fp8_row_tile_rule():
-    """Under act_fp8 at M = 1: 128-row tiles (half the split) where they still give 1.5
-    programs per SM - of the H200 probes' Flash / Pro shapes, the ones where they won."""
-    shapes = {"flash wq_b": (32768, 1024), "flash wo_a": (8192, 4096), "flash wo_b": (4096, 8192),
-              "flash idx": (8192, 1024), "pro wq_b": (65536, 1536), "pro wo_a": (16384, 4096),
-              "pro wo_b": (7168, 16384), "pro idx": (8192, 1536)}
-    wide = {name for name, (n, k) in shapes.items()
-            if choose_fp8_config(1, n, k, act_fp8=True).block_n == 128}
-    assert wide == {"flash wq_b", "pro wq_b", "pro wo_b"}
+    """Under act_fp8 at M <= 16 and 32 < M <= 64: 128-row tiles (half the split) where they
+    still give 1.5 programs per SM - of the H200 probes' Flash / Pro shapes, the ones where
+    they won; at M = 64 the others take the M > 64 table's non-swapped tile (won there)."""
+    big = {"flash wq_b", "pro wq_b", "pro wo_b"}
+    for M in (1, 16, 64):
+        wide = {name for name, (n, k) in PROBED.items()
+                if choose_fp8_config(M, n, k, act_fp8=True).block_n == 128}
+        assert wide == (big if M < 64 else set(PROBED)), M
+        for name, (n, k) in PROBED.items():
+            a = choose_fp8_config(M, n, k, act_fp8=True)
+            assert a.swap == (M < 64 or name in big), (M, name)
+            assert a == (choose_fp8_config(65, n, k, act_fp8=True) if not a.swap else a)
     assert choose_fp8_config(1, 7168, 16384, act_fp8=True).split_k == 4  # 8 at 64 rows
-    assert choose_fp8_config(16, 7168, 16384, act_fp8=True).block_n == 64  # measured at M=1
+    assert choose_fp8_config(64, 7168, 16384, act_fp8=True).split_k == 4
+    # 16 < M <= 32 was not probed: the bf16 table's tile
+    a, c = choose_fp8_config(32, 7168, 16384, act_fp8=True), choose_fp8_config(32, 7168, 16384)
+    assert (a.block_n, a.split_k, a.swap) == (c.block_n, c.split_k, c.swap)
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -176,6 +188,8 @@ ACT_CONFIGS = [
     Fp8GemmConfig(block_m=16, block_n=32, split_k=3, act_fp8=True),  # ragged K splits
     Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False, act_fp8=True),
     Fp8GemmConfig(block_m=16, block_n=128, split_k=2, act_fp8=True),  # the M = 1 rule's wide tile
+    # the M = 64 rule's non-swapped tile (the M > 64 table's)
+    Fp8GemmConfig(block_m=64, block_n=128, split_k=2, swap=False, num_warps=8, act_fp8=True),
 ]
 
 

@@ -383,14 +383,15 @@ def test_act_quant_quantises_the_fp8_segment_only(cfg, pow2):
     # rows of very different magnitudes per 128-block, so each block has its own scale
     x = (torch.randn(5, K, generator=g) * torch.pow(2.0, torch.randint(
         -6, 6, (5, 2, 1), generator=g).float()).repeat_interleave(128, 1).view(5, K)).to(BF16)
-    out = fused_input_projections(x.to(KERNEL_DEV), p, config=cfg, act_quant=True)
+    x = x.to(KERNEL_DEV)  # the packed weights live there; every check runs beside them
+    out = fused_input_projections(x, p, config=cfg, act_quant=True)
     want = _float64_eval(fp8_block_sim(x, 128), p)[0]
     plain = _float64_eval(x, p)
-    assert _rel(out[0].cpu(), want) < 1e-5 < 1e-3 < _rel(out[0].cpu(), plain[0])
+    assert _rel(out[0], want) < 1e-5 < 1e-3 < _rel(out[0], plain[0])
     for o, w in zip(out[1:], plain[1:], strict=True):
-        assert _rel(o.cpu(), w) < 1e-5
+        assert _rel(o, w) < 1e-5
     ref = fused_input_projections_reference(x, p, act_quant=True)
-    assert all(_rel(r, o.cpu()) < 1e-5 for r, o in zip(ref, out, strict=True))
+    assert all(_rel(r, o) < 1e-5 for r, o in zip(ref, out, strict=True))
 
 
 def test_act_quant_needs_an_fp8_segment():

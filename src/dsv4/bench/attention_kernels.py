@@ -271,6 +271,9 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                     ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6))):
                 vc = Fp8GemmConfig(**{**c.__dict__, **change})
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref))
+            if M > 16:  # the M > 64 table's non-swapped 64 x 128 tile (won for act8 at M = 64)
+                vc = choose_fp8_config(65, N, K)
+                impls.append(("dsv4_fp8_mlarge", lambda i, vc=vc: ours(i, cfg=vc), ref))
             if M == 1:  # the MMA-free one-token path (Fp8GemmConfig.gemv) at a few tiles
                 gemv_probes: tuple[tuple[str, dict[str, Any]], ...] = (
                         ("gemv64w8", dict(block_n=64, num_warps=8)),

@@ -136,8 +136,10 @@ class Fp8GemmConfig:
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
                       ) -> Fp8GemmConfig:
     """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length;
-    ``act_fp8``: the same tiles with the activations quantised in the kernel (§6.3; session 24's
-    H200 probes: faster than bf16 activations on every Flash / Pro shape at M = 1).
+    ``act_fp8``: the activations quantised in the kernel (§6.3; H200 probes, sessions 24-25:
+    faster than bf16 activations on every Flash / Pro shape at M = 1 and 16, and at M = 64 with
+    the row tiles of the rule below); the same tiles, but 128 rows where enough of them keep
+    the SMs busy and, at 32 < M <= 64 elsewhere, the M > 64 tile.
 
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
     benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
@@ -160,12 +162,19 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
         split = max(split, -(-nkb // 16))
     split = max(1, min(nkb, split, 16))
     bn = c.block_n
-    if act_fp8 and M == 1 and (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
-        # 128-row tiles at half the split where that still gives 1.5 programs per SM (session
-        # 24's act8 probes at M = 1: Pro wo_b 42.7 -> 37.2 us, Pro / Flash wq_b 32.2 -> 31.6 /
-        # 12.0 -> 11.6; the shapes it would leave with < 1.5 programs per SM - Flash wo_b,
-        # both wo_a, the indexer wq_b - lost or tied)
-        bn, split = 128, max(1, split // 2)
+    if act_fp8 and (M <= 16 or 32 < M <= 64):
+        if (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
+            # 128-row tiles at half the split where that still gives 1.5 programs per SM
+            # (H200 act8 probes, sessions 24-25: M = 1 Pro wo_b 42.7 -> 37.2 us, Flash wq_b
+            # 12.0 -> 11.4; M = 16 Pro wo_b 46.1 -> 37.9; M = 64 Pro wo_b 100.0 -> 67.5, Flash
+            # wq_b 28.3 -> 18.1. At M <= 16 the shapes it would leave with fewer programs -
+            # Flash wo_b, both wo_a, the indexer wq_b - lost or tied)
+            bn, split = 128, max(1, split // 2)
+        elif M > 32:
+            # M = 64 on those fewer-row shapes: the M > 64 table's 64 x 128 non-swapped tile
+            # (session 25: Flash wo_a 36.1 -> 24.5 us, wo_b 38.4 -> 30.1, indexer wq_b 17.2 ->
+            # 11.3; Pro wo_a 55.1 -> 34.6, indexer 20.6 -> 13.4). 16 < M <= 32: not probed.
+            return choose_fp8_config(65, n_rows, K, n_sm, act_fp8=True)
     return Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": split,
                             "act_fp8": act_fp8})
 
