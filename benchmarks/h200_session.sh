@@ -14,6 +14,7 @@
 #   bash benchmarks/h200_session.sh actq2    # act_quant input kernel + tile rule, eval, verify
 #   bash benchmarks/h200_session.sh gemmfull # every fp8 GEMM probe at M = 1, 16, 64
 #   bash benchmarks/h200_session.sh rule25   # the act8 tile rule: GEMM probes, decode 512 / 64K
+#   bash benchmarks/h200_session.sh rule25b  # the M = 64 bf16 split rule: decode 512 / 64K
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -167,6 +168,14 @@ rule25)  # session 25's act8 tile rule (M <= 16 and M = 64) in the GEMM probes a
     # bf16 mlarge probe at M = 64; the 64K-context M = 16 rows with and without act_quant
     step gemm_probes_all 200 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" \
         --only gemm
+    step decode_step 130 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
+        --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8
+    step decode_step_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
+        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 \
+        --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8
+    ;;
+rule25b)  # the bf16-activation M = 64 split rule and the act rows' check at 64K: decode rows
     step decode_step 130 python3 -m dsv4 bench decode-step --out "$OUT/decode_step" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
         --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8

@@ -136,6 +136,10 @@ def test_act_fp8_row_tile_rule():
             assert a == (choose_fp8_config(65, n, k, act_fp8=True) if not a.swap else a)
     assert choose_fp8_config(1, 7168, 16384, act_fp8=True).split_k == 4  # 8 at 64 rows
     assert choose_fp8_config(64, 7168, 16384, act_fp8=True).split_k == 4
+    # bf16 activations at M = 64: no split where the 64-row tiles nearly fill the SMs
+    splits = {name: choose_fp8_config(64, n, k).split_k for name, (n, k) in PROBED.items()}
+    assert {name for name, sp in splits.items() if sp > 1} == {"flash wo_b", "pro wo_b"}
+    assert choose_fp8_config(16, 8192, 1024).split_k == 4  # measured only at M = 64
     # 16 < M <= 32 was not probed: the bf16 table's tile
     a, c = choose_fp8_config(32, 7168, 16384, act_fp8=True), choose_fp8_config(32, 7168, 16384)
     assert (a.block_n, a.split_k, a.swap) == (c.block_n, c.split_k, c.swap)

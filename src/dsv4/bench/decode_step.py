@@ -31,9 +31,11 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        quantised in the kernel)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
-and against the first strategy's output (rel. error <= 2e-2, 1e-1 for the ``act_quant`` rows,
-whose quantised activations move the output by a few 1e-2 on random weights; the caches hold
-the same rows in every format, see :mod:`dsv4.bench.synthetic_cache`). ``floor_us`` = bytes of
+and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
+hold the same rows in every format, see :mod:`dsv4.bench.synthetic_cache`); the first
+``act_quant`` row also against the first bf16-activation row (1e-1: quantised activations move
+the output by a few 1e-2 on random weights) where the indexer keeps every visible entry - at
+longer contexts the quantised q picks other entries (64K: 0.35 apart). ``floor_us`` = bytes of
 all the layer's weights plus the cache bytes the step reads (window rows and selected entries in
 the strategy's kv format, and every visible indexer key), over the copy bandwidth measured in
 the same run.
@@ -167,8 +169,12 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
                if fill == "prefill" else None)
     pos = torch.full((m,), context, dtype=torch.long)  # CPU positions: no sync, capturable
     rows: list[dict[str, Any]] = []
-    base: torch.Tensor | None = None
-    base_name = ""
+    # outputs checked against: the first strategy of the same activation numerics (2e-2), and
+    # the first act_quant row against the first bf16-activation row where the indexer keeps
+    # every visible entry (1e-1): at longer contexts the quantised q picks other entries
+    bases: dict[bool, tuple[torch.Tensor, str]] = {}
+    selects_all = (LAYER_RATIO[layer_type] != 4
+                   or (context + 1) // 4 <= cfg.index_topk)
     for strategy in strategies:
         key = {"model": model, "layer_type": layer_type, "M": m, "context": context,
                "strategy": strategy}
@@ -210,10 +216,17 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
         if not torch.equal(out, eager):
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
-        if base is None:
-            base, base_name = out.clone(), strategy
+        act = STRATEGY_SPECS[strategy].act_quant
+        tol = 2e-2
+        if act in bases:
+            base, base_name = bases[act]
+        elif act and False in bases and selects_all:
+            (base, base_name), tol = bases[False], 1e-1
+            bases[act] = (out.clone(), strategy)
+        else:
+            base, base_name = bases[act] = (out.clone(), strategy)
         err = float((out.double() - base.double()).norm() / base.double().norm())
-        if err > (1e-1 if STRATEGY_SPECS[strategy].act_quant else 2e-2):
+        if err > tol:
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel err "
                                f"{err:.2e} against {base_name}")
         times = []

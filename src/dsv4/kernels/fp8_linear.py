@@ -143,7 +143,8 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
 
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
     benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
-    that no program streams more than 16 K blocks (H200, M=1, session 22's GEMM probes: Pro
+    that no program streams more than 16 K blocks (at M = 64 none where the tiles nearly fill
+    the SMs) (H200, M=1, session 22's GEMM probes: Pro
     ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6
     pipeline stages lost on every shape). M > 64: 64 x 128 tiles, split only when the tiles
     alone leave SMs idle. Untuned on this kernel.
@@ -161,6 +162,12 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     if M <= 64:
         split = max(split, -(-nkb // 16))
     split = max(1, min(nkb, split, 16))
+    if not act_fp8 and 32 < M <= 64 and tiles >= 0.9 * n_sm:
+        # M = 64, bf16 activations: no split where the tiles alone nearly fill the SMs (H200,
+        # session 25: indexer wq_b Flash 17.9 -> 9.6 us, Pro 20.5 -> 13.2; Pro wo_a 48.9 ->
+        # 37.8; Flash wo_a 32.4 -> 31.0; with fewer tiles it lost: Pro wo_b, 112 tiles, 91.3
+        # -> 108.1; the threshold lies between those 112 and 128 tiles)
+        split = 1
     bn = c.block_n
     if act_fp8 and (M <= 16 or 32 < M <= 64):
         if (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
