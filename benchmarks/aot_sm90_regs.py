@@ -1,7 +1,7 @@
 """Compile the Triton kernels for sm_90 on a machine WITHOUT a GPU and print each
 configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
 
-    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|fused|all]
+    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|fused|all|pdl]
 
 ``gemm``: the fp8 weight-streaming GEMM's configurations and the one-pass dequantisation;
 
@@ -9,9 +9,11 @@ configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) a
 indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro shapes;
 ``stages``: the RoPE /
 norm / quantisation kernels and the compressed entries; ``fused``: the one-launch input kernel
-at Flash / Pro C4 decode configurations, with and without ``act_quant``. The CPU interpreter
-accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled loop, once);
-this compiles what a GPU would.
+at Flash / Pro C4 decode configurations, with and without ``act_quant``; ``pdl``: all of them
+with programmatic dependent launch on (``dsv4.kernels.launch``), each PTX checked for
+``griddepcontrol.wait`` and ``launch_dependents`` (and the other modes for neither). The CPU
+interpreter accepts code the compiler refuses (an annotated constexpr reassigned in an unrolled
+loop, once); this compiles what a GPU would.
 
 Catches compile errors and register spills before a GPU run. Integer arguments that are multiples
 of 16 at run time (strides, K, block strides, H, rows per block) get Triton's divisibility hint,
@@ -21,6 +23,8 @@ as the JIT's specialisation would give them; pointers are 16-byte aligned. Uses 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -50,7 +54,15 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
                          "cuobjdump")
 
 
+AOT_PDL = False
+"""Compile the kernels with their ``PDL`` constexpr set (``pdl`` mode: dsv4.kernels.launch)."""
+
+
 def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
+    if "PDL" in fn.arg_names and "PDL" not in consts:
+        consts = {**consts, "PDL": AOT_PDL}
+    if "USE_PDL" in consts and AOT_PDL:
+        consts = {**consts, "USE_PDL": True}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n in DIV16)}
@@ -68,7 +80,13 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     mma = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "no-mma"
     if "e4m3.e4m3" in ptx:
         mma += "(fp8)"
-    return f"{use} {mma} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
+    gdc = ("griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+    if AOT_PDL and not all(gdc):
+        raise RuntimeError(f"PDL on but the PTX has (wait, launch_dependents) = {gdc}")
+    if not AOT_PDL and any(gdc):
+        raise RuntimeError("PDL off but the PTX has griddepcontrol instructions")
+    pdl = " pdl" if AOT_PDL else ""
+    return f"{use} {mma}{pdl} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
 
 
 GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
@@ -306,8 +324,33 @@ def stages() -> bool:
     return ok
 
 
+def pdl() -> bool:
+    """Every step kernel compiled with PDL on: each PTX waits (``griddepcontrol.wait``) and
+    lets the next kernel launch (``launch_dependents``); compile_one checks both, and that the
+    PDL-off builds of the other modes have neither."""
+    global AOT_PDL
+    AOT_PDL = True
+    try:
+        ok = True
+        for fn in (gemm, gemv, dequant, mqa):
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    fn()
+            except Exception:
+                traceback.print_exc()
+                ok = False
+            sys.stdout.write(out.getvalue())
+            ok &= "FAIL" not in out.getvalue()
+        return ok and steps() and stages() and fused()
+    finally:
+        AOT_PDL = False
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which == "pdl" and not pdl():
+        raise SystemExit(1)
     if which in ("gemm", "all"):
         gemm()
         gemv()

@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_session.sh gemmfull # every fp8 GEMM probe at M = 1, 16, 64
 #   bash benchmarks/h200_session.sh rule25   # the act8 tile rule: GEMM probes, decode 512 / 64K
 #   bash benchmarks/h200_session.sh rule25b  # the M = 64 bf16 split rule: decode 512 / 64K
+#   bash benchmarks/h200_session.sh pdl      # programmatic dependent launch: tests, verify, rows
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -182,6 +183,17 @@ rule25b)  # the bf16-activation M = 64 split rule and the act rows' check at 64K
     step decode_step_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode_step_64k" \
         --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 \
         --strategies ours_triton_fp8,ours_flashmla,ours_act8,ours_flashmla_act8
+    ;;
+pdl)  # session 25's programmatic dependent launch (not yet run on a GPU): its tests (bit-equal
+    # layer with and without it), verify and eval with it on, decode rows beside the defaults
+    step pytest_pdl 240 "${PYTEST[@]}" -rf tests/kernels/test_launch.py \
+        tests/kernels/test_sm90_compile.py tests/kernels/test_paged_rows.py
+    step verify_pdl 90 env DSV4_PDL=1 python3 -m dsv4 verify --platform cuda
+    step eval_pdl 60 env DSV4_PDL=1 python3 -m dsv4 eval --device cuda --platform cuda \
+        --cache-format fp8_ds_mla/fp8
+    step decode_step_pdl 150 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --profile \
+        --strategies ours_triton_fp8,ours_pdl,ours_flashmla,ours_flashmla_pdl,ours_flashmla_act8,ours_flashmla_act8_pdl
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \

@@ -29,6 +29,11 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        ``act_quant`` (the official fp8 activations, §6.3: fp8 x fp8 MMAs in
                        the streaming GEMMs, the one-launch input kernel's fp8 segment
                        quantised in the kernel)
+* ``ours_pdl``, ``ours_flashmla_pdl``, ``ours_flashmla_act8_pdl`` (opt-in, name them in
+                       ``--strategies``): ``ours_triton_fp8`` / ``ours_flashmla`` /
+                       ``ours_flashmla_act8`` with our kernels launched with programmatic
+                       dependent launch (:mod:`dsv4.kernels.launch`); each output must equal
+                       its twin's without PDL bit for bit where that row ran
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -46,6 +51,7 @@ counted with the profiler (a graph replays the same operations).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,6 +66,11 @@ from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
+from dsv4.kernels.launch import (
+    programmatic_launch,
+    programmatic_launch_enabled,
+    set_programmatic_launch,
+)
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
@@ -67,9 +78,11 @@ from dsv4.random_weights import random_layer_weights
 UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
-STRATEGIES = UPSTREAM + OURS
+PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
+STRATEGIES = UPSTREAM + OURS  # the default set
+ALL_STRATEGIES = STRATEGIES + PDL
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
-            "ours_flashmla_act8")
+            "ours_flashmla_act8") + PDL
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class Strategy:
     kv_cache_dtype: str = "bf16"
     step_kernels: bool = False
     act_quant: bool = False
+    pdl: bool = False  # programmatic dependent launch for our kernels (dsv4.kernels.launch)
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -98,6 +112,11 @@ STRATEGY_SPECS = {
     "ours_act8": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True, True),
     "ours_flashmla_act8": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
                                    True),
+    "ours_pdl": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True, pdl=True),
+    "ours_flashmla_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
+                                  pdl=True),
+    "ours_flashmla_act8_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
+                                       True, True, pdl=True),
 }
 
 
@@ -162,6 +181,15 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
              ) -> list[dict[str, Any]]:
+    with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
+        return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
+                         pooled, strategies, fill)
+
+
+def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
+              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
+              profiles: list[str] | None, pooled: bool, strategies: tuple[str, ...], fill: str,
+              ) -> list[dict[str, Any]]:
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -173,11 +201,15 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
     # the first act_quant row against the first bf16-activation row where the indexer keeps
     # every visible entry (1e-1): at longer contexts the quantised q picks other entries
     bases: dict[bool, tuple[torch.Tensor, str]] = {}
+    twins: dict[Strategy, tuple[torch.Tensor, str]] = {}  # PDL must not change a bit
     selects_all = (LAYER_RATIO[layer_type] != 4
                    or (context + 1) // 4 <= cfg.index_topk)
     for strategy in strategies:
         key = {"model": model, "layer_type": layer_type, "M": m, "context": context,
                "strategy": strategy}
+        # PDL as the strategy says for its eager steps, its capture (the graph keeps it) and
+        # its launch count
+        set_programmatic_launch(STRATEGY_SPECS[strategy].pdl)
         layer = build(cfg, layer_id, strategy, weights, dev)
         caches = (layer.new_caches(m, context + 8) if pooled else
                   [layer.new_cache(context + 8) for _ in range(m)])
@@ -216,7 +248,12 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
         if not torch.equal(out, eager):
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
-        act = STRATEGY_SPECS[strategy].act_quant
+        spec = STRATEGY_SPECS[strategy]
+        twin = twins.setdefault(dataclasses.replace(spec, pdl=False), (out.clone(), strategy))
+        if not torch.equal(out, twin[0]):
+            raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: output "
+                               f"differs from {twin[1]}'s (the same step without PDL)")
+        act = spec.act_quant
         tol = 2e-2
         if act in bases:
             base, base_name = bases[act]
@@ -281,7 +318,7 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
 def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (model, layer, context, M): per strategy "us (fraction of floor)", the
     launches of the new path, and the speedups over the best upstream strategy."""
-    present = [s for s in STRATEGIES if any(r["strategy"] == s for r in rows)]
+    present = [s for s in ALL_STRATEGIES if any(r["strategy"] == s for r in rows)]
     ours = [s for s in OURS if s in present and any(s == r["strategy"] and
                                                      "speedup_vs_best_upstream" in r
                                                      for r in rows)]
@@ -327,7 +364,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         return False
     timed = [r for r in rows if "fraction" in r]
     cases = sorted({(r["model"], r["layer_type"], r["context"], r["M"]) for r in timed})
-    present = [s for s in STRATEGIES if any(r["strategy"] == s for r in timed)]
+    present = [s for s in ALL_STRATEGIES if any(r["strategy"] == s for r in timed)]
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(present) / 3), 4.5))
     width = 0.8 / max(1, len(present))
     for j, s in enumerate(present):
@@ -364,8 +401,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--context", type=int, default=None,
                     help="one context (kept for --tp; default 1024 there)")
     ap.add_argument("--strategies", default=list(STRATEGIES),
-                    type=choice_list(STRATEGIES, "strategy"),
-                    help=f"comma-separated subset of {','.join(STRATEGIES)} (default all; the "
+                    type=choice_list(ALL_STRATEGIES, "strategy"),
+                    help=f"comma-separated subset of {','.join(ALL_STRATEGIES)} (default all but "
+                    f"the opt-in {','.join(PDL)}; the "
                     "first is the reference the others are checked against)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "

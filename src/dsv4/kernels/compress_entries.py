@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
@@ -91,6 +92,8 @@ if triton_available():
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -182,7 +185,9 @@ if triton_available():
         R: tl.constexpr, COFF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
         BC: tl.constexpr, SIM: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
         LIBDEVICE: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_for_prior_kernel(PDL)
         e = tl.program_id(0).to(tl.int64)
         ch = tl.arange(0, D)
         width: tl.constexpr = 2 * COFF * D
@@ -221,8 +226,9 @@ if triton_available():
 
     @triton.jit
     def _raw_rows_kernel(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, R: tl.constexpr,
-                         WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Row t: [a | s + ape[pos mod R]] from the score GEMM's row [a | s] (fp32)."""
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         ape_row = (tl.load(pos_ptr + t) % R) * WIDTH
         lanes = tl.arange(0, BLOCK)
@@ -237,8 +243,9 @@ if triton_available():
 
     @triton.jit
     def _keep_rows_kernel(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, WIDTH: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Ring row dst[k] (of the [-1, WIDTH] view) = step row src[k]."""
+        wait_for_prior_kernel(PDL)
         k = tl.program_id(0)
         dst = tl.load(dst_ptr + k).to(tl.int64)
         src = tl.load(src_ptr + k).to(tl.int64)
@@ -267,7 +274,8 @@ def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tenso
     k = keep_dst.shape[0]
     if k:
         _keep_rows_kernel[(k,)](ring, rows, rows.stride(0), keep_dst, keep_src, WIDTH=width,
-                                BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4)
+                                BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4,
+                                **pdl_args(ring.device))
 
 
 def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -290,7 +298,8 @@ def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) 
     if t:
         _raw_rows_kernel[(t,)](kv_score, kv_score.stride(0), positions, comp.ape.contiguous(),
                                out, out.stride(0), R=comp.ratio, WIDTH=width,
-                               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4)
+                               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4,
+                               **pdl_args(kv_score.device))
     return out
 
 
@@ -325,6 +334,7 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
         **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),
+        **pdl_args(ring.device),
     )
     return out.to(out_dtype)
 

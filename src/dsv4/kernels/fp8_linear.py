@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
+from dsv4.kernels.launch import pdl_args
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.quant_sim import fp8_block_sim
 
@@ -192,6 +193,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from dsv4.kernels.launch import wait_for_prior_kernel
+
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
 
@@ -223,7 +226,9 @@ if triton_available():
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
         DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
         INTERP: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
+        wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
         pid_m = pid % m_tiles
@@ -334,8 +339,9 @@ if triton_available():
 
     @triton.jit
     def _dequant_kernel(w_ptr, sc_ptr, stride_sc, o_ptr, K, BN: tl.constexpr, BK: tl.constexpr,
-                        SCALE_F32: tl.constexpr):
+                        SCALE_F32: tl.constexpr, PDL: tl.constexpr = False):
         """One [BN, BK] tile (inside one 128 x 128 scale block) of the dequantised weight."""
+        wait_for_prior_kernel(PDL)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         k0 = tl.program_id(1) * BK
         s = _scale_value(_scale_raw(sc_ptr + (tl.program_id(0) * BN // 128) * stride_sc,
@@ -397,7 +403,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
         INTERP=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 
 
@@ -494,5 +500,6 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sc = (scale if sc_f32 else scale.view(torch.uint8)).contiguous()
     bn, bk = 32, 128
     _dequant_kernel[(n // bn, k // bk)](weight.contiguous(), sc, sc.stride(0), out, k, BN=bn,
-                                        BK=bk, SCALE_F32=sc_f32, num_warps=4)
+                                        BK=bk, SCALE_F32=sc_f32, num_warps=4,
+                                        **pdl_args(out.device))
     return out

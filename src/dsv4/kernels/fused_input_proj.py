@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.kernels.launch import _HAVE_TRITON, _INTERPRET, pdl_args, triton_available
 from dsv4.layers.quant_sim import fp8_block_sim
 
 __all__ = [
@@ -215,26 +215,17 @@ def fused_input_projections_reference(
 # Triton kernel (lazy)
 
 
-try:  # guarded: the module (reference, packing) must import without Triton
+if _HAVE_TRITON:  # guarded: the module (reference, packing) must import without Triton
     import triton
     import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the machine
+else:  # pragma: no cover - depends on the machine
     triton = tl = None
-    _HAVE_TRITON = False
-
-
-def triton_available() -> bool:
-    return _HAVE_TRITON
 
 
 def _interpreting() -> bool:
-    """Triton's CPU interpreter (TRITON_INTERPRET=1, read when this module was imported)."""
+    """Triton's CPU interpreter (TRITON_INTERPRET=1, read when dsv4.kernels.launch was
+    imported)."""
     return _HAVE_TRITON and _INTERPRET
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -312,6 +303,7 @@ def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> Kernel
 
 if _HAVE_TRITON:
     from dsv4.kernels._float_bits import act_quant_block
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     @triton.jit
     def _fence_gpu():
@@ -396,7 +388,8 @@ if _HAVE_TRITON:
             if PREFETCH > 0:  # weights do not depend on the previous kernel: start streaming
                 row_addr = (w_ptr + offs_n * K + kb0 * BK).to(tl.int64, bitcast=True)
                 _prefetch_l2(tl.where(n_mask, row_addr, 0), PREFETCH)
-            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_wait()  # then the next kernel may launch (dsv4.kernels.launch)
+            tl.extra.cuda.gdc_launch_dependents()
         if IS_FP8:  # each block's scale is read one iteration ahead (fp8_linear's reason)
             sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask, tl.minimum(kb0, nkb - 1),
                                   FOLD)
@@ -490,8 +483,6 @@ if _HAVE_TRITON:
         ACT: tl.constexpr = False, INTERP: tl.constexpr = False,
         DOT_DT: tl.constexpr = tl.bfloat16, DOT_PREC: tl.constexpr = "tf32",
     ):
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         pid_m = pid % m_tiles
         rest = pid // m_tiles
@@ -521,8 +512,9 @@ if _HAVE_TRITON:
                                    "e4"])
     def scatter_kernel(y_ptr, M, n_total,
                        o0, s0, o1, s1, o2, s2, o3, s3, o4, s4, e0, e1, e2, e3, e4,
-                       BM: tl.constexpr, BN: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False):
         """Cast/split the fp32 GEMM output y [M, n_total] into the segment outputs."""
+        wait_for_prior_kernel(PDL)
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         c0 = tl.program_id(1) * BN
         cols = c0 + tl.arange(0, BN)
@@ -654,7 +646,8 @@ def fused_input_projections(
             raise ValueError("the cuBLAS path takes bf16 weights only")
         y = torch.mm(x, packed.weight.t(), out_dtype=torch.float32)
         grid = (-(-M // 32), -(-packed.n_total // 128))
-        scatter_kernel[grid](y, M, packed.n_total, *oargs, BM=32, BN=128, num_warps=4)
+        scatter_kernel[grid](y, M, packed.n_total, *oargs, BM=32, BN=128, num_warps=4,
+        **pdl_args(y.device))
         return out
     if K % cfg.block_k or (has_fp8 and K % 128):
         raise ValueError(f"K={K} is not a multiple of block_k={cfg.block_k} (and 128 for fp8)")
@@ -679,7 +672,9 @@ def fused_input_projections(
     sc = packed.fp8_scale if has_fp8 else packed.weight
     stride_sc = packed.fp8_scale.stride(0) if packed.fp8_scale is not None else 0
     grid1 = (m_tiles * (g8 + g16) * cfg.split_k,)
-    launch_kw = {"launch_pdl": True} if cfg.pdl else {}
+    # PDL: the config's probe option or the process-wide switch (dsv4.kernels.launch)
+    pdl = cfg.pdl or pdl_args(x.device)["PDL"]
+    launch_kw = {"launch_pdl": True} if pdl else {}
     # L2 prefetch per weight row: within this program's K range, a multiple of 32 bytes
     pf = min(cfg.prefetch, (K // cfg.split_k) * 2) // 32 * 32 if cfg.pdl else 0
     fused_input_proj_kernel[grid1](
@@ -689,7 +684,7 @@ def fused_input_projections(
         *oargs,
         m_tiles, g16, g8,
         BM=cfg.block_m, BN=cfg.block_n, BN8=bn8, BK=cfg.block_k,
-        SPLIT_K=cfg.split_k, SWAP=cfg.swap, HAS_FP8=has_fp8, FOLD=fold, USE_PDL=cfg.pdl,
+        SPLIT_K=cfg.split_k, SWAP=cfg.swap, HAS_FP8=has_fp8, FOLD=fold, USE_PDL=pdl,
         PREFETCH=pf, FENCE=not _interpreting(), ACT=act_quant, INTERP=_interpreting(),
         DOT_DT=tl.float32 if _interpreting() else tl.bfloat16,
         DOT_PREC="ieee" if _interpreting() else "tf32",

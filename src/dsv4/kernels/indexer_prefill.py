@@ -69,6 +69,7 @@ from dsv4.cache.formats import RowFormat
 from dsv4.host_copy import upload
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import FMTS, check_key_store, index_kernel_format, topk_entries
+from dsv4.kernels.launch import pdl_args
 
 if TYPE_CHECKING:
     from dsv4.cache.step import CacheStep
@@ -165,15 +166,17 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels.indexer_topk import _load_index_keys
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     @triton.jit(do_not_specialize=["width", "row0"])
     def _prefill_score_kernel(q_ptr, sqt, sqh, w_ptr, swt, swh, s_ptr, sst, keys_ptr,
                               blk_stride, tab_ptr, stab, max_logical, tiles_ptr, pos_ptr,
                               width, row0, B, weight_scale, H: tl.constexpr, D: tl.constexpr,
                               BQ: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr,
-                              DT: tl.constexpr, PREC: tl.constexpr):
+                              DT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
         """Program (e, i): entries e * BN .. e * BN + BN - 1 of query tile i's sequence for the
         tile's rows; scores to the workspace's rows (tile start - row0) onwards."""
+        wait_for_prior_kernel(PDL)
         jb = tl.program_id(0)
         ti = tl.program_id(1)
         start = tl.load(tiles_ptr + ti * 3)
@@ -235,7 +238,7 @@ def _launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str
         pos, width, row0, rows_per_block, float(weight_scale),
         H=q.shape[1], D=q.shape[2], BQ=block_q, BN=block_n, FMT=FMTS.index(fmt),
         DT=tl.float32 if _INTERPRET else tl.bfloat16, PREC="ieee" if _INTERPRET else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
 
 
 def _prepare(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,

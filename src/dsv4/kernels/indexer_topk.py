@@ -54,6 +54,7 @@ import torch
 
 from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowFormat
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
@@ -91,6 +92,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels._float_bits import ue8m0
+    from dsv4.kernels.launch import wait_for_prior_kernel
     from dsv4.kernels.sparse_mqa import _load_rows
 
     if _INTERPRET:
@@ -149,8 +151,9 @@ if triton_available():
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
                       BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, PDL: tl.constexpr = False):
         """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1."""
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -206,7 +209,9 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["width"])
     def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
-                     KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr):
+                     KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         row = s_ptr + t.to(tl.int64) * sst
         out = o_ptr + t.to(tl.int64) * sot
@@ -304,7 +309,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         rows_per_block, float(weight_scale),
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=SCORE_BLOCK,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        PREC="ieee" if _INTERPRET else "tf32", num_warps=4)
+        PREC="ieee" if _INTERPRET else "tf32", num_warps=4, **pdl_args(q.device))
     return s
 
 
@@ -324,7 +329,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
         scores = scores.contiguous()
     _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk,
                        KP=max(2, 1 << (topk - 1).bit_length()), BLOCK=SCAN_BLOCK, SORT=sort,
-                       num_warps=8)
+                       num_warps=8, **pdl_args(scores.device))
     return o
 
 

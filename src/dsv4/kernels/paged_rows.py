@@ -22,6 +22,7 @@ import torch
 
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 
 __all__ = ["entry_flat_rows", "paged_rows_usable", "window_flat_rows"]
 
@@ -38,6 +39,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from dsv4.kernels.launch import wait_for_prior_kernel
+
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
 
@@ -46,7 +49,8 @@ if triton_available():
     @triton.jit
     def _flat_rows_kernel(pos_ptr, slot_ptr, rows_ptr, rows_stride, table_ptr, table_stride,
                           out_ptr, out_stride, K, B, MAX_LOGICAL,
-                          WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+                          WINDOW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         # the window's oldest position; given rows read no position
@@ -84,7 +88,8 @@ def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
     block = min(ROWS_PER_ITER, max(16, 1 << (k - 1).bit_length()))
     _flat_rows_kernel[(t,)](
         pos, slots, rows_arg, rows_arg.stride(0), table, table.stride(0), out, out.stride(0),
-        k, store.block_size, store.max_logical, WINDOW=rows is None, BLOCK=block, num_warps=4)
+        k, store.block_size, store.max_logical, WINDOW=rows is None, BLOCK=block, num_warps=4,
+        **pdl_args(pos.device))
     return out
 
 

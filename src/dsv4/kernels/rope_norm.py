@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
 from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
 
@@ -64,6 +65,7 @@ if triton_available():
         rounded,
         scale_exponent,
     )
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -98,7 +100,8 @@ if triton_available():
     @triton.jit
     def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps_q,
                              eps_kv, QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
-                             BKV: tl.constexpr):
+                             BKV: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = x_ptr + t * sxt
         oq = tl.arange(0, BQ)
@@ -143,7 +146,8 @@ if triton_available():
     def _rope_heads_kernel(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H, eps,
                            D2: tl.constexpr, NOPE2: tl.constexpr, BH: tl.constexpr,
                            BD2: tl.constexpr, NORM: tl.constexpr, SIGN: tl.constexpr,
-                           QPAIRS: tl.constexpr, QBLOCK: tl.constexpr):
+                           QPAIRS: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, BD2)
@@ -181,7 +185,8 @@ if triton_available():
     def _rope_hadamard_fp4_kernel(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H,
                                   D2: tl.constexpr, NOPE2: tl.constexpr, BH: tl.constexpr,
                                   HSCALE: tl.constexpr, DOT_DT: tl.constexpr,
-                                  DOT_PREC: tl.constexpr):
+                                  DOT_PREC: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, D2)
@@ -257,7 +262,7 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
         _latent_norms_kernel[(t,)](
             x, x.stride(0), q_weight.contiguous(), kv_weight.contiguous(), qr, qr.stride(0), kv,
             kv.stride(0), eps_q, eps_kv, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
-            num_warps=8 if bq >= 2048 else 4)
+            num_warps=8 if bq >= 2048 else 4, **pdl_args(x.device))
     return qr, kv
 
 
@@ -298,7 +303,8 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
             xh, xh.stride(0), xh.stride(1), oh, oh.stride(0), oh.stride(1), positions,
             inv_freq, n_heads, 0.0 if norm_eps is None else norm_eps, D2=d2, NOPE2=nope2,
             BH=bh, BD2=bd2, NORM=norm_eps is not None, SIGN=-1 if inverse else 1,
-            QPAIRS=fp8_dims // 2 if fp8_block else 0, QBLOCK=fp8_block // 2, num_warps=4)
+            QPAIRS=fp8_dims // 2 if fp8_block else 0, QBLOCK=fp8_block // 2, num_warps=4,
+            **pdl_args(xh.device))
     return out if out.shape == x.shape else out.view(x.shape)
 
 
@@ -330,5 +336,5 @@ def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
             xh, xh.stride(0), xh.stride(1), out, out.stride(0), out.stride(1), positions,
             inv_freq, n_heads, D2=d2, NOPE2=nope2, BH=bh, HSCALE=d ** -0.5,
             DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
-            DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=4)
+            DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=4, **pdl_args(xh.device))
     return out.view(x.shape)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 
 __all__ = [
     "SparseMqaConfig",
@@ -203,6 +204,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels._float_bits import ue8m0
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -334,7 +336,9 @@ if triton_available():
         SPLIT: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr,
         SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
         PREFETCH: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
+        wait_for_prior_kernel(PDL)
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
         split = pid % n_split
@@ -380,11 +384,13 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
-                        n_split, D: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
+                        n_split, D: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """One program per (query, head, BD output columns): every split's partial of that
         slice at once ([SP, BD] tile, SP = n_split padded), weighted by 2^(m_s - m) and summed
         over the splits in one reduction (no loop over splits: a decode step of one query has
         ~40 splits, and a loop of dependent loads over them took ~20 us)."""
+        wait_for_prior_kernel(PDL)
         pid = tl.program_id(0)
         n_db = D // BD
         db = pid % n_db
@@ -506,11 +512,12 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         D=d, DV=dv, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n,
         DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PREFETCH=cfg.prefetch,
+        num_stages=cfg.num_stages, PREFETCH=cfg.prefetch, **pdl_args(q.device),
     )
     if split > 1:
         sp = triton.next_power_of_2(split)
         bd = max(16, min(d, COMBINE_TILE // sp))  # [sp, bd] fp32 partials per program
         _combine_kernel[(T * H * (d // bd),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
-                                              T, H, split, D=d, SP=sp, BD=bd, num_warps=4)
+                                              T, H, split, D=d, SP=sp, BD=bd, num_warps=4,
+                                              **pdl_args(ws_acc.device))
     return o

@@ -52,6 +52,7 @@ from dsv4.cache.formats import (
 )
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.launch import pdl_args
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 
 __all__ = ["store_rows", "store_rows_problem"]
@@ -135,6 +136,8 @@ def store_rows_problem(store: PagedStore, values: torch.Tensor) -> str:
 if triton_available():
     import triton
     import triton.language as tl
+
+    from dsv4.kernels.launch import wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -221,12 +224,14 @@ if triton_available():
         FMT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NOPE: tl.constexpr,
         NT: tl.constexpr, TP: tl.constexpr, ROPE: tl.constexpr, RP: tl.constexpr,
         SB: tl.constexpr, PADP: tl.constexpr, IN_BF16: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         """One program per (slot, row, values) triple. ``st_ptr``: the store (FMT 0 its int16
         view, FMT 1 float32, else its bytes); ``BLK`` the block stride in those elements.
         FMT 2 (fp8_ds_mla): NT tiles of 64 nope values (TP = next power of two), ROPE rope
         values (RP), SB scale bytes per row (pad bytes: SB - NT, PADP a power of two above).
         FMT 3 / 4 (index fp8 / fp4): NT blocks of 128 / 32 values (TP)."""
+        wait_for_prior_kernel(PDL)
         i = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + i).to(tl.int64)
         row = tl.load(row_ptr + i).to(tl.int64)
@@ -362,5 +367,5 @@ def store_rows(store: PagedStore, slots: torch.Tensor, rows: torch.Tensor,
     _store_rows_kernel[(n,)](
         st, v, v.stride(0), slots, rows, table, table.stride(0), table.shape[0],
         store.max_logical, store.block_size, blk,
-        **_launch_constants(store, code, values),
+        **_launch_constants(store, code, values), **pdl_args(st.device),
     )

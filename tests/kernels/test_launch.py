@@ -1,0 +1,185 @@
+"""Programmatic dependent launch (dsv4.kernels.launch): the switch, the launch keywords, and
+that every kernel takes part - it waits for the kernel before as its first statement, and every
+launch passes the keywords (a kernel that skipped the wait would race its predecessor's writes
+once PDL is on; one launched without them would silently not take part)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.kernels import launch
+from dsv4.kernels.launch import (
+    pdl_args,
+    programmatic_launch,
+    programmatic_launch_enabled,
+    set_programmatic_launch,
+)
+
+KERNELS = Path(launch.__file__).parent
+
+
+def test_switch_and_context_restore():
+    prev = programmatic_launch_enabled()
+    try:
+        set_programmatic_launch(False)
+        with programmatic_launch():
+            assert programmatic_launch_enabled()
+            with programmatic_launch(False):
+                assert not programmatic_launch_enabled()
+            assert programmatic_launch_enabled()
+        assert not programmatic_launch_enabled()
+        with pytest.raises(KeyError), programmatic_launch():
+            raise KeyError("inside")
+        assert not programmatic_launch_enabled()  # restored on the exception too
+        with pytest.raises(TypeError, match="must be a bool"):
+            set_programmatic_launch(1)  # type: ignore[arg-type]
+        assert not programmatic_launch_enabled()  # unchanged by the refused call
+    finally:
+        set_programmatic_launch(prev)
+
+
+def test_off_where_it_cannot_apply():
+    with programmatic_launch():
+        assert pdl_args(torch.device("cpu")) == {"PDL": False}
+    with programmatic_launch(False):
+        assert pdl_args(torch.device("cpu")) == {"PDL": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or launch._INTERPRET,
+                    reason="needs a CUDA device and Triton's compiler")
+def test_on_for_a_hopper_device():
+    dev = torch.device("cuda")
+    want = torch.cuda.get_device_capability() >= (9, 0) and launch._HAVE_GDC
+    with programmatic_launch():
+        assert pdl_args(dev) == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
+    with programmatic_launch(False):
+        assert pdl_args(dev) == {"PDL": False}
+
+
+def _jit_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    def jitted(f: ast.FunctionDef) -> bool:
+        for d in f.decorator_list:
+            target = d.func if isinstance(d, ast.Call) else d
+            if ast.unparse(target) == "triton.jit":
+                return True
+        return False
+
+    return [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and jitted(n)]
+
+
+def _launches(tree: ast.Module) -> list[ast.Call]:
+    """Calls of the form ``kernel[grid](...)``."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)]
+
+
+def _first_statement(f: ast.FunctionDef) -> ast.stmt:
+    body = f.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return body[0]
+
+
+def kernel_violations(source: str) -> list[str]:
+    """What a kernel module gets wrong about PDL (empty: nothing)."""
+    tree = ast.parse(source)
+    launched = {c.func.value.id for c in _launches(tree)}  # type: ignore[attr-defined]
+    out = []
+    for f in _jit_functions(tree):
+        if f.name not in launched:
+            continue  # a helper, inlined into the kernels that call it
+        args = [a.arg for a in f.args.args]
+        if "USE_PDL" in args:  # the one-launch input kernel waits inside its segment helper
+            continue
+        if "PDL" not in args:
+            out.append(f"{f.name}: no PDL constexpr")
+        elif ast.unparse(_first_statement(f)) != "wait_for_prior_kernel(PDL)":
+            out.append(f"{f.name}: its first statement is not wait_for_prior_kernel(PDL)")
+    for c in _launches(tree):
+        name = c.func.value.id  # type: ignore[attr-defined]
+        kws = {k.arg for k in c.keywords}
+        if "USE_PDL" in kws:
+            continue
+        if not any(k.arg is None and ast.unparse(k.value).startswith("pdl_args(")
+                   for k in c.keywords):
+            out.append(f"{name}[...](...): launched without **pdl_args(device)")
+    return out
+
+
+def test_every_kernel_takes_part():
+    checked = 0
+    for path in sorted(KERNELS.glob("*.py")):
+        source = path.read_text()
+        if "triton.jit" not in source or path.name == "launch.py":
+            continue
+        assert kernel_violations(source) == [], path.name
+        checked += len(_launches(ast.parse(source)))
+    assert checked >= 17  # every launch site of the step and prefill kernels
+
+
+def test_the_check_catches_a_kernel_that_does_not_wait():
+    src = (KERNELS / "paged_rows.py").read_text()
+    assert kernel_violations(src) == []
+    bad = src.replace("        wait_for_prior_kernel(PDL)\n", "", 1)
+    assert bad != src and any("first statement" in v for v in kernel_violations(bad))
+    bad = src.replace(", PDL: tl.constexpr = False", "", 1)
+    assert any("no PDL constexpr" in v for v in kernel_violations(bad))
+    bad = src.replace("**pdl_args(pos.device)", "num_stages=1", 1)
+    assert bad != src and any("without **pdl_args" in v for v in kernel_violations(bad))
+
+
+def test_the_input_kernel_waits_before_it_lets_the_next_launch():
+    """The one-launch input kernel (its own ``USE_PDL``): wait, then launch_dependents - the
+    order that keeps at most two kernels in flight."""
+    src = (KERNELS / "fused_input_proj.py").read_text()
+    wait = src.index("tl.extra.cuda.gdc_wait()")
+    assert src.index("tl.extra.cuda.gdc_launch_dependents()") > wait
+    assert src.count("gdc_launch_dependents()") == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or launch._INTERPRET,
+                    reason="needs a CUDA device and Triton's compiler")
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_a_layer_under_pdl_computes_the_same_bits(tiny, ratio):
+    """Prefill, an eager decode step and its CUDA graph (captured under PDL) of the cuda layer
+    (fp8 GEMM kernels, step kernels, fp8 cache) equal the same calls without PDL bit for bit."""
+    from dsv4 import process_weights_after_loading
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.random_weights import random_layer_weights
+
+    from conftest import assert_decode_graph_equals_eager, random_x
+
+    if torch.cuda.get_device_capability() >= (9, 0) and launch._HAVE_GDC:
+        with programmatic_launch():
+            assert pdl_args(torch.device("cuda"))["PDL"]  # the path under test is taken
+    lid = tiny.layer_of_ratio(ratio)
+    cfg = tiny.replace(kv_cache_dtype="fp8_ds_mla")
+    layer = CudaAttention(cfg, lid, device="cuda", dtype=torch.bfloat16)
+    layer.load_weights(random_layer_weights(cfg, lid, seed=1).items())
+    process_weights_after_loading(layer)
+    h = cfg.hidden_size
+    prompts = [random_x(37 + 5 * i, h, seed=i).to("cuda", torch.bfloat16) for i in range(2)]
+    x = random_x(2, h, seed=9).to("cuda", torch.bfloat16)
+
+    def run(on: bool) -> tuple[list[torch.Tensor], torch.Tensor, list]:
+        with programmatic_launch(on):
+            caches = layer.new_caches(2, 96)
+            outs = [layer(p, torch.arange(p.shape[0]), c)
+                    for p, c in zip(prompts, caches, strict=True)]
+            pos = torch.tensor([c.length for c in caches])
+            step = layer(x, pos, caches)
+            for c, p in zip(caches, prompts, strict=True):
+                c.truncate(p.shape[0])
+            return outs, step, caches
+
+    outs0, step0, _ = run(False)
+    outs1, step1, caches = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(outs0, outs1, strict=True))
+    assert torch.equal(step0, step1)
+    with programmatic_launch():
+        assert_decode_graph_equals_eager(layer, caches, x)
