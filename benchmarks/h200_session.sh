@@ -16,6 +16,7 @@
 #   bash benchmarks/h200_session.sh rule25   # the act8 tile rule: GEMM probes, decode 512 / 64K
 #   bash benchmarks/h200_session.sh rule25b  # the M = 64 bf16 split rule: decode 512 / 64K
 #   bash benchmarks/h200_session.sh pdl      # programmatic dependent launch: tests, verify, rows
+#   bash benchmarks/h200_session.sh pdlpf    # + the GEMMs' L2 weight prefetch before the wait
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -194,6 +195,15 @@ pdl)  # session 25's programmatic dependent launch (not yet run on a GPU): its t
     step decode_step_pdl 150 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --profile \
         --strategies ours_triton_fp8,ours_pdl,ours_flashmla,ours_flashmla_pdl,ours_flashmla_act8,ours_flashmla_act8_pdl
+    ;;
+pdlpf)  # the fp8 GEMMs' L2 weight prefetch before their PDL wait: bit-equality, rows
+    step pytest_pdlpf 200 "${PYTEST[@]}" -rf tests/kernels/test_launch.py
+    step decode_step_pf 170 python3 -m dsv4 bench decode-step --out "$OUT/decode_pf" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --profile \
+        --strategies ours_triton_fp8,ours_pdl,ours_pdl_pf,ours_flashmla_act8,ours_flashmla_act8_pdl,ours_flashmla_act8_pdl_pf
+    step decode_step_pf64k 120 python3 -m dsv4 bench decode-step --out "$OUT/decode_pf64k" \
+        --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 \
+        --strategies ours_flashmla_act8,ours_flashmla_act8_pdl,ours_flashmla_act8_pdl_pf
     ;;
 kernels)  # after a change to the attention kernels: their tests, verify, decode + attention
     step pytest_kernels 90 "${PYTEST[@]}" tests/kernels/test_sparse_mqa.py \
