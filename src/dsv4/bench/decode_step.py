@@ -36,6 +36,8 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        same with each fp8 GEMM program's weight slice prefetched to L2
                        before its wait; each output must equal its twin's without PDL bit
                        for bit where that row ran
+* ``ours_flashmla_act8_1s``, ``..._1s_pdl`` (opt-in): ``ours_flashmla_act8`` (with PDL) with
+                       every kernel on one stream (no side streams)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -84,11 +86,12 @@ OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
 PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_pdl_pf",
        "ours_flashmla_pdl_pf", "ours_flashmla_act8_pdl_pf")  # opt-in: --strategies
+ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PREFETCH_ALL = 1 << 20  # bytes per weight row: more than any program's slice
 STRATEGIES = UPSTREAM + OURS  # the default set
-ALL_STRATEGIES = STRATEGIES + PDL
+ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
-            "ours_flashmla_act8") + PDL
+            "ours_flashmla_act8") + PDL + ONE_STREAM
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,11 @@ STRATEGY_SPECS = {
                                      pdl=True, prefetch=PREFETCH_ALL),
     "ours_flashmla_act8_pdl_pf": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
                                           True, True, pdl=True, prefetch=PREFETCH_ALL),
+    # every kernel on one stream (no side streams for the indexer and compressors)
+    "ours_flashmla_act8_1s": Strategy(0, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
+                                      True),
+    "ours_flashmla_act8_1s_pdl": Strategy(0, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
+                                          True, True, pdl=True),
 }
 
 
