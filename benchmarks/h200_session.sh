@@ -19,6 +19,7 @@
 #   bash benchmarks/h200_session.sh pdlpf    # + the GEMMs' L2 weight prefetch before the wait
 #   bash benchmarks/h200_session.sh pdl64k   # PDL's loss at 64K, M = 16, profiled
 #   bash benchmarks/h200_session.sh pdl1s    # PDL with every kernel on one stream
+#   bash benchmarks/h200_session.sh pdlgraph # PDL at 64K: kernel times inside the graph
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -211,6 +212,11 @@ pdl64k)  # where PDL lost (64K, M = 16): which kernels slow down, profiled besid
     step decode_step_pdl64k 200 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl64k" \
         --models flash --layers C4 --ms 16 --contexts 65536 --reps 3 --profile \
         --strategies ours_triton_fp8,ours_pdl,ours_flashmla_act8,ours_flashmla_act8_pdl
+    ;;
+pdlgraph)  # PDL's loss at 64K, M = 16: the kernels as timed inside the replayed graph
+    step decode_step_pdlgraph 200 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdlg" \
+        --models flash --layers C4 --ms 1,16 --contexts 65536 --reps 3 --profile \
+        --strategies ours_flashmla_act8_1s,ours_flashmla_act8_1s_pdl
     ;;
 pdl1s)  # PDL with every kernel on one stream (is the loss at 64K the side streams'?)
     step decode_step_pdl1s 240 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl1s" \

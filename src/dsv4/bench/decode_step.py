@@ -198,6 +198,23 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
                       f"one eager step\n\n{table}\n")
 
 
+def replay_table(graph: Any, caches: list[Any], context: int, title: str) -> str:
+    """The profiler's kernel table of one replay of ``graph`` (kernels inside a graph are
+    timed as they ran there: PDL's overlap shows, unlike in an eager step under the
+    profiler); the replay's writes are undone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    for c in caches:
+        c.truncate(context)
+    events = prof.key_averages()
+    total = sum(getattr(e, "device_time_total", 0.0) for e in events)
+    table = events.table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
+    return f"## {title}: {total:.0f} us of kernel time in one graph replay\n\n{table}\n"
+
+
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
              profiles: list[str] | None = None, pooled: bool = True,
@@ -309,6 +326,8 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                                          f"{model} {layer_type} ctx={context} M={m} {strategy}")
         if profiles is not None and strategy in NEW_PATH:
             profiles.append(table)
+            profiles.append(replay_table(graph, caches, context, f"{model} {layer_type} "
+                                         f"ctx={context} M={m} {strategy}"))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
@@ -428,7 +447,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--strategies", default=list(STRATEGIES),
                     type=choice_list(ALL_STRATEGIES, "strategy"),
                     help=f"comma-separated subset of {','.join(ALL_STRATEGIES)} (default all but "
-                    f"the opt-in {','.join(PDL)}; the "
+                    f"the opt-in {','.join(PDL + ONE_STREAM)}; the "
                     "first is the reference the others are checked against)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
@@ -440,8 +459,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--pooled", action="store_true",
                     help="with --tp: the M sequences' caches in one pool")
     ap.add_argument("--profile", action="store_true",
-                    help="also write decode_step_profile.md: the kernel table of one step of "
-                    "each new-path row")
+                    help="also write decode_step_profile.md: the kernel tables of one eager "
+                    "step and one graph replay of each new-path row")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
                     "or started by torchrun): the cuda_plan step per rank, with and without "
