@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_session.sh pdl64k   # PDL's loss at 64K, M = 16, profiled
 #   bash benchmarks/h200_session.sh pdl1s    # PDL with every kernel on one stream
 #   bash benchmarks/h200_session.sh pdlgraph # PDL at 64K: kernel times inside the graph
+#   bash benchmarks/h200_session.sh pdlend   # PDL, the next kernel launched at each one's end
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -217,6 +218,15 @@ pdlgraph)  # PDL's loss at 64K, M = 16: the kernels as timed inside the replayed
     step decode_step_pdlgraph 200 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdlg" \
         --models flash --layers C4 --ms 1,16 --contexts 65536 --reps 3 --profile \
         --strategies ours_flashmla_act8_1s,ours_flashmla_act8_1s_pdl
+    ;;
+pdlend)  # PDL with the next kernel let launch at each kernel's end: bit-equality, rows
+    step pytest_pdlend 150 "${PYTEST[@]}" -rf tests/kernels/test_launch.py
+    step decode_step_pdlend 150 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdlend" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
+        --strategies ours_triton_fp8,ours_pdl,ours_flashmla_act8,ours_flashmla_act8_pdl
+    step decode_step_pdlend64k 120 python3 -m dsv4 bench decode-step \
+        --out "$OUT/decode_pdlend64k" --models flash,pro --layers C4 --ms 1,16 \
+        --contexts 65536 --reps 3 --profile --strategies ours_flashmla_act8,ours_flashmla_act8_pdl
     ;;
 pdl1s)  # PDL with every kernel on one stream (is the loss at 64K the side streams'?)
     step decode_step_pdl1s 240 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl1s" \

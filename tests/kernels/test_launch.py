@@ -1,8 +1,9 @@
 """Programmatic dependent launch (dsv4.kernels.launch): the switch, the launch keywords, and
 that every kernel takes part - it waits for the kernel before before it reads or writes anything
-(only index arithmetic and the L2 weight prefetch come first), and every
-launch passes the keywords (a kernel that skipped the wait would race its predecessor's writes
-once PDL is on; one launched without them would silently not take part)."""
+(only index arithmetic and the L2 weight prefetch come first), lets the next one launch as its
+last statement, and every launch passes the keywords (a kernel that skipped the wait would race
+its predecessor's writes once PDL is on; one launched without them would silently not take
+part)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def _launches(tree: ast.Module) -> list[ast.Call]:
 
 
 WAIT = "wait_for_prior_kernel(PDL)"
+LAST = "let_next_kernel_launch"
 PRE_WAIT_CALLS = {"program_id", "arange", "to", "minimum", "maximum", "where", "prefetch_l2"}
 """What a kernel may call before it waits: index arithmetic and the L2 weight prefetch - no
 load, store, atomic or helper that might touch memory the kernel before writes."""
@@ -114,12 +116,14 @@ def kernel_violations(source: str) -> list[str]:
         if f.name not in launched:
             continue  # a helper, inlined into the kernels that call it
         args = [a.arg for a in f.args.args]
-        if "USE_PDL" in args:  # the one-launch input kernel waits inside its segment helper
-            continue
-        if "PDL" not in args:
+        flag = "USE_PDL" if "USE_PDL" in args else "PDL"
+        if flag not in args:
             out.append(f"{f.name}: no PDL constexpr")
-        elif (v := _wait_violation(f)) is not None:
-            out.append(v)
+            continue
+        if flag == "PDL" and (v := _wait_violation(f)) is not None:
+            out.append(v)  # (the one-launch input kernel waits inside its segment helper)
+        if ast.unparse(f.body[-1]) != f"{LAST}({flag})":
+            out.append(f"{f.name}: its last statement is not {LAST}({flag})")
     bound = _pdl_names(tree)
     for c in _launches(tree):
         name = c.func.value.id  # type: ignore[attr-defined]
@@ -153,6 +157,8 @@ def test_the_check_catches_a_kernel_that_does_not_wait():
     assert any("no PDL constexpr" in v for v in kernel_violations(bad))
     bad = src.replace("**pdl_args(pos.device)", "num_stages=1", 1)
     assert bad != src and any("without **pdl_args" in v for v in kernel_violations(bad))
+    bad = src.replace("        let_next_kernel_launch(PDL)\n", "", 1)
+    assert bad != src and any("last statement" in v for v in kernel_violations(bad))
 
 
 def test_the_check_allows_only_arithmetic_and_the_prefetch_before_the_wait():
@@ -181,13 +187,15 @@ def test_the_weight_prefetch_switch():
     assert launch.weight_prefetch_bytes() == prev and programmatic_launch_enabled() == on
 
 
-def test_the_input_kernel_waits_before_it_lets_the_next_launch():
-    """The one-launch input kernel (its own ``USE_PDL``): wait, then launch_dependents - the
-    order that keeps at most two kernels in flight."""
+def test_the_next_kernel_launches_only_at_the_end():
+    """No kernel lets the next one launch before its own end (the one-launch input kernel, with
+    its own ``USE_PDL``, included): only ``let_next_kernel_launch`` emits the trigger."""
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.name != "launch.py":
+            assert "gdc_launch_dependents" not in path.read_text(), path.name
     src = (KERNELS / "fused_input_proj.py").read_text()
-    wait = src.index("tl.extra.cuda.gdc_wait()")
-    assert src.index("tl.extra.cuda.gdc_launch_dependents()") > wait
-    assert src.count("gdc_launch_dependents()") == 1
+    assert src.count("tl.extra.cuda.gdc_wait()") == 1
+    assert "let_next_kernel_launch(USE_PDL)" in src
 
 
 @pytest.mark.cuda

@@ -93,7 +93,7 @@ if triton_available():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -222,6 +222,7 @@ if triton_available():
         u = _rope_interleaved(u, tl.load(ent_ptr + e) * R, freq_ptr, D, ROPE, LIBDEVICE)
         u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE, LIBDEVICE)
         tl.store(out_ptr + e * s_out + ch, u.to(out_ptr.dtype.element_ty))
+        let_next_kernel_launch(PDL)
 
 
     @triton.jit
@@ -239,6 +240,7 @@ if triton_available():
             score = col >= WIDTH
             add = tl.load(ape_ptr + ape_row + col - WIDTH, mask=m & score, other=0.0)
             tl.store(out_ptr + t * s_out + col, v + add, mask=m)
+        let_next_kernel_launch(PDL)
 
 
     @triton.jit
@@ -255,6 +257,7 @@ if triton_available():
             m = col < WIDTH
             tl.store(ring_ptr + dst * WIDTH + col, tl.load(rows_ptr + src * s_rows + col, mask=m),
                      mask=m)
+        let_next_kernel_launch(PDL)
 
 
 def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tensor,

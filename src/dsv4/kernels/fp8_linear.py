@@ -193,7 +193,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from dsv4.kernels.launch import prefetch_l2, wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, prefetch_l2, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -340,6 +340,7 @@ if triton_available():
                                    cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(cnt_ptr + cnt_idx, 0, sem="relaxed", scope="gpu")
+        let_next_kernel_launch(PDL)
 
 
     @triton.jit
@@ -354,6 +355,7 @@ if triton_available():
         offs = rows.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BK))[None, :]
         w = tl.load(w_ptr + offs, eviction_policy="evict_first").to(tl.float32)
         tl.store(o_ptr + offs, rounded(w * s, tl.bfloat16).to(tl.bfloat16))
+        let_next_kernel_launch(PDL)
 
 
 # ---------------------------------------------------------------------------------- launch

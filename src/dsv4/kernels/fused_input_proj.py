@@ -303,7 +303,7 @@ def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> Kernel
 
 if _HAVE_TRITON:
     from dsv4.kernels._float_bits import act_quant_block
-    from dsv4.kernels.launch import prefetch_l2, wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, prefetch_l2, wait_for_prior_kernel
 
     @triton.jit
     def _fence_gpu():
@@ -379,8 +379,7 @@ if _HAVE_TRITON:
             if PREFETCH > 0:  # weights do not depend on the previous kernel: start streaming
                 row_addr = (w_ptr + offs_n * K + kb0 * BK).to(tl.int64, bitcast=True)
                 prefetch_l2(tl.where(n_mask, row_addr, 0), PREFETCH)
-            tl.extra.cuda.gdc_wait()  # then the next kernel may launch (dsv4.kernels.launch)
-            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()  # the next kernel may launch at the kernel's end
         if IS_FP8:  # each block's scale is read one iteration ahead (fp8_linear's reason)
             sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask, tl.minimum(kb0, nkb - 1),
                                   FOLD)
@@ -498,6 +497,7 @@ if _HAVE_TRITON:
                    lo, hi, n8, split, pid_m, cnt_idx,
                    False, False, BN, BM, BK, SPLIT_K, SWAP, USE_PDL, PREFETCH, FENCE,
                    False, INTERP, DOT_DT, DOT_PREC)
+        let_next_kernel_launch(USE_PDL)
 
     @triton.jit(do_not_specialize=["M", "s0", "s1", "s2", "s3", "s4", "e0", "e1", "e2", "e3",
                                    "e4"])
@@ -514,6 +514,7 @@ if _HAVE_TRITON:
                     mask=m_mask[:, None] & (cols < n_total)[None, :], other=0.0)
         _write_out(y, cols, c0, tl.minimum(c0 + BN, n_total), offs_m, m_mask,
                    o0, s0, o1, s1, o2, s2, o3, s3, o4, s4, e0, e1, e2, e3, e4, False)
+        let_next_kernel_launch(PDL)
 
 
 def _kernel():

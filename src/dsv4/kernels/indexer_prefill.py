@@ -166,7 +166,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels.indexer_topk import _load_index_keys
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     @triton.jit(do_not_specialize=["width", "row0"])
     def _prefill_score_kernel(q_ptr, sqt, sqh, w_ptr, swt, swh, s_ptr, sst, keys_ptr,
@@ -207,6 +207,7 @@ if triton_available():
             acc = tl.full([BQ, BN], float("-inf"), tl.float32)
         out = s_ptr + (rows - row0)[:, None] * sst + j[None, :]
         tl.store(out, acc, mask=r_ok[:, None] & (j < width)[None, :])
+        let_next_kernel_launch(PDL)
 
 
 def _check(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str) -> None:

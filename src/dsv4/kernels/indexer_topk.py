@@ -92,7 +92,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels._float_bits import ue8m0
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
     from dsv4.kernels.sparse_mqa import _load_rows
 
     if _INTERPRET:
@@ -176,6 +176,7 @@ if triton_available():
             else:
                 s = tl.full([BN], float("-inf"), tl.float32)
             tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _order_key(x):
@@ -257,6 +258,7 @@ if triton_available():
             tl.store(out + slots, idx.to(tl.int64), mask=slots < K)
         else:
             tl.store(out + slots, tl.full([KP], -1, tl.int64), mask=(slots >= take_n) & (slots < K))
+        let_next_kernel_launch(PDL)
 
 
 def _check_available(device: torch.device) -> None:

@@ -137,11 +137,19 @@ if _HAVE_TRITON:
     if _HAVE_GDC:
         @triton.jit
         def wait_for_prior_kernel(PDL: tl.constexpr):
-            """First statement of a kernel launched with :func:`pdl_args`: under PDL, wait
-            until the kernel before has finished (its writes visible), then let the next one
-            launch. Without PDL nothing is emitted."""
+            """Before a kernel launched with :func:`pdl_args` reads or writes anything: under
+            PDL, wait until the kernel before has finished (its writes visible). Without PDL
+            nothing is emitted."""
             if PDL:
                 gdc_wait()
+
+        @triton.jit
+        def let_next_kernel_launch(PDL: tl.constexpr):
+            """Last statement of such a kernel: under PDL, the next kernel may launch once
+            every program has got here (or exited). At the end, not the start: a next kernel
+            launched early parks its programs beside this one's for the whole of its run,
+            which made the 16-program top-k kernel 3x slower at 64K (H200, session 26)."""
+            if PDL:
                 gdc_launch_dependents()
 
         @triton.jit
@@ -158,6 +166,11 @@ if _HAVE_TRITON:
     else:  # pragma: no cover
         @triton.jit
         def wait_for_prior_kernel(PDL: tl.constexpr):
+            """Triton without grid dependency control: nothing to emit (PDL stays off)."""
+            pass
+
+        @triton.jit
+        def let_next_kernel_launch(PDL: tl.constexpr):
             """Triton without grid dependency control: nothing to emit (PDL stays off)."""
             pass
 

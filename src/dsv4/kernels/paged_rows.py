@@ -39,7 +39,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -69,6 +69,7 @@ if triton_available():
             phys = phys.to(tl.int64)
             flat = tl.where((row >= 0) & (phys >= 0), phys * B + row % B, -1)
             tl.store(out_ptr + t.to(tl.int64) * out_stride + offs, flat, mask=m)
+        let_next_kernel_launch(PDL)
 
 
 def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,

@@ -65,7 +65,7 @@ if triton_available():
         rounded,
         scale_exponent,
     )
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -118,6 +118,7 @@ if triton_available():
         wk = tl.load(wkv_ptr + ok, mask=mk, other=0.0).to(tl.float32)
         kv_dt = kv_ptr.dtype.element_ty
         tl.store(kv_ptr + t * skt + ok, rounded(xk * rk * wk, kv_dt).to(kv_dt), mask=mk)
+        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j,
@@ -170,6 +171,7 @@ if triton_available():
         d = tl.arange(0, 2 * BD2)
         y = tl.reshape(tl.join(ye, yo), [BH, 2 * BD2])  # pairs back in place: one row each
         tl.store(o_ptr + t * sot + h[:, None] * soh + d[None, :], y.to(out_dt), mask=m)
+        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _hadamard_sign(v):
@@ -209,6 +211,7 @@ if triton_available():
             q = _quant_dequant(v, k[:, None], FP4_MAX, E2M1_MANT, E2M1_MIN_EXP)
             out = o_ptr + t * sot + h[:, None] * soh + col
             tl.store(out, q.to(out_dt), mask=(h < H)[:, None])
+        let_next_kernel_launch(PDL)
 
     # module constants as the kernels see them (constexpr globals)
     E4M3_MANT = tl.constexpr(E4M3_MANTISSA_BITS)

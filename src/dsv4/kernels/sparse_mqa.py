@@ -204,7 +204,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels._float_bits import ue8m0
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -381,6 +381,7 @@ if triton_available():
             o = acc * (fac / den)[:, None]
             tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
+        let_next_kernel_launch(PDL)
 
     @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
@@ -411,6 +412,7 @@ if triton_available():
                       other=0.0)
         o = tl.sum(acc * f[:, None], 0) / den
         tl.store(o_ptr + t.to(tl.int64) * sot + h * soh + cols, o.to(o_ptr.dtype.element_ty))
+        let_next_kernel_launch(PDL)
 
 
 @functools.lru_cache(maxsize=8)

@@ -137,7 +137,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from dsv4.kernels.launch import wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -295,6 +295,7 @@ if triton_available():
                      byte.to(tl.uint8), mask=tm[:, None] & valid)
             tl.store(blk + B * (D // 2) + off * NT + t, (k + 127).to(tl.uint8),
                      mask=tm & valid)
+        let_next_kernel_launch(PDL)
 
 
 def _check_index(x: object, what: str, n: int, device: torch.device) -> torch.Tensor:
