@@ -56,10 +56,6 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 AOT_PDL = False
 """Compile the kernels with their ``PDL`` constexpr set (``pdl`` mode: dsv4.kernels.launch)."""
-AOT_PREFETCH = 2048
-"""Under ``pdl``: the fp8 GEMM's L2 weight prefetch (bytes per row) it is compiled with."""
-L2_PREFETCH_KERNELS = {"_fp8_gemm_kernel", "fused_input_proj_kernel"}
-"""Kernels whose ``PREFETCH`` is an L2 prefetch of weight rows (sparse_mqa's is not)."""
 
 
 def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
@@ -67,9 +63,6 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
         consts = {**consts, "PDL": AOT_PDL}
     if "USE_PDL" in consts and AOT_PDL:
         consts = {**consts, "USE_PDL": True}
-    l2_prefetch = fn.fn.__name__ in L2_PREFETCH_KERNELS
-    if AOT_PDL and l2_prefetch and "PREFETCH" not in consts:
-        consts = {**consts, "PREFETCH": AOT_PREFETCH}  # the fp8 GEMM's L2 weight prefetch
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n in DIV16)}
@@ -92,9 +85,6 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
         raise RuntimeError(f"PDL on but the PTX has (wait, launch_dependents) = {gdc}")
     if not AOT_PDL and any(gdc):
         raise RuntimeError("PDL off but the PTX has griddepcontrol instructions")
-    if l2_prefetch and (consts.get("PREFETCH", 0) > 0) != ("cp.async.bulk.prefetch.L2" in ptx):
-        raise RuntimeError(f"PREFETCH={consts.get('PREFETCH', 0)} but the PTX "
-                           f"{'lacks' if consts.get('PREFETCH', 0) else 'has'} L2 prefetches")
     pdl = " pdl" if AOT_PDL else ""
     return f"{use} {mma}{pdl} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
 

@@ -16,7 +16,6 @@
 #   bash benchmarks/h200_session.sh rule25   # the act8 tile rule: GEMM probes, decode 512 / 64K
 #   bash benchmarks/h200_session.sh rule25b  # the M = 64 bf16 split rule: decode 512 / 64K
 #   bash benchmarks/h200_session.sh pdl      # programmatic dependent launch: tests, verify, rows
-#   bash benchmarks/h200_session.sh pdlpf    # + the GEMMs' L2 weight prefetch before the wait
 #   bash benchmarks/h200_session.sh pdl64k   # PDL's loss at 64K, M = 16, profiled
 #   bash benchmarks/h200_session.sh pdl1s    # PDL with every kernel on one stream
 #   bash benchmarks/h200_session.sh pdlgraph # PDL at 64K: kernel times inside the graph
@@ -199,15 +198,6 @@ pdl)  # session 25's programmatic dependent launch (not yet run on a GPU): its t
     step decode_step_pdl 150 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --profile \
         --strategies ours_triton_fp8,ours_pdl,ours_flashmla,ours_flashmla_pdl,ours_flashmla_act8,ours_flashmla_act8_pdl
-    ;;
-pdlpf)  # the fp8 GEMMs' L2 weight prefetch before their PDL wait: bit-equality, rows
-    step pytest_pdlpf 200 "${PYTEST[@]}" -rf tests/kernels/test_launch.py
-    step decode_step_pf 170 python3 -m dsv4 bench decode-step --out "$OUT/decode_pf" \
-        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --profile \
-        --strategies ours_triton_fp8,ours_pdl,ours_pdl_pf,ours_flashmla_act8,ours_flashmla_act8_pdl,ours_flashmla_act8_pdl_pf
-    step decode_step_pf64k 120 python3 -m dsv4 bench decode-step --out "$OUT/decode_pf64k" \
-        --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 \
-        --strategies ours_flashmla_act8,ours_flashmla_act8_pdl,ours_flashmla_act8_pdl_pf
     ;;
 pdl64k)  # where PDL lost (64K, M = 16): which kernels slow down, profiled beside its twins
     step decode_step_pdl64k 200 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl64k" \

@@ -32,10 +32,8 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
 * ``ours_pdl``, ``ours_flashmla_pdl``, ``ours_flashmla_act8_pdl`` (opt-in, name them in
                        ``--strategies``): ``ours_triton_fp8`` / ``ours_flashmla`` /
                        ``ours_flashmla_act8`` with our kernels launched with programmatic
-                       dependent launch (:mod:`dsv4.kernels.launch`); ``..._pdl_pf``: the
-                       same with each fp8 GEMM program's weight slice prefetched to L2
-                       before its wait; each output must equal its twin's without PDL bit
-                       for bit where that row ran
+                       dependent launch (:mod:`dsv4.kernels.launch`); each output must equal
+                       its twin's without PDL bit for bit where that row ran
 * ``ours_flashmla_act8_1s``, ``..._1s_pdl`` (opt-in): ``ours_flashmla_act8`` (with PDL) with
                        every kernel on one stream (no side streams)
 
@@ -74,8 +72,6 @@ from dsv4.kernels.launch import (
     programmatic_launch,
     programmatic_launch_enabled,
     set_programmatic_launch,
-    set_weight_prefetch,
-    weight_prefetch_bytes,
 )
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
@@ -84,10 +80,8 @@ from dsv4.random_weights import random_layer_weights
 UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
-PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_pdl_pf",
-       "ours_flashmla_pdl_pf", "ours_flashmla_act8_pdl_pf")  # opt-in: --strategies
+PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
-PREFETCH_ALL = 1 << 20  # bytes per weight row: more than any program's slice
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -105,7 +99,6 @@ class Strategy:
     step_kernels: bool = False
     act_quant: bool = False
     pdl: bool = False  # programmatic dependent launch for our kernels (dsv4.kernels.launch)
-    prefetch: int = 0  # under PDL: bytes of each weight row the fp8 GEMMs prefetch to L2
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -127,13 +120,6 @@ STRATEGY_SPECS = {
                                   pdl=True),
     "ours_flashmla_act8_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
                                        True, True, pdl=True),
-    # the same with each program's whole weight slice prefetched to L2 before its wait
-    "ours_pdl_pf": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True, pdl=True,
-                            prefetch=PREFETCH_ALL),
-    "ours_flashmla_pdl_pf": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
-                                     pdl=True, prefetch=PREFETCH_ALL),
-    "ours_flashmla_act8_pdl_pf": Strategy(1024, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
-                                          True, True, pdl=True, prefetch=PREFETCH_ALL),
     # every kernel on one stream (no side streams for the indexer and compressors)
     "ours_flashmla_act8_1s": Strategy(0, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
                                       True),
@@ -220,8 +206,7 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
              ) -> list[dict[str, Any]]:
-    with programmatic_launch(programmatic_launch_enabled(),  # both restored after the rows
-                             prefetch=weight_prefetch_bytes()):
+    with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
         return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
                          pooled, strategies, fill)
 
@@ -250,7 +235,6 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         # PDL as the strategy says for its eager steps, its capture (the graph keeps it) and
         # its launch count
         set_programmatic_launch(STRATEGY_SPECS[strategy].pdl)
-        set_weight_prefetch(STRATEGY_SPECS[strategy].prefetch)
         layer = build(cfg, layer_id, strategy, weights, dev)
         caches = (layer.new_caches(m, context + 8) if pooled else
                   [layer.new_cache(context + 8) for _ in range(m)])
@@ -290,8 +274,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
         spec = STRATEGY_SPECS[strategy]
-        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, prefetch=0),
-                                (out.clone(), strategy))
+        twin = twins.setdefault(dataclasses.replace(spec, pdl=False), (out.clone(), strategy))
         if not torch.equal(out, twin[0]):
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: output "
                                f"differs from {twin[1]}'s (the same step without PDL)")

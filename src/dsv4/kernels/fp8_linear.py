@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
-from dsv4.kernels.launch import pdl_args, weight_prefetch_bytes
+from dsv4.kernels.launch import pdl_args
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.quant_sim import fp8_block_sim
 
@@ -193,7 +193,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from dsv4.kernels.launch import let_next_kernel_launch, prefetch_l2, wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -226,8 +226,9 @@ if triton_available():
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
         DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
         INTERP: tl.constexpr = False,
-        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
     ):
+        wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
         pid_m = pid % m_tiles
@@ -244,12 +245,6 @@ if triton_available():
         nkb = Kg // BK
         kb0 = split * nkb // SPLIT_K
         kb1 = (split + 1) * nkb // SPLIT_K
-        if PREFETCH > 0:  # under PDL only: this program's weight slice starts on its way into
-            # L2 while the kernel before still runs (weights do not depend on it); nothing is
-            # read into the program before the wait
-            w_row = w_ptr + (row0 + offs_n).to(tl.int64) * Kg + kb0 * BK
-            prefetch_l2(w_row.to(tl.int64, bitcast=True), tl.minimum((kb1 - kb0) * BK, PREFETCH))
-        wait_for_prior_kernel(PDL)
         w_ptrs = w_ptr + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
         x_base = x_ptr + g * sxg
         if SWAP:
@@ -403,15 +398,14 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc_f32 = scale.dtype == torch.float32
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
-    pdl = pdl_args(x3.device)
     _fp8_gemm_kernel[grid](
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
-        INTERP=_INTERPRET, PREFETCH=weight_prefetch_bytes() if pdl["PDL"] else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        INTERP=_INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 
 

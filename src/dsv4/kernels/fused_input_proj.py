@@ -303,12 +303,21 @@ def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> Kernel
 
 if _HAVE_TRITON:
     from dsv4.kernels._float_bits import act_quant_block
-    from dsv4.kernels.launch import let_next_kernel_launch, prefetch_l2, wait_for_prior_kernel
+    from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     @triton.jit
     def _fence_gpu():
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_l2(addr, NBYTES: tl.constexpr):
+        # addr: int64 tensor of byte addresses (0 = skip); one bulk L2 prefetch per element
+        nbytes = tl.full(addr.shape, NBYTES, tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u64 p, $1, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _store_seg(acc, o_ptr, so, seg_lo, seg_hi, r_lo, r_hi, rows, offs_m, m_mask,
@@ -378,7 +387,7 @@ if _HAVE_TRITON:
         if USE_PDL:
             if PREFETCH > 0:  # weights do not depend on the previous kernel: start streaming
                 row_addr = (w_ptr + offs_n * K + kb0 * BK).to(tl.int64, bitcast=True)
-                prefetch_l2(tl.where(n_mask, row_addr, 0), PREFETCH)
+                _prefetch_l2(tl.where(n_mask, row_addr, 0), PREFETCH)
             tl.extra.cuda.gdc_wait()  # the next kernel may launch at the kernel's end
         if IS_FP8:  # each block's scale is read one iteration ahead (fp8_linear's reason)
             sc_next = _fp8_scales(sc_ptr, stride_sc, lo, offs_n, n_mask, tl.minimum(kb0, nkb - 1),
