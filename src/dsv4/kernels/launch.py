@@ -13,7 +13,7 @@ usual and are waited for as usual.
 Why at the end (H200, session 26, ``benchmarks/results/h200/session26/``): with the next
 kernel let launch right after the wait, its programs parked beside long-running ones - inside
 the graph the 16-program top-k kernel of a 64K-context, M = 16 step ran 87 -> 260 us and the
-step lost 40-50 %; with the trigger at the end PDL wins or ties on every measured step (-1 to
+step lost 32-45 %; with the trigger at the end PDL wins or ties on every measured step (-1 to
 -3 %: Flash C4 M = 1 136.1 -> 132.0 us).
 
 Switched per process: ``DSV4_PDL=1`` in the environment or :func:`set_programmatic_launch` /
