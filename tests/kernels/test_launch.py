@@ -43,6 +43,14 @@ def test_switch_and_context_restore():
         set_programmatic_launch(prev)
 
 
+def test_the_environment_switch_takes_0_or_1_only():
+    assert launch._env_switch("DSV4_PDL", "1") and not launch._env_switch("DSV4_PDL", "0")
+    assert not launch._env_switch("DSV4_PDL", "")
+    for bad in ("yes", "true", "2", " 1"):
+        with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
+            launch._env_switch("DSV4_PDL", bad)
+
+
 def test_off_where_it_cannot_apply():
     with programmatic_launch():
         assert pdl_args(torch.device("cpu")) == {"PDL": False}

@@ -47,7 +47,16 @@ except Exception:  # pragma: no cover - depends on the machine
     _HAVE_TRITON = False
 _HAVE_GDC = False  # Triton's grid dependency control (set below where it imports)
 
-_ON = os.environ.get("DSV4_PDL", "0") not in ("", "0")
+
+
+def _env_switch(name: str, value: str) -> bool:
+    """An on/off environment variable: unset, empty or ``0`` off, ``1`` on, else ValueError."""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
+_ON = _env_switch("DSV4_PDL", os.environ.get("DSV4_PDL", ""))
 
 
 def triton_available() -> bool:
