@@ -20,6 +20,7 @@
 #   bash benchmarks/h200_session.sh pdl1s    # PDL with every kernel on one stream
 #   bash benchmarks/h200_session.sh pdlgraph # PDL at 64K: kernel times inside the graph
 #   bash benchmarks/h200_session.sh pdlend   # PDL, the next kernel launched at each one's end
+#   bash benchmarks/h200_session.sh topk     # the top-k kernel's scan block / warps probe
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -217,6 +218,10 @@ pdlend)  # PDL with the next kernel let launch at each kernel's end: bit-equalit
     step decode_step_pdlend64k 120 python3 -m dsv4 bench decode-step \
         --out "$OUT/decode_pdlend64k" --models flash,pro --layers C4 --ms 1,16 \
         --contexts 65536 --reps 3 --profile --strategies ours_flashmla_act8,ours_flashmla_act8_pdl
+    ;;
+topk)  # the top-k kernel's scan block and warps (the 64K step's largest kernel), its tests
+    step topk_probe 90 python3 benchmarks/topk_probe.py --out "$OUT/topk"
+    step pytest_topk 100 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
     ;;
 pdl1s)  # PDL with every kernel on one stream (is the loss at 64K the side streams'?)
     step decode_step_pdl1s 240 python3 -m dsv4 bench decode-step --out "$OUT/decode_pdl1s" \

@@ -250,22 +250,33 @@ def test_exact_ties_go_to_the_lower_entry_index(fmt):
 
 
 @kernel_runs
+@pytest.mark.parametrize("scan", [None, (16, 1), (4096, 16)], ids=["auto", "16", "4096"])
 @pytest.mark.parametrize("k", [1, 5, 64])
-def test_topk_of_constructed_scores(k):
+def test_topk_of_constructed_scores(k, scan):
     """The top-k kernel alone on rows built to be hard: many exact ties (and -0.0 beside +0.0),
-    visible counts above, at and below k and the width (capped at it), none visible."""
+    visible counts above, at and below k and the width (capped at it), none visible; with the
+    default scan, many narrow iterations, and one iteration wider than the row."""
     width = 2100
     g = torch.Generator().manual_seed(k)
     s = torch.randint(-3, 4, (6, width), generator=g).float() * 0.25
     s[0] = torch.randn(width, generator=g)
     s[1, ::2], s[1, 1::2] = -0.0, 0.0
     pos = torch.tensor([4 * width - 1, 4 * width + 50, 4 * 1000 - 1, 4 * 3 - 1, 2, 4 * 1025 + 2])
-    got = topk_entries(s.to(DEV), pos.to(DEV), k).cpu()
+    block, warps = scan or (None, None)
+    got = topk_entries(s.to(DEV), pos.to(DEV), k, block=block, num_warps=warps).cpu()
     vis = ((pos + 1) // 4).clamp(max=width)
     masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
     values, idx = stable_topk(masked, k)
     assert torch.equal(got, idx.masked_fill(values == float("-inf"), -1))
     assert torch.equal(got[1], torch.arange(k))
+
+
+@pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
+                                dict(num_warps=3), dict(num_warps=64)])
+def test_scan_overrides_are_checked(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"topk_entries: {name} must be"):
+        topk_entries(torch.zeros(1, 8), torch.zeros(1, dtype=torch.long), 2, **kw)
 
 
 @kernel_runs

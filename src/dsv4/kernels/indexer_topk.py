@@ -69,7 +69,16 @@ SCORE_PROGRAMS_PER_SM = 4
 """Scoring programs per SM (fewer: each loads its query once for more tiles; the interpreter
 counts one SM, so its tests run programs of several tiles)."""
 SCAN_BLOCK = 1024
-"""Scores per iteration of the top-k program's passes."""
+"""Scores per iteration of the top-k program's passes (the default of :func:`choose_scan`)."""
+SCAN_WARPS = 8
+"""Warps of the top-k program (the default of :func:`choose_scan`)."""
+
+
+def choose_scan(width: int) -> tuple[int, int]:
+    """(scores per iteration, warps) of the top-k program for rows of ``width`` entries. Each
+    of its five passes over a row is a chain of iterations, each waiting for its loads: fewer,
+    wider iterations shorten the chain (``benchmarks/topk_probe.py`` times the choices)."""
+    return SCAN_BLOCK, SCAN_WARPS
 
 
 def index_kernel_format(fmt: RowFormat) -> str:
@@ -316,13 +325,22 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
 
 
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, block: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
-    ascending entry index."""
+    ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
+    :func:`choose_scan` (the same selection, another speed)."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                              or block < 16 or block & (block - 1)):
+        raise ValueError(f"topk_entries: block must be a power of two >= 16, got {block!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"topk_entries: num_warps must be 1, 2, 4, 8, 16 or 32, got "
+                         f"{num_warps!r}")
     _check_available(scores.device)
     t, width = scores.shape
+    auto_block, auto_warps = choose_scan(width)
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
                                                 dtype=torch.long)
     if t == 0 or topk == 0:
@@ -330,8 +348,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk,
-                       KP=max(2, 1 << (topk - 1).bit_length()), BLOCK=SCAN_BLOCK, SORT=sort,
-                       num_warps=8, **pdl_args(scores.device))
+                       KP=max(2, 1 << (topk - 1).bit_length()), BLOCK=block or auto_block,
+                       SORT=sort, num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
 
