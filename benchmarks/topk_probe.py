@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                     if not torch.equal(got, ref):
                         row[name] = "differs"
                         continue
-                    row[name] = round(_time(lambda b=block, w=warps: topk_entries(
-                        s, pos, TOPK, out=got, block=b, num_warps=w)), 2)
+                    row[name] = round(_time(
+                        lambda s=s, p=pos, o=got, b=block, w=warps: topk_entries(
+                            s, p, TOPK, out=o, block=b, num_warps=w)), 2)
                 rows.append(row)
                 print(row, flush=True)
     (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))
