@@ -277,8 +277,10 @@ def steps() -> bool:
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):
         for sort in (True, False):
-            ok &= _try(f"indexer top-k K={k} sort={sort}", it._topk_kernel, t,
-                       dict(K=k, KP=k, BLOCK=it.SCAN_BLOCK, SORT=sort), dict(num_warps=8))
+            for block in (it.SCAN_BLOCK, it.WIDE_SCAN_BLOCK):
+                ok &= _try(f"indexer top-k K={k} sort={sort} block={block}", it._topk_kernel, t,
+                           dict(K=k, KP=k, BLOCK=block, SORT=sort),
+                           dict(num_warps=it.SCAN_WARPS))
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
              s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
              max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",

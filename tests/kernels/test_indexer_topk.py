@@ -271,6 +271,13 @@ def test_topk_of_constructed_scores(k, scan):
     assert torch.equal(got[1], torch.arange(k))
 
 
+def test_the_scan_widens_on_wide_rows():
+    from dsv4.kernels.indexer_topk import SCAN_BLOCK, WIDE_SCAN_BLOCK, choose_scan
+
+    assert choose_scan(WIDE_SCAN_BLOCK - 1)[0] == SCAN_BLOCK
+    assert choose_scan(WIDE_SCAN_BLOCK)[0] == choose_scan(1 << 18)[0] == WIDE_SCAN_BLOCK
+
+
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
                                 dict(num_warps=3), dict(num_warps=64)])
 def test_scan_overrides_are_checked(kw):

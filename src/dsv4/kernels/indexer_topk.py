@@ -69,16 +69,22 @@ SCORE_PROGRAMS_PER_SM = 4
 """Scoring programs per SM (fewer: each loads its query once for more tiles; the interpreter
 counts one SM, so its tests run programs of several tiles)."""
 SCAN_BLOCK = 1024
-"""Scores per iteration of the top-k program's passes (the default of :func:`choose_scan`)."""
+"""Scores per iteration of the top-k program's passes on rows narrower than
+``WIDE_SCAN_BLOCK``."""
+WIDE_SCAN_BLOCK = 4096
+"""... and on rows at least this wide (:func:`choose_scan`)."""
 SCAN_WARPS = 8
-"""Warps of the top-k program (the default of :func:`choose_scan`)."""
+"""Warps of the top-k program."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
     """(scores per iteration, warps) of the top-k program for rows of ``width`` entries. Each
     of its five passes over a row is a chain of iterations, each waiting for its loads: fewer,
-    wider iterations shorten the chain (``benchmarks/topk_probe.py`` times the choices)."""
-    return SCAN_BLOCK, SCAN_WARPS
+    wider iterations shorten the chain, but a block wider than the row wastes its lanes. H200,
+    k = 512 (``benchmarks/topk_probe.py``, session 26; every variant bit-equal): 4096 x 8 warps
+    against 1024 x 8 at 4K entries 26.1 -> 20.5 us, 16K 85.5 -> 62.0, 64K 352 -> 239 (8192 x
+    16: 34.2 / 61.7 / 226; 2048 x 8 and 4096 x 16 between); below 4K entries not probed."""
+    return (WIDE_SCAN_BLOCK if width >= WIDE_SCAN_BLOCK else SCAN_BLOCK), SCAN_WARPS
 
 
 def index_kernel_format(fmt: RowFormat) -> str:
