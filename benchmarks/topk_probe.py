@@ -1,9 +1,11 @@
-"""The indexer's top-k kernel at decode widths: scan block and warps against the default.
+"""The indexer's top-k kernel at decode widths: its variants against the default.
+
+Variants: the method (``radix`` or ``two_level``), scores per iteration and warps.
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
 
 For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible), 1 and 16
-queries, random scores and scores with many exact ties, each (block, warps) variant's
+queries, random scores and scores with many exact ties, each (method, block, warps) variant's
 selection must equal the default's bit for bit (a variant that differs is reported and not
 timed); then each is timed as 10 calls captured in a CUDA graph, replayed (median of 7).
 Writes ``topk_probe.json`` and ``topk_probe.md`` under DIR.
@@ -20,8 +22,10 @@ import torch
 
 from dsv4.kernels.indexer_topk import choose_scan, topk_entries
 
-VARIANTS = [(1024, 8), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32)]
-"""(block, warps) tried; all compile for sm_90 without spills but the last (8 bytes)."""
+VARIANTS = [("radix", 1024, 8), ("radix", 4096, 8), ("radix", 8192, 16),
+            ("two_level", 1024, 8), ("two_level", 1024, 16)]
+"""(method, block, warps) tried; none spills on sm_90 (the two-level at 8 warps: 254
+registers). Session 26's first run also had radix 2048 x 8, 4096 x 16 and 8192 x 32 (slower)."""
 TOPK = 512
 
 
@@ -58,6 +62,10 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
+def _name(method: str, block: int, warps: int) -> str:
+    return f"{method} {block}x{warps}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
@@ -73,19 +81,19 @@ def main(argv: list[str] | None = None) -> int:
                 pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
                 ref = topk_entries(s, pos, TOPK)
                 row = {"width": width, "T": t, "scores": kind, "default": list(choose_scan(width))}
-                for block, warps in VARIANTS:
-                    name = f"{block}x{warps}"
-                    got = topk_entries(s, pos, TOPK, block=block, num_warps=warps)
+                for method, block, warps in VARIANTS:
+                    name = _name(method, block, warps)
+                    got = topk_entries(s, pos, TOPK, block=block, num_warps=warps, method=method)
                     if not torch.equal(got, ref):
                         row[name] = "differs"
                         continue
                     row[name] = round(_time(
-                        lambda s=s, p=pos, o=got, b=block, w=warps: topk_entries(
-                            s, p, TOPK, out=o, block=b, num_warps=w)), 2)
+                        lambda s=s, p=pos, o=got, b=block, w=warps, a=method: topk_entries(
+                            s, p, TOPK, out=o, block=b, num_warps=w, method=a)), 2)
                 rows.append(row)
                 print(row, flush=True)
     (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))
-    names = [f"{b}x{w}" for b, w in VARIANTS]
+    names = [_name(*v) for v in VARIANTS]
     lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; k = 512, every entry visible)",
              "", "| width | T | scores | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]

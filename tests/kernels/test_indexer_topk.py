@@ -250,12 +250,14 @@ def test_exact_ties_go_to_the_lower_entry_index(fmt):
 
 
 @kernel_runs
+@pytest.mark.parametrize("method", ["radix", "two_level"])
 @pytest.mark.parametrize("scan", [None, (16, 1), (4096, 16)], ids=["auto", "16", "4096"])
 @pytest.mark.parametrize("k", [1, 5, 64])
-def test_topk_of_constructed_scores(k, scan):
+def test_topk_of_constructed_scores(k, scan, method):
     """The top-k kernel alone on rows built to be hard: many exact ties (and -0.0 beside +0.0),
     visible counts above, at and below k and the width (capped at it), none visible; with the
-    default scan, many narrow iterations, and one iteration wider than the row."""
+    default scan, many narrow iterations, and one iteration wider than the row; both
+    methods."""
     width = 2100
     g = torch.Generator().manual_seed(k)
     s = torch.randint(-3, 4, (6, width), generator=g).float() * 0.25
@@ -263,12 +265,35 @@ def test_topk_of_constructed_scores(k, scan):
     s[1, ::2], s[1, 1::2] = -0.0, 0.0
     pos = torch.tensor([4 * width - 1, 4 * width + 50, 4 * 1000 - 1, 4 * 3 - 1, 2, 4 * 1025 + 2])
     block, warps = scan or (None, None)
-    got = topk_entries(s.to(DEV), pos.to(DEV), k, block=block, num_warps=warps).cpu()
+    got = topk_entries(s.to(DEV), pos.to(DEV), k, block=block, num_warps=warps,
+                       method=method).cpu()
     vis = ((pos + 1) // 4).clamp(max=width)
     masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
     values, idx = stable_topk(masked, k)
     assert torch.equal(got, idx.masked_fill(values == float("-inf"), -1))
     assert torch.equal(got[1], torch.arange(k))
+
+
+@kernel_runs
+@pytest.mark.parametrize("sort", [True, False])
+def test_the_two_level_method_selects_like_the_radix_one(sort):
+    """Both methods on k = 512 of 5000 entries: normal scores, quarter-step ties with a quarter
+    exact zeros, one value everywhere (every entry a candidate), near-equal scores that differ
+    only in their low bits (the candidate levels decide), and short rows."""
+    width, k = 5000, 512
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(5, width, generator=g)
+    s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
+    s[1, ::4] = 0.0
+    s[2] = 1.5
+    s[3] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() * 2.0 ** -23
+    pos = torch.tensor([4 * width - 1, 4 * width - 1, 4 * width - 1, 4 * 4000, 4 * 600])
+    args = (s.to(DEV), pos.to(DEV), k)
+    radix = topk_entries(*args, sort=sort).cpu()
+    assert torch.equal(topk_entries(*args, sort=sort, method="two_level").cpu(), radix)
+    if not sort:  # ascending entry index, -1 pads last
+        got = radix[4]
+        assert torch.equal(got[got >= 0], got[got >= 0].sort().values)
 
 
 def test_the_scan_widens_on_wide_rows():
@@ -279,7 +304,7 @@ def test_the_scan_widens_on_wide_rows():
 
 
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
-                                dict(num_warps=3), dict(num_warps=64)])
+                                dict(num_warps=3), dict(num_warps=64), dict(method="bitonic")])
 def test_scan_overrides_are_checked(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"topk_entries: {name} must be"):

@@ -75,6 +75,9 @@ WIDE_SCAN_BLOCK = 4096
 """... and on rows at least this wide (:func:`choose_scan`)."""
 SCAN_WARPS = 8
 """Warps of the top-k program."""
+TWO_LEVEL_SCAN = (1024, 16)
+"""(scores per iteration, warps) of the two-level top-k program: its 4096-bin histogram takes
+254 registers a thread at 8 warps and spills at wider iterations (sm_90 compile)."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -216,12 +219,55 @@ if triton_available():
                 if level > 0:
                     m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
                 hist += tl.histogram((u >> shift) & 255, 256, mask=m)
-            total = tl.sum(hist, axis=0)
-            above = total - tl.cumsum(hist, axis=0)  # entries of a larger digit than the bin's
-            digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
-            need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
+            digit, need = _pick_digit(hist, bins, need)
             prefix = prefix | (digit << shift)
         return prefix, need
+
+    @triton.jit
+    def _pick_digit(hist, bins, need):
+        """(digit, need): the bin of ``hist`` that holds the need-th largest entry, and how many
+        of that bin's entries are still needed once every entry of a larger bin is taken."""
+        total = tl.sum(hist, axis=0)
+        above = total - tl.cumsum(hist, axis=0)  # entries of a larger digit than the bin's
+        digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
+        return digit, need - tl.sum(tl.where(bins == digit, above, 0), axis=0)
+
+    @triton.jit
+    def _take_chunk(out, taken, ties, idx, key, m, kth, need):
+        """Append to ``out`` (after ``taken``), in order, the chunk's entries ``idx`` (mask
+        ``m``) whose key is above ``kth``, and those equal to it while fewer than ``need``
+        equal ones (``ties`` so far) were seen; returns the new (taken, ties)."""
+        eq = m & (key == kth)
+        eq_i = eq.to(tl.int32)
+        take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
+        take_i = take.to(tl.int32)
+        tl.store(out + taken + tl.cumsum(take_i, axis=0) - take_i, idx.to(tl.int64), mask=take)
+        return taken + tl.sum(take_i, axis=0), ties + tl.sum(eq_i, axis=0)
+
+    @triton.jit
+    def _write_taken(row, out, take_n, K: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr,
+                     BY_INDEX: tl.constexpr):
+        """``out[:take_n]`` holds the taken entries (written by this program): order them -
+        ``SORT``: by score descending, equal scores by ascending entry index; else with
+        ``BY_INDEX`` by ascending index (else they are in that order already) - and pad the
+        rest of the K slots with -1."""
+        slots = tl.arange(0, KP)
+        if SORT or BY_INDEX:
+            tl.debug_barrier()
+            got = slots < take_n
+            # written by other threads of this program: read through L2 (".cg"), not L1
+            idx = tl.load(out + slots, mask=got, other=0, cache_modifier=".cg").to(tl.int32)
+            if SORT:
+                key = _order_key(tl.load(row + idx, mask=got, other=0.0)).to(tl.int64)
+                packed = (key << 32) | (2147483647 - idx).to(tl.int64)
+            else:
+                packed = (2147483647 - idx).to(tl.int64)
+            packed = tl.where(got, packed, -9223372036854775808)
+            packed = tl.sort(packed, descending=True)
+            idx = tl.where(slots < take_n, 2147483647 - packed.to(tl.int32), -1)
+            tl.store(out + slots, idx.to(tl.int64), mask=slots < K)
+        else:
+            tl.store(out + slots, tl.full([KP], -1, tl.int64), mask=(slots >= take_n) & (slots < K))
 
     @triton.jit(do_not_specialize=["width"])
     def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
@@ -251,6 +297,8 @@ if triton_available():
             offs = c + lanes
             m = offs < visible
             key = _order_key(tl.load(row + offs, mask=m, other=0.0))
+            # (what _take_chunk does, inline: through the helper this kernel spilled 8 bytes at
+            # 4096-score iterations, sm_90)
             eq = m & (key == kth)
             eq_i = eq.to(tl.int32)
             take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
@@ -259,20 +307,75 @@ if triton_available():
             tl.store(out + dst, offs.to(tl.int64), mask=take)
             taken += tl.sum(take_i, axis=0)
             ties += tl.sum(eq_i, axis=0)
-        slots = tl.arange(0, KP)
-        if SORT:  # by score descending, equal scores by ascending entry index
-            tl.debug_barrier()
-            got = slots < take_n
-            # written by other threads of this program: read through L2 (".cg"), not L1
-            idx = tl.load(out + slots, mask=got, other=0, cache_modifier=".cg").to(tl.int32)
-            key = _order_key(tl.load(row + idx, mask=got, other=0.0)).to(tl.int64)
-            packed = (key << 32) | (2147483647 - idx).to(tl.int64)
-            packed = tl.where(got, packed, -9223372036854775808)
-            packed = tl.sort(packed, descending=True)
-            idx = tl.where(slots < take_n, 2147483647 - packed.to(tl.int32), -1)
-            tl.store(out + slots, idx.to(tl.int64), mask=slots < K)
-        else:
-            tl.store(out + slots, tl.full([KP], -1, tl.int64), mask=(slots >= take_n) & (slots < K))
+        _write_taken(row, out, take_n, K, KP, SORT, False)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _candidate_level(row, cand, n_cand, prefix, need, lanes, SHIFT: tl.constexpr,
+                         NBITS: tl.constexpr, BLOCK: tl.constexpr):
+        """One radix level over the candidates (entry indices ``cand[:n_cand]``) whose key
+        matches ``prefix`` above bit SHIFT + NBITS: the NBITS-bit digit below that."""
+        hist = tl.zeros([256], tl.int32)
+        for c in range(0, n_cand, BLOCK):
+            mc = c + lanes < n_cand
+            idx = tl.load(cand + c + lanes, mask=mc, other=0, cache_modifier=".cg")
+            u = _order_key(tl.load(row + idx, mask=mc, other=0.0)) ^ -2147483648
+            mc = mc & ((u >> (SHIFT + NBITS)) == (prefix >> (SHIFT + NBITS)))
+            hist += tl.histogram((u >> SHIFT) & ((1 << NBITS) - 1), 256, mask=mc)
+        digit, need = _pick_digit(hist, tl.arange(0, 256), need)
+        return prefix | (digit << SHIFT), need
+
+    @triton.jit(do_not_specialize=["width"])
+    def _topk_two_level_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, width,
+                               K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                               SORT: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_prior_kernel(PDL)
+        t = tl.program_id(0)
+        row = s_ptr + t.to(tl.int64) * sst
+        out = o_ptr + t.to(tl.int64) * sot
+        cand = c_ptr + t.to(tl.int64) * sct
+        visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
+        take_n = tl.minimum(visible, K)
+        lanes = tl.arange(0, BLOCK)
+        # pass 1: a histogram of the top 12 bits of u = key ^ sign bit (unsigned order) finds
+        # the coarse digit of the take_n-th largest key
+        hist = tl.zeros([4096], tl.int32)
+        for c in range(0, visible, BLOCK):
+            offs = c + lanes
+            m = offs < visible
+            u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
+            hist += tl.histogram((u >> 20) & 4095, 4096, mask=m)
+        coarse, need = _pick_digit(hist, tl.arange(0, 4096), take_n)
+        # pass 2: entries of a larger coarse digit are taken, those of the digit become the
+        # candidates; both in entry order
+        n_out = take_n * 0
+        n_cand = take_n * 0
+        for c in range(0, visible, BLOCK):
+            offs = c + lanes
+            m = offs < visible
+            d = ((_order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648) >> 20) & 4095
+            hi = (m & (d > coarse)).to(tl.int32)
+            eq = (m & (d == coarse)).to(tl.int32)
+            tl.store(out + n_out + tl.cumsum(hi, axis=0) - hi, offs.to(tl.int64), mask=hi > 0)
+            tl.store(cand + n_cand + tl.cumsum(eq, axis=0) - eq, offs, mask=eq > 0)
+            n_out += tl.sum(hi, axis=0)
+            n_cand += tl.sum(eq, axis=0)
+        tl.debug_barrier()
+        # the other 20 bits over the candidates only (usually few; all of them when every
+        # score ties)
+        prefix = coarse << 20
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 12, 8, BLOCK)
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 4, 8, BLOCK)
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 0, 4, BLOCK)
+        kth = prefix ^ -2147483648
+        taken = n_out
+        ties = take_n * 0
+        for c in range(0, n_cand, BLOCK):
+            mc = c + lanes < n_cand
+            idx = tl.load(cand + c + lanes, mask=mc, other=0, cache_modifier=".cg")
+            key = _order_key(tl.load(row + idx, mask=mc, other=0.0))
+            taken, ties = _take_chunk(out, taken, ties, idx, key, mc, kth, need)
+        _write_taken(row, out, take_n, K, KP, SORT, True)
         let_next_kernel_launch(PDL)
 
 
@@ -330,14 +433,23 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     return s
 
 
+TOPK_METHODS = ("radix", "two_level")
+
+
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
                  out: torch.Tensor | None = None, block: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, method: str = "radix") -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
     ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
-    :func:`choose_scan` (the same selection, another speed)."""
+    :func:`choose_scan` (the same selection, another speed). ``method``: ``"radix"`` (four
+    8-bit passes over every visible score, then a compaction pass) or ``"two_level"`` (not
+    yet timed on a GPU: a 12-bit histogram pass and a split pass over every score, the other
+    20 bits over the coarse digit's candidates only, in a [T, width] int32 workspace) - the
+    same selection either way."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"topk_entries: method must be one of {TOPK_METHODS}, got {method!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
                               or block < 16 or block & (block - 1)):
         raise ValueError(f"topk_entries: block must be a power of two >= 16, got {block!r}")
@@ -346,16 +458,24 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{num_warps!r}")
     _check_available(scores.device)
     t, width = scores.shape
-    auto_block, auto_warps = choose_scan(width)
+    auto_block, auto_warps = choose_scan(width) if method == "radix" else TWO_LEVEL_SCAN
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
                                                 dtype=torch.long)
     if t == 0 or topk == 0:
         return o
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk,
-                       KP=max(2, 1 << (topk - 1).bit_length()), BLOCK=block or auto_block,
-                       SORT=sort, num_warps=num_warps or auto_warps, **pdl_args(scores.device))
+    kp = max(2, 1 << (topk - 1).bit_length())
+    if method == "two_level":
+        cand = torch.empty(t, max(1, width), device=scores.device, dtype=torch.int32)
+        _topk_two_level_kernel[(t,)](
+            scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), width, K=topk,
+            KP=kp, BLOCK=block or auto_block, SORT=sort, num_warps=num_warps or auto_warps,
+            **pdl_args(scores.device))
+        return o
+    _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
+                       BLOCK=block or auto_block, SORT=sort, num_warps=num_warps or auto_warps,
+                       **pdl_args(scores.device))
     return o
 
 
