@@ -19,7 +19,11 @@ without Triton's interpreter):
    takes every entry above v and, of those equal to v, the lowest-indexed ones (the tie rule);
    a bitonic sort of the k taken entries on (score, -index) writes them in the torch path's
    order: score descending, equal scores by ascending entry index. -1 pads the rest. -0.0 and
-   +0.0 count as equal (relu zeroes make many exact zeros).
+   +0.0 count as equal (relu zeroes make many exact zeros). Opt-in, not yet timed on a GPU:
+   ``method="two_level"`` (``_topk_two_level_kernel``) makes two passes over the row instead
+   of five - a 12-bit histogram, then a split into the entries of larger coarse digits (taken)
+   and those of the k-th's coarse digit (candidates, in a workspace) - and resolves the other
+   20 bits over the candidates only; the same selection.
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
