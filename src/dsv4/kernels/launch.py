@@ -38,6 +38,8 @@ from functools import cache
 
 import torch
 
+from dsv4.usage import UsageError
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 try:  # guarded: every kernel module imports (reference paths, packing) without Triton
     import triton as _triton  # noqa: F401
@@ -50,9 +52,10 @@ _HAVE_GDC = False  # Triton's grid dependency control (set below where it import
 
 
 def _env_switch(name: str, value: str) -> bool:
-    """An on/off environment variable: unset, empty or ``0`` off, ``1`` on, else ValueError."""
+    """An on/off environment variable: unset, empty or ``0`` off, ``1`` on, else a UsageError
+    (a ValueError; the ``dsv4`` command prints it as one line)."""
     if value not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r}")
+        raise UsageError(f"{name} must be 0 or 1 (or unset), got {value!r}")
     return value == "1"
 
 
