@@ -20,7 +20,9 @@
 #   bash benchmarks/h200_session.sh pdl1s    # PDL with every kernel on one stream
 #   bash benchmarks/h200_session.sh pdlgraph # PDL at 64K: kernel times inside the graph
 #   bash benchmarks/h200_session.sh pdlend   # PDL, the next kernel launched at each one's end
-#   bash benchmarks/h200_session.sh topk     # the top-k kernel's scan block / warps probe
+#   bash benchmarks/h200_session.sh topk     # the top-k kernel's methods / scan block / warps
+#   DSV4_PDL=1 bash benchmarks/h200_session.sh check   # the suite and verify under PDL (the
+#                                            # GPU tests that compare with PDL off still do)
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
