@@ -282,9 +282,12 @@ def steps() -> bool:
                            dict(K=k, KP=k, BLOCK=block, SORT=sort),
                            dict(num_warps=it.SCAN_WARPS))
             block, warps = it.TWO_LEVEL_SCAN
-            ok &= _try(f"indexer top-k two-level K={k} sort={sort} {block}x{warps}",
-                       it._topk_two_level_kernel, {**t, "c_ptr": "*i32", "sct": "i32"},
-                       dict(K=k, KP=k, BLOCK=block, SORT=sort), dict(num_warps=warps))
+            for coarse in (it.TWO_LEVEL_COARSE_BITS, 12):
+                ok &= _try(f"indexer top-k two-level/{coarse} K={k} sort={sort} "
+                           f"{block}x{warps}", it._topk_two_level_kernel,
+                           {**t, "c_ptr": "*i32", "sct": "i32"},
+                           dict(K=k, KP=k, BLOCK=block, SORT=sort, COARSE=coarse),
+                           dict(num_warps=warps))
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
              s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
              max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",

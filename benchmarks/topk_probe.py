@@ -22,10 +22,12 @@ import torch
 
 from dsv4.kernels.indexer_topk import choose_scan, topk_entries
 
-VARIANTS = [("radix", 1024, 8), ("radix", 4096, 8), ("radix", 8192, 16),
-            ("two_level", 1024, 8), ("two_level", 1024, 16)]
-"""(method, block, warps) tried; none spills on sm_90 (the two-level at 8 warps: 254
-registers). Session 26's first run also had radix 2048 x 8, 4096 x 16 and 8192 x 32 (slower)."""
+VARIANTS = [("radix", 1024, 8, 0), ("radix", 4096, 8, 0), ("radix", 8192, 16, 0),
+            ("two_level", 1024, 16, 10), ("two_level", 1024, 16, 11),
+            ("two_level", 1024, 16, 12), ("two_level", 1024, 8, 10),
+            ("two_level", 4096, 16, 10)]
+"""(method, block, warps, coarse bits of the two-level method) tried; none spills on sm_90.
+Session 26's first run also had radix 2048 x 8, 4096 x 16 and 8192 x 32 (slower)."""
 TOPK = 512
 
 
@@ -62,8 +64,8 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
-def _name(method: str, block: int, warps: int) -> str:
-    return f"{method} {block}x{warps}"
+def _name(method: str, block: int, warps: int, coarse: int) -> str:
+    return f"{method}{f'/{coarse}' if coarse else ''} {block}x{warps}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,15 +83,17 @@ def main(argv: list[str] | None = None) -> int:
                 pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
                 ref = topk_entries(s, pos, TOPK)
                 row = {"width": width, "T": t, "scores": kind, "default": list(choose_scan(width))}
-                for method, block, warps in VARIANTS:
-                    name = _name(method, block, warps)
-                    got = topk_entries(s, pos, TOPK, block=block, num_warps=warps, method=method)
+                for method, block, warps, coarse in VARIANTS:
+                    name = _name(method, block, warps, coarse)
+                    kw = dict(block=block, num_warps=warps, method=method)
+                    if coarse:
+                        kw["coarse_bits"] = coarse
+                    got = topk_entries(s, pos, TOPK, **kw)
                     if not torch.equal(got, ref):
                         row[name] = "differs"
                         continue
-                    row[name] = round(_time(
-                        lambda s=s, p=pos, o=got, b=block, w=warps, a=method: topk_entries(
-                            s, p, TOPK, out=o, block=b, num_warps=w, method=a)), 2)
+                    row[name] = round(_time(lambda s=s, p=pos, o=got, kw=kw: topk_entries(
+                        s, p, TOPK, out=o, **kw)), 2)
                 rows.append(row)
                 print(row, flush=True)
     (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))

@@ -275,8 +275,9 @@ def test_topk_of_constructed_scores(k, scan, method):
 
 
 @kernel_runs
-@pytest.mark.parametrize("sort", [True, False])
-def test_the_two_level_method_selects_like_the_radix_one(sort):
+@pytest.mark.parametrize("sort,coarse", [(True, 10), (False, 10), (True, 8), (True, 12),
+                                         (False, 15)])
+def test_the_two_level_method_selects_like_the_radix_one(sort, coarse):
     """Both methods on k = 512 of 5000 entries: normal scores, quarter-step ties with a quarter
     exact zeros, one value everywhere (every entry a candidate), near-equal scores that differ
     only in their low bits (the candidate levels decide), and short rows."""
@@ -290,7 +291,8 @@ def test_the_two_level_method_selects_like_the_radix_one(sort):
     pos = torch.tensor([4 * width - 1, 4 * width - 1, 4 * width - 1, 4 * 4000, 4 * 600])
     args = (s.to(DEV), pos.to(DEV), k)
     radix = topk_entries(*args, sort=sort).cpu()
-    assert torch.equal(topk_entries(*args, sort=sort, method="two_level").cpu(), radix)
+    two = topk_entries(*args, sort=sort, method="two_level", coarse_bits=coarse).cpu()
+    assert torch.equal(two, radix)
     if not sort:  # ascending entry index, -1 pads last
         got = radix[4]
         assert torch.equal(got[got >= 0], got[got >= 0].sort().values)
@@ -304,7 +306,9 @@ def test_the_scan_widens_on_wide_rows():
 
 
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
-                                dict(num_warps=3), dict(num_warps=64), dict(method="bitonic")])
+                                dict(num_warps=3), dict(num_warps=64), dict(method="bitonic"),
+                                dict(coarse_bits=7), dict(coarse_bits=16),
+                                dict(coarse_bits=10.0)])
 def test_scan_overrides_are_checked(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"topk_entries: {name} must be"):

@@ -21,9 +21,9 @@ without Triton's interpreter):
    order: score descending, equal scores by ascending entry index. -1 pads the rest. -0.0 and
    +0.0 count as equal (relu zeroes make many exact zeros). Opt-in, not yet timed on a GPU:
    ``method="two_level"`` (``_topk_two_level_kernel``) makes two passes over the row instead
-   of five - a 12-bit histogram, then a split into the entries of larger coarse digits (taken)
-   and those of the k-th's coarse digit (candidates, in a workspace) - and resolves the other
-   20 bits over the candidates only; the same selection.
+   of five - a histogram of the top 10 bits, then a split into the entries of larger coarse
+   digits (taken) and those of the k-th's coarse digit (candidates, in a workspace) - and
+   resolves the other bits over the candidates only; the same selection.
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
@@ -80,8 +80,13 @@ WIDE_SCAN_BLOCK = 4096
 SCAN_WARPS = 8
 """Warps of the top-k program."""
 TWO_LEVEL_SCAN = (1024, 16)
-"""(scores per iteration, warps) of the two-level top-k program: its 4096-bin histogram takes
-254 registers a thread at 8 warps and spills at wider iterations (sm_90 compile)."""
+"""(scores per iteration, warps) of the two-level top-k program (sm_90 compile, 10 coarse bits:
+64 registers; 4096 x 16 107, 2048 x 16 spills; 12 bits: 128, and 254 at 8 warps)."""
+TWO_LEVEL_COARSE_BITS = 10
+"""Bits of the two-level top-k's first histogram (8 .. 15). Triton builds a histogram with
+one ballot per bit and, per element, work for each of a thread's bins/32 bins: 4096 bins cost
+~16x what 1024 do a pass, while each bit fewer roughly doubles the candidates (1024 bins:
+half-octave buckets of the scores). Untimed: ``benchmarks/topk_probe.py`` tries 10 to 12."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -332,7 +337,8 @@ if triton_available():
     @triton.jit(do_not_specialize=["width"])
     def _topk_two_level_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, width,
                                K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                               SORT: tl.constexpr, PDL: tl.constexpr = False):
+                               SORT: tl.constexpr, COARSE: tl.constexpr = 10,
+                               PDL: tl.constexpr = False):
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         row = s_ptr + t.to(tl.int64) * sst
@@ -341,15 +347,17 @@ if triton_available():
         visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
         take_n = tl.minimum(visible, K)
         lanes = tl.arange(0, BLOCK)
-        # pass 1: a histogram of the top 12 bits of u = key ^ sign bit (unsigned order) finds
-        # the coarse digit of the take_n-th largest key
-        hist = tl.zeros([4096], tl.int32)
+        # pass 1: a histogram of the top COARSE bits of u = key ^ sign bit (unsigned order)
+        # finds the coarse digit of the take_n-th largest key
+        LOW: tl.constexpr = 32 - COARSE  # the bits below the coarse digit
+        BINS: tl.constexpr = 1 << COARSE
+        hist = tl.zeros([BINS], tl.int32)
         for c in range(0, visible, BLOCK):
             offs = c + lanes
             m = offs < visible
             u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
-            hist += tl.histogram((u >> 20) & 4095, 4096, mask=m)
-        coarse, need = _pick_digit(hist, tl.arange(0, 4096), take_n)
+            hist += tl.histogram((u >> LOW) & (BINS - 1), BINS, mask=m)
+        coarse, need = _pick_digit(hist, tl.arange(0, BINS), take_n)
         # pass 2: entries of a larger coarse digit are taken, those of the digit become the
         # candidates; both in entry order
         n_out = take_n * 0
@@ -357,7 +365,8 @@ if triton_available():
         for c in range(0, visible, BLOCK):
             offs = c + lanes
             m = offs < visible
-            d = ((_order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648) >> 20) & 4095
+            u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
+            d = (u >> LOW) & (BINS - 1)
             hi = (m & (d > coarse)).to(tl.int32)
             eq = (m & (d == coarse)).to(tl.int32)
             tl.store(out + n_out + tl.cumsum(hi, axis=0) - hi, offs.to(tl.int64), mask=hi > 0)
@@ -365,12 +374,15 @@ if triton_available():
             n_out += tl.sum(hi, axis=0)
             n_cand += tl.sum(eq, axis=0)
         tl.debug_barrier()
-        # the other 20 bits over the candidates only (usually few; all of them when every
-        # score ties)
-        prefix = coarse << 20
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 12, 8, BLOCK)
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 4, 8, BLOCK)
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 0, 4, BLOCK)
+        # the LOW other bits (8, 8, then the rest) over the candidates only (usually few; all
+        # of them when every score ties)
+        prefix = coarse << LOW
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, LOW - 8, 8,
+                                        BLOCK)
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, LOW - 16, 8,
+                                        BLOCK)
+        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 0, LOW - 16,
+                                        BLOCK)
         kth = prefix ^ -2147483648
         taken = n_out
         ties = take_n * 0
@@ -442,18 +454,22 @@ TOPK_METHODS = ("radix", "two_level")
 
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
                  out: torch.Tensor | None = None, block: int | None = None,
-                 num_warps: int | None = None, method: str = "radix") -> torch.Tensor:
+                 num_warps: int | None = None, method: str = "radix",
+                 coarse_bits: int = TWO_LEVEL_COARSE_BITS) -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
     ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
     :func:`choose_scan` (the same selection, another speed). ``method``: ``"radix"`` (four
     8-bit passes over every visible score, then a compaction pass) or ``"two_level"`` (not
-    yet timed on a GPU: a 12-bit histogram pass and a split pass over every score, the other
-    20 bits over the coarse digit's candidates only, in a [T, width] int32 workspace) - the
-    same selection either way."""
+    yet timed on a GPU: a histogram pass of the top ``coarse_bits`` bits (8 .. 15) and a split
+    pass over every score, the other bits over the coarse digit's candidates only, in a
+    [T, width] int32 workspace) - the same selection either way."""
     if method not in TOPK_METHODS:
         raise ValueError(f"topk_entries: method must be one of {TOPK_METHODS}, got {method!r}")
+    if (isinstance(coarse_bits, bool) or not isinstance(coarse_bits, int)
+            or not 8 <= coarse_bits <= 15):
+        raise ValueError(f"topk_entries: coarse_bits must be 8 .. 15, got {coarse_bits!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
                               or block < 16 or block & (block - 1)):
         raise ValueError(f"topk_entries: block must be a power of two >= 16, got {block!r}")
@@ -474,8 +490,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
         cand = torch.empty(t, max(1, width), device=scores.device, dtype=torch.int32)
         _topk_two_level_kernel[(t,)](
             scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), width, K=topk,
-            KP=kp, BLOCK=block or auto_block, SORT=sort, num_warps=num_warps or auto_warps,
-            **pdl_args(scores.device))
+            KP=kp, BLOCK=block or auto_block, SORT=sort, COARSE=coarse_bits,
+            num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
     _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
                        BLOCK=block or auto_block, SORT=sort, num_warps=num_warps or auto_warps,
