@@ -91,8 +91,10 @@ half-octave buckets of the scores). Untimed: ``benchmarks/topk_probe.py`` tries 
 
 def choose_scan(width: int) -> tuple[int, int]:
     """(scores per iteration, warps) of the top-k program for rows of ``width`` entries. Each
-    of its five passes over a row is a chain of iterations, each waiting for its loads: fewer,
-    wider iterations shorten the chain, but a block wider than the row wastes its lanes. H200,
+    of its five passes over a row is a chain of iterations, each with a fixed cost (the loads'
+    latency, the histogram's merge across warps through shared memory, barriers) beside its
+    per-score work: fewer, wider iterations pay it less often, but a block wider than the row
+    wastes its lanes. H200,
     k = 512 (``benchmarks/topk_probe.py``, session 26; every variant bit-equal): 4096 x 8 warps
     against 1024 x 8 at 4K entries 26.1 -> 20.5 us, 16K 85.5 -> 62.0, 64K 352 -> 239 (8192 x
     16: 34.2 / 61.7 / 226; 2048 x 8 and 4096 x 16 between); below 4K entries not probed."""
