@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_session.sh topk     # the top-k kernel's methods / scan block / warps
 #   DSV4_PDL=1 bash benchmarks/h200_session.sh check   # the suite and verify under PDL (the
 #                                            # GPU tests that compare with PDL off still do)
+#   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -73,6 +74,17 @@ attention_decode() {
         --only attention --quick
 }
 case "${1:-}" in
+checka)  # the whole suite in two calls on a cold machine (one call was cut at 80 % compiling):
+    # the kernel tests here, the rest in checkb
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step pytest_kernels_all 560 "${PYTEST[@]}" -v -rf tests/kernels
+    ;;
+checkb)  # the rest of the suite and verify
+    step pytest_rest 480 "${PYTEST[@]}" -v -rf --deselect tests/test_readme.py \
+        --ignore=tests/integrations --deselect tests/test_transformers_dialect.py \
+        --ignore=tests/kernels
+    verify 90
+    ;;
 check)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     step pytest_new_kernels 150 "${PYTEST[@]}" tests/kernels/test_store_rows.py \
