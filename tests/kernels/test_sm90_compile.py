@@ -42,8 +42,7 @@ def test_quantising_stages_compile_for_sm90():
 @COMPILER
 def test_every_kernel_compiles_with_pdl(capsys):
     """PDL on (dsv4.kernels.launch): each kernel's PTX waits for the one before and lets the
-    next launch (aot_sm90_regs checks both, and that PDL-off builds have neither); the register
-    use stays what it is without PDL."""
+    next launch (aot_sm90_regs checks both, and that PDL-off builds have neither)."""
     aot = _script()
     assert aot.pdl(), "a kernel failed to compile with PDL (its traceback is printed above)"
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "REG:" in ln]

@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding

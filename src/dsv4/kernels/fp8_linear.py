@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.fused_input_proj import SplitKWorkspace
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.quant_sim import fp8_block_sim
 

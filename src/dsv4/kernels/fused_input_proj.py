@@ -648,7 +648,7 @@ def fused_input_projections(
         y = torch.mm(x, packed.weight.t(), out_dtype=torch.float32)
         grid = (-(-M // 32), -(-packed.n_total // 128))
         scatter_kernel[grid](y, M, packed.n_total, *oargs, BM=32, BN=128, num_warps=4,
-        **pdl_args(y.device))
+                             **pdl_args(y.device))
         return out
     if K % cfg.block_k or (has_fp8 and K % 128):
         raise ValueError(f"K={K} is not a multiple of block_k={cfg.block_k} (and 128 for fp8)")

@@ -67,9 +67,8 @@ import torch
 
 from dsv4.cache.formats import RowFormat
 from dsv4.host_copy import upload
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_topk import FMTS, check_key_store, index_kernel_format, topk_entries
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
 if TYPE_CHECKING:
     from dsv4.cache.step import CacheStep

@@ -57,8 +57,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowFormat
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.store import PagedStore
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
 __all__ = ["entry_flat_rows", "paged_rows_usable", "window_flat_rows"]
 

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
 from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
 

@@ -46,8 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
 __all__ = [
     "SparseMqaConfig",

@@ -51,8 +51,7 @@ from dsv4.cache.formats import (
     PackedFormat,
 )
 from dsv4.cache.store import PagedStore
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
-from dsv4.kernels.launch import pdl_args
+from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 
 __all__ = ["store_rows", "store_rows_problem"]
