@@ -44,11 +44,29 @@ def test_switch_and_context_restore():
 
 
 def test_the_environment_switch_takes_0_or_1_only():
-    assert launch._env_switch("DSV4_PDL", "1") and not launch._env_switch("DSV4_PDL", "0")
-    assert not launch._env_switch("DSV4_PDL", "")
-    for bad in ("yes", "true", "2", " 1"):
-        with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
-            launch._env_switch("DSV4_PDL", bad)
+    for default in (False, True):
+        assert launch._env_switch("DSV4_PDL", "1", default)
+        assert not launch._env_switch("DSV4_PDL", "0", default)
+        assert launch._env_switch("DSV4_PDL", "", default) is default
+        for bad in ("yes", "true", "2", " 1"):
+            with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
+                launch._env_switch("DSV4_PDL", bad, default)
+
+
+def test_on_by_default(monkeypatch):
+    """A fresh process without DSV4_PDL launches with PDL; DSV4_PDL=0 turns it off."""
+    import subprocess
+    import sys
+
+    code = "from dsv4.kernels.launch import programmatic_launch_enabled as e; print(e())"
+    for env, want in ((None, "True"), ("0", "False"), ("1", "True")):
+        if env is None:
+            monkeypatch.delenv("DSV4_PDL", raising=False)
+        else:
+            monkeypatch.setenv("DSV4_PDL", env)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == want, (env, out)
 
 
 def test_off_where_it_cannot_apply():

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the step's Triton kernels: opt-in, off by default.
+"""Programmatic dependent launch (PDL) for the step's Triton kernels: on by default where it applies.
 
 A decode step is ~24 short kernels, each waiting for the one before: the GPU idles between a
 kernel's last program and the next kernel's first (the H200 Flash C4 step at M = 1 spends ~17
@@ -16,8 +16,9 @@ the graph the 16-program top-k kernel of a 64K-context, M = 16 step ran 87 -> 26
 step lost 32-45 %; with the trigger at the end PDL wins or ties on every measured step (-1 to
 -3 %: Flash C4 M = 1 136.1 -> 132.0 us).
 
-Switched per process: ``DSV4_PDL=1`` in the environment or :func:`set_programmatic_launch` /
-:func:`programmatic_launch`. Read at each launch, so a CUDA graph keeps what was on while it
+On by default since session 27, after the whole GPU suite and ``dsv4 verify --platform cuda``
+ran under it; switched per process: ``DSV4_PDL=0`` in the environment turns it off (``1`` or
+unset: on), or :func:`set_programmatic_launch` / :func:`programmatic_launch`. Read at each launch, so a CUDA graph keeps what was on while it
 was captured. Under Triton's CPU interpreter and on GPUs before sm_90 PDL is always off.
 
 Kernel side: a ``PDL: tl.constexpr`` parameter, :func:`wait_for_prior_kernel` as the first
@@ -51,15 +52,15 @@ _HAVE_GDC = False  # Triton's grid dependency control (set below where it import
 
 
 
-def _env_switch(name: str, value: str) -> bool:
-    """An on/off environment variable: unset, empty or ``0`` off, ``1`` on, else a UsageError
-    (a ValueError; the ``dsv4`` command prints it as one line)."""
+def _env_switch(name: str, value: str, default: bool) -> bool:
+    """An on/off environment variable: ``0`` off, ``1`` on, unset or empty ``default``, else a
+    UsageError (a ValueError; the ``dsv4`` command prints it as one line)."""
     if value not in ("", "0", "1"):
         raise UsageError(f"{name} must be 0 or 1 (or unset), got {value!r}")
-    return value == "1"
+    return default if value == "" else value == "1"
 
 
-_ON = _env_switch("DSV4_PDL", os.environ.get("DSV4_PDL", ""))
+_ON = _env_switch("DSV4_PDL", os.environ.get("DSV4_PDL", ""), default=True)
 
 
 def triton_available() -> bool:
