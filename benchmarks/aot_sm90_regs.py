@@ -269,11 +269,13 @@ def steps() -> bool:
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", s_ptr="*fp32",
              sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32", max_logical="i32",
              slot_ptr="*i64", pos_ptr="*i64", width="i32", tiles="i32", B="i32",
-             weight_scale="fp32")
+             weight_scale="fp32", z_ptr="*i32")
     for fmt, kt in (("bf16", "*bf16"), ("fp8", "*u8"), ("fp4", "*u8")):
-        ok &= _try(f"indexer score {fmt}", it._score_kernel, {**t, "keys_ptr": kt},
-                   dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
-                        DT=tl.bfloat16, PREC="tf32"), dict(num_warps=4))
+        for zero in (False, True):
+            ok &= _try(f"indexer score {fmt} zero={zero}", it._score_kernel,
+                       {**t, "keys_ptr": kt},
+                       dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=zero), dict(num_warps=4))
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):
         for sort in (True, False):
@@ -281,13 +283,15 @@ def steps() -> bool:
                 ok &= _try(f"indexer top-k K={k} sort={sort} block={block}", it._topk_kernel, t,
                            dict(K=k, KP=k, BLOCK=block, SORT=sort),
                            dict(num_warps=it.SCAN_WARPS))
-            block, warps = it.TWO_LEVEL_SCAN
-            for coarse in (it.TWO_LEVEL_COARSE_BITS, 12):
-                ok &= _try(f"indexer top-k two-level/{coarse} K={k} sort={sort} "
-                           f"{block}x{warps}", it._topk_two_level_kernel,
-                           {**t, "c_ptr": "*i32", "sct": "i32"},
-                           dict(K=k, KP=k, BLOCK=block, SORT=sort, COARSE=coarse),
-                           dict(num_warps=warps))
+            for p in (2, 4, 8, it.MAX_SPLIT):  # the split kernel: chunk scan, merge scan
+                for block in (it.SCAN_BLOCK, it.WIDE_SCAN_BLOCK):
+                    mblock = it.choose_merge_block(p * k, block)
+                    ok &= _try(f"indexer top-k split={p} K={k} sort={sort} block={block} "
+                               f"merge={mblock}", it._topk_split_kernel,
+                               {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32",
+                                "chunk": "i32"},
+                               dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=mblock, SORT=sort),
+                               dict(num_warps=it.SCAN_WARPS))
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
              s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
              max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",

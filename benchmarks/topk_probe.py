@@ -1,14 +1,16 @@
 """The indexer's top-k kernel at decode widths: its variants against the default.
 
-Variants: the method (``radix`` or ``two_level``), scores per iteration and warps.
+Variants: programs per row (``split``), scores per iteration and warps, the merge's width.
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
 
-For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible), 1 and 16
-queries, random scores and scores with many exact ties, each (method, block, warps) variant's
-selection must equal the default's bit for bit (a variant that differs is reported and not
-timed); then each is timed as 10 calls captured in a CUDA graph, replayed (median of 7).
-Writes ``topk_probe.json`` and ``topk_probe.md`` under DIR.
+For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible), 1, 16 and
+64 queries, random scores and scores with many exact ties, each variant's selection must equal
+the one-program kernel's bit for bit (a variant that differs is reported and not timed); then
+each is timed as 10 calls captured in a CUDA graph, replayed (median of 7). A split variant's
+calls each zero its arrival counts first (in the layer the score launch does): the ``zero``
+column times that fill alone, to subtract. Writes ``topk_probe.json`` and ``topk_probe.md``
+under DIR.
 """
 
 from __future__ import annotations
@@ -20,14 +22,20 @@ from pathlib import Path
 
 import torch
 
-from dsv4.kernels.indexer_topk import choose_scan, topk_entries
+from dsv4.kernels.indexer_topk import choose_scan, choose_split, topk_entries
+from dsv4.kernels.sparse_mqa import _n_sm
 
-VARIANTS = [("radix", 1024, 8, 0), ("radix", 4096, 8, 0), ("radix", 8192, 16, 0),
-            ("two_level", 1024, 16, 10), ("two_level", 1024, 16, 11),
-            ("two_level", 1024, 16, 12), ("two_level", 1024, 8, 10),
-            ("two_level", 4096, 16, 10)]
-"""(method, block, warps, coarse bits of the two-level method) tried; none spills on sm_90.
-Session 26's first run also had radix 2048 x 8, 4096 x 16 and 8192 x 32 (slower)."""
+VARIANTS = {
+    "1p 1024x8": dict(split=1, block=1024, num_warps=8),
+    "1p 4096x8": dict(split=1, block=4096, num_warps=8),
+    "auto": {},  # choose_split / choose_scan / choose_merge_block
+    "2p": dict(split=2), "4p": dict(split=4), "8p": dict(split=8), "16p": dict(split=16),
+    "8p m1024": dict(split=8, merge_block=1024), "8p m4096": dict(split=8, merge_block=4096),
+    "4p 1024x8": dict(split=4, block=1024, num_warps=8),
+}
+"""Name -> topk_entries keywords. Session 26 (one program per row): 4096 x 8 beat 1024 x 8,
+2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); session 27: the two-level method
+(a 1024-bin coarse histogram) lost everywhere, 2-3x, and was removed."""
 TOPK = 512
 
 
@@ -64,10 +72,6 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
-def _name(method: str, block: int, warps: int, coarse: int) -> str:
-    return f"{method}{f'/{coarse}' if coarse else ''} {block}x{warps}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
@@ -75,33 +79,38 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("topk_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
+    n_sm = _n_sm(torch.cuda.current_device())
     rows = []
     for width in (4096, 16384, 65536):
-        for t in (1, 16):
+        for t in (1, 16, 64):
             for kind in ("random", "ties"):
                 s = _scores(kind, t, width, seed=width + t)
                 pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
-                ref = topk_entries(s, pos, TOPK)
-                row = {"width": width, "T": t, "scores": kind, "default": list(choose_scan(width))}
-                for method, block, warps, coarse in VARIANTS:
-                    name = _name(method, block, warps, coarse)
-                    kw = dict(block=block, num_warps=warps, method=method)
-                    if coarse:
-                        kw["coarse_bits"] = coarse
+                ref = topk_entries(s, pos, TOPK, split=1)
+                arr = torch.zeros(t, dtype=torch.int32, device="cuda")
+                row = {"width": width, "T": t, "scores": kind,
+                       "auto": [choose_split(width, TOPK, t, n_sm), *choose_scan(width)],
+                       "zero": round(_time(arr.zero_), 2)}
+                for name, kw in VARIANTS.items():
                     got = topk_entries(s, pos, TOPK, **kw)
                     if not torch.equal(got, ref):
                         row[name] = "differs"
                         continue
-                    row[name] = round(_time(lambda s=s, p=pos, o=got, kw=kw: topk_entries(
-                        s, p, TOPK, out=o, **kw)), 2)
+
+                    def call(s=s, p=pos, o=got, kw=kw, arr=arr):
+                        arr.zero_()
+                        topk_entries(s, p, TOPK, out=o, arrivals=arr, **kw)
+                    row[name] = round(_time(call), 2)
                 rows.append(row)
                 print(row, flush=True)
     (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))
-    names = [_name(*v) for v in VARIANTS]
-    lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; k = 512, every entry visible)",
-             "", "| width | T | scores | " + " | ".join(names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {r['width']} | {r['T']} | {r['scores']} | "
+    names = ["zero", *VARIANTS]
+    lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; k = 512, every entry visible;"
+             " each call includes a zero fill of the arrival counts, timed alone in `zero`;"
+             " `auto`'s choice: split, block, warps)",
+             "", "| width | T | scores | auto's choice | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    lines += [f"| {r['width']} | {r['T']} | {r['scores']} | {r['auto']} | "
               + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
     (args.out / "topk_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -87,12 +87,13 @@ def flash_ties_cfg() -> DSV4Config:
 
 def run_kernels(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, *,
                 width: int | None = None, sort: bool = True,
-                workspace_bytes: int = 256 << 20) -> torch.Tensor:
+                workspace_bytes: int = 256 << 20, split: int | None = None) -> torch.Tensor:
     store = step.pool.stores["idx_keys"]
     return indexer_topk(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
                         store.table_dev, step.tok_slot, step.pos,
                         step.max_visible(4) if width is None else width, cfg.index_topk,
-                        cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort)
+                        cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort,
+                        split=split)
 
 
 def torch_path(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor
@@ -250,14 +251,14 @@ def test_exact_ties_go_to_the_lower_entry_index(fmt):
 
 
 @kernel_runs
-@pytest.mark.parametrize("method", ["radix", "two_level"])
+@pytest.mark.parametrize("split", [1, 4, 16])
 @pytest.mark.parametrize("scan", [None, (16, 1), (4096, 16)], ids=["auto", "16", "4096"])
 @pytest.mark.parametrize("k", [1, 5, 64])
-def test_topk_of_constructed_scores(k, scan, method):
+def test_topk_of_constructed_scores(k, scan, split):
     """The top-k kernel alone on rows built to be hard: many exact ties (and -0.0 beside +0.0),
     visible counts above, at and below k and the width (capped at it), none visible; with the
-    default scan, many narrow iterations, and one iteration wider than the row; both
-    methods."""
+    default scan, many narrow iterations, and one iteration wider than the row; one program
+    per row and rows cut into 4 and 16 chunks (some of them empty)."""
     width = 2100
     g = torch.Generator().manual_seed(k)
     s = torch.randint(-3, 4, (6, width), generator=g).float() * 0.25
@@ -266,7 +267,7 @@ def test_topk_of_constructed_scores(k, scan, method):
     pos = torch.tensor([4 * width - 1, 4 * width + 50, 4 * 1000 - 1, 4 * 3 - 1, 2, 4 * 1025 + 2])
     block, warps = scan or (None, None)
     got = topk_entries(s.to(DEV), pos.to(DEV), k, block=block, num_warps=warps,
-                       method=method).cpu()
+                       split=split).cpu()
     vis = ((pos + 1) // 4).clamp(max=width)
     masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
     values, idx = stable_topk(masked, k)
@@ -275,27 +276,53 @@ def test_topk_of_constructed_scores(k, scan, method):
 
 
 @kernel_runs
-@pytest.mark.parametrize("sort,coarse", [(True, 10), (False, 10), (True, 8), (True, 12),
-                                         (False, 15)])
-def test_the_two_level_method_selects_like_the_radix_one(sort, coarse):
-    """Both methods on k = 512 of 5000 entries: normal scores, quarter-step ties with a quarter
-    exact zeros, one value everywhere (every entry a candidate), near-equal scores that differ
-    only in their low bits (the candidate levels decide), and short rows."""
+@pytest.mark.parametrize("sort", [True, False])
+@pytest.mark.parametrize("split", [2, 4, 8, 16])
+def test_a_split_row_selects_like_one_program(sort, split):
+    """Rows cut into chunks, k = 512 of 5000 entries (a chunk narrower than k at 16): normal
+    scores, quarter-step ties with a quarter exact zeros, one value everywhere (the tie rule
+    alone decides, across chunks), near-equal scores that differ only in their low bits, a
+    row whose best entries sit in one chunk, and short rows (chunks past the visible end)."""
     width, k = 5000, 512
     g = torch.Generator().manual_seed(3)
-    s = torch.randn(5, width, generator=g)
+    s = torch.randn(7, width, generator=g)
     s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
     s[1, ::4] = 0.0
     s[2] = 1.5
     s[3] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() * 2.0 ** -23
-    pos = torch.tensor([4 * width - 1, 4 * width - 1, 4 * width - 1, 4 * 4000, 4 * 600])
+    s[4, 3000:3700] += 10.0  # the top 512 all in one or two chunks
+    pos = torch.tensor([4 * width - 1, 4 * width - 1, 4 * width - 1, 4 * 4000, 4 * width - 1,
+                        4 * 600, 4 * 300])
     args = (s.to(DEV), pos.to(DEV), k)
-    radix = topk_entries(*args, sort=sort).cpu()
-    two = topk_entries(*args, sort=sort, method="two_level", coarse_bits=coarse).cpu()
-    assert torch.equal(two, radix)
+    one = topk_entries(*args, sort=sort, split=1).cpu()
+    arrivals = torch.zeros(7, dtype=torch.int32, device=DEV)
+    got = topk_entries(*args, sort=sort, split=split, arrivals=arrivals).cpu()
+    assert torch.equal(got, one)
+    assert torch.equal(arrivals.cpu(), torch.full((7,), split, dtype=torch.int32))
     if not sort:  # ascending entry index, -1 pads last
-        got = radix[4]
-        assert torch.equal(got[got >= 0], got[got >= 0].sort().values)
+        row = got[5]
+        assert torch.equal(row[row >= 0], row[row >= 0].sort().values)
+    vis = ((pos + 1) // 4).clamp(max=width)
+    masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
+    values, idx = stable_topk(masked, k)
+    want = idx.masked_fill(values == float("-inf"), -1)
+    assert torch.equal(got if sort else got.sort(dim=1).values,
+                       want if sort else want.sort(dim=1).values)
+
+
+def test_the_split_rule():
+    from dsv4.kernels.indexer_topk import MAX_SPLIT, choose_split
+
+    assert choose_split(4 * 512 - 1, 512, 1, 132) == 1  # too short to pay for a merge
+    assert choose_split(16384, 512, 1, 132) == 4  # about sqrt(width / k)
+    assert choose_split(65536, 512, 16, 132) == 8
+    assert choose_split(1 << 20, 512, 1, 132) == MAX_SPLIT
+    assert choose_split(16384, 512, 64, 132) == 4  # at most two programs per SM
+    assert choose_split(16384, 512, 200, 132) == 1  # the rows fill the SMs already
+    for width in (2048, 5000, 16384, 1 << 18):
+        for rows in (1, 3, 16, 64, 300):
+            p = choose_split(width, 512, rows, 132)
+            assert p & (p - 1) == 0 and 1 <= p <= MAX_SPLIT and (p == 1 or rows * p <= 264)
 
 
 def test_the_scan_widens_on_wide_rows():
@@ -306,9 +333,9 @@ def test_the_scan_widens_on_wide_rows():
 
 
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
-                                dict(num_warps=3), dict(num_warps=64), dict(method="bitonic"),
-                                dict(coarse_bits=7), dict(coarse_bits=16),
-                                dict(coarse_bits=10.0)])
+                                dict(num_warps=3), dict(num_warps=64), dict(split=3),
+                                dict(split=0), dict(split=32), dict(split=True),
+                                dict(split=4.0), dict(merge_block=100)])
 def test_scan_overrides_are_checked(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"topk_entries: {name} must be"):
@@ -323,6 +350,42 @@ def test_chunked_workspace_gives_the_same_selection():
     whole = run_kernels(cfg, step, q, w)
     one_row = run_kernels(cfg, step, q, w, workspace_bytes=4 * step.max_visible(4))
     assert torch.equal(whole, one_row)
+
+
+@kernel_runs
+@pytest.mark.parametrize("sort", [True, False])
+def test_split_steps_give_the_same_selection(sort):
+    """``indexer_topk`` with its rows cut into chunks (the score launch zeroing the arrival
+    counts, in workspace chunks of one and of all queries) selects what one program does."""
+    cfg = tiny_cfg(32, 4600)
+    step = make_step(cfg, "fp8", [4500, 900, 3000], [2, 1, 1], block_size=64, seed=9)
+    q, w = queries(cfg, step.num_tokens, seed=10)
+    one = run_kernels(cfg, step, q, w, sort=sort, split=1)
+    for split in (2, 8):
+        assert torch.equal(run_kernels(cfg, step, q, w, sort=sort, split=split), one)
+        one_row = run_kernels(cfg, step, q, w, sort=sort, split=split,
+                              workspace_bytes=4 * step.max_visible(4))
+        assert torch.equal(one_row, one)
+
+
+@kernel_runs
+def test_the_score_launch_zeroes_the_arrival_counts():
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, "bf16", [90, 33], [1, 2], seed=1)
+    q, w = queries(cfg, step.num_tokens, seed=4)
+    store = step.pool.stores["idx_keys"]
+    args = (q, w, store.data, "bf16", store.block_size, store.table_dev, step.tok_slot,
+            step.pos, step.max_visible(4), cfg.index_weight_scale)
+    zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
+    plain = indexer_scores(*args)
+    assert torch.equal(indexer_scores(*args, zero=zero), plain)
+    assert not zero.any()
+    for bad in (torch.zeros(step.num_tokens, dtype=torch.long, device=DEV),
+                torch.zeros(step.num_tokens + 1, dtype=torch.int32, device=DEV)):
+        with pytest.raises(ValueError, match="indexer_scores: zero must be"):
+            indexer_scores(*args, zero=bad)
+    with pytest.raises(ValueError, match="topk_entries: arrivals must be"):
+        topk_entries(plain, step.pos, 4, split=2, arrivals=bad)
 
 
 def cuda_layer_shell(cfg: DSV4Config):

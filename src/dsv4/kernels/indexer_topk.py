@@ -19,11 +19,12 @@ without Triton's interpreter):
    takes every entry above v and, of those equal to v, the lowest-indexed ones (the tie rule);
    a bitonic sort of the k taken entries on (score, -index) writes them in the torch path's
    order: score descending, equal scores by ascending entry index. -1 pads the rest. -0.0 and
-   +0.0 count as equal (relu zeroes make many exact zeros). Opt-in, not yet timed on a GPU:
-   ``method="two_level"`` (``_topk_two_level_kernel``) makes two passes over the row instead
-   of five - a histogram of the top 10 bits, then a split into the entries of larger coarse
-   digits (taken) and those of the k-th's coarse digit (candidates, in a workspace) - and
-   resolves the other bits over the candidates only; the same selection.
+   +0.0 count as equal (relu zeroes make many exact zeros). On long rows with few queries
+   (``choose_split``) each row is cut into P chunks instead, one program each
+   (``_topk_split_kernel``, grid [T, P]): every program selects its chunk's top k into a
+   candidate workspace, counts itself in an arrival counter the score launch zeroed, and the
+   row's last program to arrive merges the P * k candidates the same way - the same
+   selection, with P programs on the row's passes instead of one.
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
@@ -61,7 +62,8 @@ from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
-           "indexer_topk", "topk_entries"]
+           "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
+           "choose_split"]
 
 FMTS = ("bf16", "fp8", "fp4")
 KERNEL_MAX_TOKENS = 64
@@ -78,14 +80,8 @@ WIDE_SCAN_BLOCK = 4096
 """... and on rows at least this wide (:func:`choose_scan`)."""
 SCAN_WARPS = 8
 """Warps of the top-k program."""
-TWO_LEVEL_SCAN = (1024, 16)
-"""(scores per iteration, warps) of the two-level top-k program (sm_90 compile, 10 coarse bits:
-64 registers; 4096 x 16 107, 2048 x 16 spills; 12 bits: 128, and 254 at 8 warps)."""
-TWO_LEVEL_COARSE_BITS = 10
-"""Bits of the two-level top-k's first histogram (8 .. 15). Triton builds a histogram with
-one ballot per bit and, per element, work for each of a thread's bins/32 bins: 4096 bins cost
-~16x what 1024 do a pass, while each bit fewer roughly doubles the candidates (1024 bins:
-half-octave buckets of the scores). Untimed: ``benchmarks/topk_probe.py`` tries 10 to 12."""
+MAX_SPLIT = 16
+"""Most programs a top-k row is cut into (:func:`choose_split`)."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -98,6 +94,32 @@ def choose_scan(width: int) -> tuple[int, int]:
     against 1024 x 8 at 4K entries 26.1 -> 20.5 us, 16K 85.5 -> 62.0, 64K 352 -> 239 (8192 x
     16: 34.2 / 61.7 / 226; 2048 x 8 and 4096 x 16 between); below 4K entries not probed."""
     return (WIDE_SCAN_BLOCK if width >= WIDE_SCAN_BLOCK else SCAN_BLOCK), SCAN_WARPS
+
+
+def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
+    """Programs per top-k row (a power of two): one program's passes over a row cost about
+    its length, so P programs on chunks of width / P each cut that P-fold, and the last of a
+    row's programs then merges P * topk candidates, a cost that grows with P; P near
+    sqrt(width / topk) balances the two. 1 for rows under 4 * topk entries and where the rows
+    alone already give the SMs a program each twice over; at most MAX_SPLIT, and at most as
+    many programs in all as two per SM. A first guess (the split is not yet timed on a GPU:
+    ``benchmarks/topk_probe.py`` tries 1 .. 16)."""
+    if width < 4 * topk or rows >= 2 * n_sm:
+        return 1
+    p = 1
+    while (p * 2 <= MAX_SPLIT and (p * 2) ** 2 * topk <= width
+           and rows * p * 2 <= 2 * n_sm):
+        p *= 2
+    return p
+
+
+def choose_merge_block(candidates: int, block: int) -> int:
+    """Candidates per iteration of the split top-k's merge (its last program of a row) beside
+    chunk scans of ``block`` scores: 4096 where there are that many and the chunks scan 1024 at
+    a time, else 1024 - a 4096-wide merge beside a 4096-wide chunk scan spills (80-104 bytes
+    at 8 warps, sm_90 compile)."""
+    return WIDE_SCAN_BLOCK if candidates >= WIDE_SCAN_BLOCK and block < WIDE_SCAN_BLOCK \
+        else SCAN_BLOCK
 
 
 def index_kernel_format(fmt: RowFormat) -> str:
@@ -177,12 +199,17 @@ if triton_available():
     @triton.jit(do_not_specialize=["width", "tiles"])
     def _score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
-                      weight_scale, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                      BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
-                      PREC: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1."""
+                      weight_scale, z_ptr, H: tl.constexpr, HP: tl.constexpr,
+                      D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr, ZERO: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+        """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1; with
+        ZERO, program (t, 0) also sets ``z[t]`` to 0 (the split top-k's arrival count)."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
+        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == 0:
+                tl.store(z_ptr + t, 0)
         visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         heads = tl.arange(0, HP)
@@ -321,78 +348,92 @@ if triton_available():
         let_next_kernel_launch(PDL)
 
     @triton.jit
-    def _candidate_level(row, cand, n_cand, prefix, need, lanes, SHIFT: tl.constexpr,
-                         NBITS: tl.constexpr, BLOCK: tl.constexpr):
-        """One radix level over the candidates (entry indices ``cand[:n_cand]``) whose key
-        matches ``prefix`` above bit SHIFT + NBITS: the NBITS-bit digit below that."""
-        hist = tl.zeros([256], tl.int32)
-        for c in range(0, n_cand, BLOCK):
-            mc = c + lanes < n_cand
-            idx = tl.load(cand + c + lanes, mask=mc, other=0, cache_modifier=".cg")
-            u = _order_key(tl.load(row + idx, mask=mc, other=0.0)) ^ -2147483648
-            mc = mc & ((u >> (SHIFT + NBITS)) == (prefix >> (SHIFT + NBITS)))
-            hist += tl.histogram((u >> SHIFT) & ((1 << NBITS) - 1), 256, mask=mc)
-        digit, need = _pick_digit(hist, tl.arange(0, 256), need)
-        return prefix | (digit << SHIFT), need
+    def _radix_select_gathered(row, cand, n_cand: tl.constexpr, need, lanes, bins,
+                               BLOCK: tl.constexpr):
+        """:func:`_radix_select` over the scores of the entries ``cand[:n_cand]`` (int32 entry
+        indices, -1 for none, written by other programs: read through L2)."""
+        prefix = need * 0
+        for level in tl.static_range(4):
+            shift = 24 - 8 * level
+            hist = tl.zeros([256], tl.int32)
+            for c in range(0, n_cand, BLOCK):
+                v = c + lanes
+                idx = tl.load(cand + v, mask=v < n_cand, other=-1, cache_modifier=".cg")
+                m = idx >= 0
+                u = _order_key(tl.load(row + idx, mask=m, other=0.0)) ^ -2147483648
+                if level > 0:
+                    m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram((u >> shift) & 255, 256, mask=m)
+            digit, need = _pick_digit(hist, bins, need)
+            prefix = prefix | (digit << shift)
+        return prefix, need
 
-    @triton.jit(do_not_specialize=["width"])
-    def _topk_two_level_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, width,
-                               K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                               SORT: tl.constexpr, COARSE: tl.constexpr = 10,
-                               PDL: tl.constexpr = False):
+    @triton.jit(do_not_specialize=["width", "chunk"])
+    def _topk_split_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, arr_ptr, width, chunk,
+                           K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
+                           BLOCK: tl.constexpr, MBLOCK: tl.constexpr, SORT: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
+        chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads);
+        then it counts itself in ``arr[t]`` (zero before the launch), and the row's last
+        program to arrive merges the row's P * K candidates into its K entries. Any entry of
+        the row's top K is in its chunk's top K (the same order: score, then lower index), so
+        the selection is the one-program kernel's."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
+        c = tl.program_id(1)
         row = s_ptr + t.to(tl.int64) * sst
-        out = o_ptr + t.to(tl.int64) * sot
         cand = c_ptr + t.to(tl.int64) * sct
         visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
-        take_n = tl.minimum(visible, K)
+        lo = c * chunk
+        n = tl.maximum(tl.minimum(visible - lo, chunk), 0)
+        take_n = tl.minimum(n, K)
         lanes = tl.arange(0, BLOCK)
-        # pass 1: a histogram of the top COARSE bits of u = key ^ sign bit (unsigned order)
-        # finds the coarse digit of the take_n-th largest key
-        LOW: tl.constexpr = 32 - COARSE  # the bits below the coarse digit
-        BINS: tl.constexpr = 1 << COARSE
-        hist = tl.zeros([BINS], tl.int32)
-        for c in range(0, visible, BLOCK):
-            offs = c + lanes
-            m = offs < visible
-            u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
-            hist += tl.histogram((u >> LOW) & (BINS - 1), BINS, mask=m)
-        coarse, need = _pick_digit(hist, tl.arange(0, BINS), take_n)
-        # pass 2: entries of a larger coarse digit are taken, those of the digit become the
-        # candidates; both in entry order
-        n_out = take_n * 0
-        n_cand = take_n * 0
-        for c in range(0, visible, BLOCK):
-            offs = c + lanes
-            m = offs < visible
-            u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
-            d = (u >> LOW) & (BINS - 1)
-            hi = (m & (d > coarse)).to(tl.int32)
-            eq = (m & (d == coarse)).to(tl.int32)
-            tl.store(out + n_out + tl.cumsum(hi, axis=0) - hi, offs.to(tl.int64), mask=hi > 0)
-            tl.store(cand + n_cand + tl.cumsum(eq, axis=0) - eq, offs, mask=eq > 0)
-            n_out += tl.sum(hi, axis=0)
-            n_cand += tl.sum(eq, axis=0)
-        tl.debug_barrier()
-        # the LOW other bits (8, 8, then the rest) over the candidates only (usually few; all
-        # of them when every score ties)
-        prefix = coarse << LOW
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, LOW - 8, 8,
-                                        BLOCK)
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, LOW - 16, 8,
-                                        BLOCK)
-        prefix, need = _candidate_level(row, cand, n_cand, prefix, need, lanes, 0, LOW - 16,
-                                        BLOCK)
+        bins = tl.arange(0, 256)
+        prefix = take_n * 0
+        need = take_n
+        if n > K:
+            prefix, need = _radix_select(row + lo, n, need, lanes, bins, BLOCK)
         kth = prefix ^ -2147483648
-        taken = n_out
+        slots = cand + c * K
+        taken = take_n * 0
         ties = take_n * 0
-        for c in range(0, n_cand, BLOCK):
-            mc = c + lanes < n_cand
-            idx = tl.load(cand + c + lanes, mask=mc, other=0, cache_modifier=".cg")
-            key = _order_key(tl.load(row + idx, mask=mc, other=0.0))
-            taken, ties = _take_chunk(out, taken, ties, idx, key, mc, kth, need)
-        _write_taken(row, out, take_n, K, KP, SORT, True)
+        for i in range(0, n, BLOCK):
+            offs = i + lanes
+            m = offs < n
+            key = _order_key(tl.load(row + lo + offs, mask=m, other=0.0))
+            eq = m & (key == kth)
+            eq_i = eq.to(tl.int32)
+            take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
+            take_i = take.to(tl.int32)
+            tl.store(slots + taken + tl.cumsum(take_i, axis=0) - take_i, lo + offs, mask=take)
+            taken += tl.sum(take_i, axis=0)
+            ties += tl.sum(eq_i, axis=0)
+        ks = tl.arange(0, KP)
+        tl.store(slots + ks, tl.full([KP], -1, tl.int32), mask=(ks >= take_n) & (ks < K))
+        # every thread's candidates written before the count (the release), and the merging
+        # program reads the others' after it (the acquire)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arr_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if arrived == P - 1:
+            out = o_ptr + t.to(tl.int64) * sot
+            total = tl.minimum(visible, K)
+            mlanes = tl.arange(0, MBLOCK)
+            mprefix = total * 0
+            mneed = total
+            if visible > K:
+                mprefix, mneed = _radix_select_gathered(row, cand, P * K, mneed, mlanes, bins,
+                                                        MBLOCK)
+            mkth = mprefix ^ -2147483648
+            taken = total * 0
+            ties = total * 0
+            for i in range(0, P * K, MBLOCK):
+                v = i + mlanes
+                idx = tl.load(cand + v, mask=v < P * K, other=-1, cache_modifier=".cg")
+                mv = idx >= 0
+                key = _order_key(tl.load(row + idx, mask=mv, other=0.0))
+                taken, ties = _take_chunk(out, taken, ties, idx, key, mv, mkth, mneed)
+            _write_taken(row, out, total, K, KP, SORT, False)
         let_next_kernel_launch(PDL)
 
 
@@ -418,18 +459,28 @@ def check_key_store(keys: torch.Tensor, fmt: str, d: int) -> None:
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,
                    rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                    pos: torch.Tensor, width: int, weight_scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None,
+                   zero: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
-    (module docstring; ``block_table`` [slots, logical blocks] int32)."""
+    (module docstring; ``block_table`` [slots, logical blocks] int32). ``zero``: a [T] int32
+    tensor the same launch sets to 0 (:func:`topk_entries`' ``arrivals``)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     _check_available(q.device)
     t, h, d = q.shape
     s = out if out is not None else torch.empty(t, width, device=q.device,
                                                 dtype=torch.float32)
-    if t == 0 or width == 0:
+    if zero is not None and (zero.dtype != torch.int32 or zero.device != q.device
+                             or zero.shape != (t,) or not zero.is_contiguous()):
+        raise ValueError(f"indexer_scores: zero must be a contiguous [{t}] int32 tensor on "
+                         f"{q.device}, got {zero.dtype} {tuple(zero.shape)} on {zero.device}")
+    if t == 0:
+        return s
+    if width == 0:
+        if zero is not None:
+            zero.zero_()
         return s
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -443,43 +494,43 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     _score_kernel[(t, -(-n_tiles // tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
-        rows_per_block, float(weight_scale),
+        rows_per_block, float(weight_scale), zero if zero is not None else s,
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=SCORE_BLOCK,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        PREC="ieee" if _INTERPRET else "tf32", num_warps=4, **pdl_args(q.device))
+        PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, num_warps=4,
+        **pdl_args(q.device))
     return s
-
-
-TOPK_METHODS = ("radix", "two_level")
 
 
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
                  out: torch.Tensor | None = None, block: int | None = None,
-                 num_warps: int | None = None, method: str = "radix",
-                 coarse_bits: int = TWO_LEVEL_COARSE_BITS) -> torch.Tensor:
+                 num_warps: int | None = None, split: int | None = None,
+                 merge_block: int | None = None,
+                 arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
     ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
-    :func:`choose_scan` (the same selection, another speed). ``method``: ``"radix"`` (four
-    8-bit passes over every visible score, then a compaction pass) or ``"two_level"`` (not
-    yet timed on a GPU: a histogram pass of the top ``coarse_bits`` bits (8 .. 15) and a split
-    pass over every score, the other bits over the coarse digit's candidates only, in a
-    [T, width] int32 workspace) - the same selection either way."""
-    if method not in TOPK_METHODS:
-        raise ValueError(f"topk_entries: method must be one of {TOPK_METHODS}, got {method!r}")
-    if (isinstance(coarse_bits, bool) or not isinstance(coarse_bits, int)
-            or not 8 <= coarse_bits <= 15):
-        raise ValueError(f"topk_entries: coarse_bits must be 8 .. 15, got {coarse_bits!r}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int)
-                              or block < 16 or block & (block - 1)):
-        raise ValueError(f"topk_entries: block must be a power of two >= 16, got {block!r}")
+    :func:`choose_scan`, ``split`` (a power of two, 1 .. MAX_SPLIT) :func:`choose_split` and
+    ``merge_block`` (a power of two >= 16) :func:`choose_merge_block`: the same selection,
+    another speed. With a split of P > 1 each row's entries are cut into P
+    chunks, one program each, and the row's last program merges their P * topk candidates
+    (``_topk_split_kernel``); it counts arrivals in ``arrivals`` [T] int32, which must be zero
+    (:func:`indexer_scores` zeroes it with ``zero=``; left out, a zeroed tensor is made - one
+    more launch)."""
+    for name, b in (("block", block), ("merge_block", merge_block)):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 16
+                              or b & (b - 1)):
+            raise ValueError(f"topk_entries: {name} must be a power of two >= 16, got {b!r}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"topk_entries: num_warps must be 1, 2, 4, 8, 16 or 32, got "
                          f"{num_warps!r}")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, int)
+                              or not 1 <= split <= MAX_SPLIT or split & (split - 1)):
+        raise ValueError(f"topk_entries: split must be a power of two 1 .. {MAX_SPLIT}, got "
+                         f"{split!r}")
     _check_available(scores.device)
     t, width = scores.shape
-    auto_block, auto_warps = choose_scan(width) if method == "radix" else TWO_LEVEL_SCAN
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
                                                 dtype=torch.long)
     if t == 0 or topk == 0:
@@ -487,35 +538,59 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     kp = max(2, 1 << (topk - 1).bit_length())
-    if method == "two_level":
-        cand = torch.empty(t, max(1, width), device=scores.device, dtype=torch.int32)
-        _topk_two_level_kernel[(t,)](
-            scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), width, K=topk,
-            KP=kp, BLOCK=block or auto_block, SORT=sort, COARSE=coarse_bits,
-            num_warps=num_warps or auto_warps, **pdl_args(scores.device))
+    if split is None:
+        n_sm = _n_sm(scores.device.index or 0) if scores.device.type == "cuda" else 1
+        split = choose_split(width, topk, t, n_sm)
+    if split == 1:
+        auto_block, auto_warps = choose_scan(width)
+        _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
+                           BLOCK=block or auto_block, SORT=sort,
+                           num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
-    _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
-                       BLOCK=block or auto_block, SORT=sort, num_warps=num_warps or auto_warps,
-                       **pdl_args(scores.device))
+    if arrivals is None:
+        arrivals = torch.zeros(t, device=scores.device, dtype=torch.int32)
+    elif (arrivals.dtype != torch.int32 or arrivals.device != scores.device
+          or arrivals.shape != (t,) or not arrivals.is_contiguous()):
+        raise ValueError(f"topk_entries: arrivals must be a contiguous [{t}] int32 tensor on "
+                         f"{scores.device}, got {arrivals.dtype} {tuple(arrivals.shape)} on "
+                         f"{arrivals.device}")
+    chunk = -(-width // split)
+    auto_block, auto_warps = choose_scan(chunk)
+    block = block or auto_block
+    cand = torch.empty(t, split * topk, device=scores.device, dtype=torch.int32)
+    _topk_split_kernel[(t, split)](
+        scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
+        chunk, K=topk, KP=kp, P=split, BLOCK=block,
+        MBLOCK=merge_block or choose_merge_block(split * topk, block), SORT=sort,
+        num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,
                  rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
-                 workspace_bytes: int = 256 << 20, sort: bool = True) -> torch.Tensor:
+                 workspace_bytes: int = 256 << 20, sort: bool = True,
+                 split: int | None = None) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
-    bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``)."""
+    bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
+    ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
+    arrival counts, so the step stays two launches."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
         return out
     chunk = max(1, min(t, workspace_bytes // max(1, 4 * width)))
+    if split is None:
+        n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
+        split = choose_split(width, topk, chunk, n_sm)
     ws = torch.empty(chunk, width, device=q.device, dtype=torch.float32)
+    arrivals = (torch.empty(chunk, device=q.device, dtype=torch.int32) if split > 1 else None)
     for a in range(0, t, chunk):
         b = min(t, a + chunk)
+        arr = arrivals[:b - a] if arrivals is not None else None
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
-                           tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a])
-        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b])
+                           tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
+                           zero=arr)
+        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
     return out

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the step's Triton kernels: on by default where it applies.
+"""Programmatic dependent launch (PDL) for the step's Triton kernels: on where it applies.
 
 A decode step is ~24 short kernels, each waiting for the one before: the GPU idles between a
 kernel's last program and the next kernel's first (the H200 Flash C4 step at M = 1 spends ~17
@@ -16,10 +16,12 @@ the graph the 16-program top-k kernel of a 64K-context, M = 16 step ran 87 -> 26
 step lost 32-45 %; with the trigger at the end PDL wins or ties on every measured step (-1 to
 -3 %: Flash C4 M = 1 136.1 -> 132.0 us).
 
-On by default since session 27, after the whole GPU suite and ``dsv4 verify --platform cuda``
-ran under it; switched per process: ``DSV4_PDL=0`` in the environment turns it off (``1`` or
-unset: on), or :func:`set_programmatic_launch` / :func:`programmatic_launch`. Read at each launch, so a CUDA graph keeps what was on while it
-was captured. Under Triton's CPU interpreter and on GPUs before sm_90 PDL is always off.
+On by default since session 27, once the whole GPU suite and ``dsv4 verify --platform cuda``
+had passed under it (``benchmarks/results/h200/session27/``). Switched per process:
+``DSV4_PDL=0`` in the environment turns it off (``1`` or unset: on), or
+:func:`set_programmatic_launch` / :func:`programmatic_launch`. Read at each launch, so a CUDA
+graph keeps what was on while it was captured. Under Triton's CPU interpreter and on GPUs
+before sm_90 PDL is always off.
 
 Kernel side: a ``PDL: tl.constexpr`` parameter, :func:`wait_for_prior_kernel` as the first
 statement and :func:`let_next_kernel_launch` as the last; launch side: ``**pdl_args(device)``
