@@ -72,6 +72,12 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
+def _choice(width: int, t: int, n_sm: int) -> list[int]:
+    """The default's (split, scan block, warps) for a row of ``width`` entries."""
+    split = choose_split(width, TOPK, t, n_sm)
+    return [split, *choose_scan(-(-width // split))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref = topk_entries(s, pos, TOPK, split=1)
                 arr = torch.zeros(t, dtype=torch.int32, device="cuda")
                 row = {"width": width, "T": t, "scores": kind,
-                       "auto": [choose_split(width, TOPK, t, n_sm), *choose_scan(width)],
+                       "choice": _choice(width, t, n_sm),
                        "zero": round(_time(arr.zero_), 2)}
                 for name, kw in VARIANTS.items():
                     got = topk_entries(s, pos, TOPK, **kw)
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
              " `auto`'s choice: split, block, warps)",
              "", "| width | T | scores | auto's choice | " + " | ".join(names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {r['width']} | {r['T']} | {r['scores']} | {r['auto']} | "
+    lines += [f"| {r['width']} | {r['T']} | {r['scores']} | {r['choice']} | "
               + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
     (args.out / "topk_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -311,25 +311,18 @@ def test_a_split_row_selects_like_one_program(sort, split):
 
 
 def test_the_split_rule():
-    from dsv4.kernels.indexer_topk import MAX_SPLIT, choose_split
+    from dsv4.kernels.indexer_topk import MAX_SPLIT, PREFERRED_SPLIT, choose_split
 
-    assert choose_split(4 * 512 - 1, 512, 1, 132) == 1  # too short to pay for a merge
-    assert choose_split(16384, 512, 1, 132) == 4  # about sqrt(width / k)
+    assert choose_split(16 * 512 - 1, 512, 1, 132) == 1  # too short to pay for a merge
+    assert choose_split(4096, 512, 1, 132) == 1
+    assert choose_split(16384, 512, 1, 132) == PREFERRED_SPLIT == 8
     assert choose_split(65536, 512, 16, 132) == 8
-    assert choose_split(1 << 20, 512, 1, 132) == MAX_SPLIT
     assert choose_split(16384, 512, 64, 132) == 4  # at most two programs per SM
     assert choose_split(16384, 512, 200, 132) == 1  # the rows fill the SMs already
     for width in (2048, 5000, 16384, 1 << 18):
-        for rows in (1, 3, 16, 64, 300):
+        for rows in (1, 3, 16, 64, 100, 300):
             p = choose_split(width, 512, rows, 132)
             assert p & (p - 1) == 0 and 1 <= p <= MAX_SPLIT and (p == 1 or rows * p <= 264)
-
-
-def test_the_scan_widens_on_wide_rows():
-    from dsv4.kernels.indexer_topk import SCAN_BLOCK, WIDE_SCAN_BLOCK, choose_scan
-
-    assert choose_scan(WIDE_SCAN_BLOCK - 1)[0] == SCAN_BLOCK
-    assert choose_scan(WIDE_SCAN_BLOCK)[0] == choose_scan(1 << 18)[0] == WIDE_SCAN_BLOCK
 
 
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),

@@ -81,7 +81,9 @@ WIDE_SCAN_BLOCK = 4096
 SCAN_WARPS = 8
 """Warps of the top-k program."""
 MAX_SPLIT = 16
-"""Most programs a top-k row is cut into (:func:`choose_split`)."""
+"""Most programs a top-k row may be cut into (the ``split`` override)."""
+PREFERRED_SPLIT = 8
+"""Programs per long top-k row where the SMs have room (:func:`choose_split`)."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -98,28 +100,40 @@ def choose_scan(width: int) -> tuple[int, int]:
 
 def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     """Programs per top-k row (a power of two): one program's passes over a row cost about
-    its length, so P programs on chunks of width / P each cut that P-fold, and the last of a
-    row's programs then merges P * topk candidates, a cost that grows with P; P near
-    sqrt(width / topk) balances the two. 1 for rows under 4 * topk entries and where the rows
-    alone already give the SMs a program each twice over; at most MAX_SPLIT, and at most as
-    many programs in all as two per SM. A first guess (the split is not yet timed on a GPU:
-    ``benchmarks/topk_probe.py`` tries 1 .. 16)."""
-    if width < 4 * topk or rows >= 2 * n_sm:
+    its length, so P programs on chunks of width / P cut that P-fold, and the row's last
+    program then merges P * topk candidates, a cost that grows with P. H200, k = 512
+    (``benchmarks/topk_probe.py``, session 27; each row's zero fill of ~1.8 us included,
+    every variant bit-equal to one program), us per call:
+
+    ==========  ====  =========  =====  =====  =====  ======
+    entries     rows  1 program  P = 2  P = 4  P = 8  P = 16
+    ==========  ====  =========  =====  =====  =====  ======
+    4K          1-64  21.1-21.7  24.9   27.0   27.7   47.3
+    16K         1-16  63.3       50.4   41.5   38.1   53.8
+    16K         64    63.7       51.4   50.2   63.3   89.5
+    64K         1-16  239-243    143    86     61-72  88-96
+    64K         64    244        145    125    137    173
+    ==========  ====  =========  =====  =====  =====  ======
+
+    So: one program under 16 * topk entries (measured at 8 * topk: the split lost); else 8,
+    halved while the rows would take more than two programs per SM (at 64 rows: 4, the best
+    there). Between 8 and 16 * topk entries not measured."""
+    if width < 16 * topk or rows >= 2 * n_sm:
         return 1
-    p = 1
-    while (p * 2 <= MAX_SPLIT and (p * 2) ** 2 * topk <= width
-           and rows * p * 2 <= 2 * n_sm):
-        p *= 2
+    p = PREFERRED_SPLIT
+    while p > 1 and rows * p > 2 * n_sm:
+        p //= 2
     return p
 
 
 def choose_merge_block(candidates: int, block: int) -> int:
-    """Candidates per iteration of the split top-k's merge (its last program of a row) beside
-    chunk scans of ``block`` scores: 4096 where there are that many and the chunks scan 1024 at
-    a time, else 1024 - a 4096-wide merge beside a 4096-wide chunk scan spills (80-104 bytes
-    at 8 warps, sm_90 compile)."""
-    return WIDE_SCAN_BLOCK if candidates >= WIDE_SCAN_BLOCK and block < WIDE_SCAN_BLOCK \
-        else SCAN_BLOCK
+    """Candidates per iteration of the split top-k's merge (a row's last program): the scan
+    width :func:`choose_scan` gives that many entries. ``block`` (the chunks' scan) is not
+    used by the rule: a 4096-wide merge beside a 4096-wide chunk scan spills 80-104 bytes (8
+    warps, sm_90 compile) and is still the faster (64K entries, P = 8: 60.5 us against 70.6
+    with a 1024-wide merge; H200, session 27)."""
+    del block
+    return choose_scan(candidates)[0]
 
 
 def index_kernel_format(fmt: RowFormat) -> str:
