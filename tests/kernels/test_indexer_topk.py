@@ -502,25 +502,31 @@ def test_ties_at_flash_shapes():
 
 @needs_gpu
 @pytest.mark.cuda
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("split", [None, 1, 8])
+def test_graph_replay_equals_eager(split):
+    """Captured and replayed (twice: a split's arrival counts must start from zero at every
+    replay, which the captured score launch sees to) the step selects what it does eagerly."""
     from dsv4.platforms.cuda import capture_graph
 
     cfg = DSV4Config.preset("flash")
     step = make_step(cfg, "fp8", [30000, 5000, 777], [1, 1, 1], block_size=64, seed=10,
                      device="cuda")
     q, w = queries(cfg, 3, seed=11, device="cuda")
-    eager = run_kernels(cfg, step, q, w)
+    eager = run_kernels(cfg, step, q, w, split=split)
+    assert torch.equal(eager, run_kernels(cfg, step, q, w, split=1))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        run_kernels(cfg, step, q, w)
+        run_kernels(cfg, step, q, w, split=split)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with capture_graph(graph):
-        out = run_kernels(cfg, step, q, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+        out = run_kernels(cfg, step, q, w, split=split)
+    for _ in range(2):
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 @needs_gpu
