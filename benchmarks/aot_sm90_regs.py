@@ -86,6 +86,8 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     if not AOT_PDL and any(gdc):
         raise RuntimeError("PDL off but the PTX has griddepcontrol instructions")
     pdl = " pdl" if AOT_PDL else ""
+    if "cp.async" in ptx:  # loads staged through shared memory: a software-pipelined loop
+        mma += " cp.async"
     return f"{use} {mma}{pdl} smem={k.metadata.shared} ({time.time() - t0:.1f}s)"
 
 
@@ -275,7 +277,16 @@ def steps() -> bool:
             ok &= _try(f"indexer score {fmt} zero={zero}", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=zero), dict(num_warps=4))
+                            DT=tl.bfloat16, PREC="tf32", ZERO=zero, PIPE=0),
+                       dict(num_warps=4))
+        # score_probe.py's variants (128-entry tiles: 255 registers and 112-1904 bytes of
+        # stack, not probed)
+        for bn, pipe in ((64, 2), (64, 3), (32, 0), (32, 2)):
+            ok &= _try(f"indexer score {fmt} block={bn} stages={pipe}", it._score_kernel,
+                       {**t, "keys_ptr": kt},
+                       dict(H=64, HP=64, D=128, BN=bn, FMT=it.FMTS.index(fmt),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe),
+                       dict(num_warps=4))
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):
         for sort in (True, False):

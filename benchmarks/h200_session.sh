@@ -22,6 +22,7 @@
 #   bash benchmarks/h200_session.sh pdlend   # PDL, the next kernel launched at each one's end
 #   bash benchmarks/h200_session.sh topk     # the top-k kernel's split / scan block / warps
 #   bash benchmarks/h200_session.sh split    # the split top-k: tests, probe, verify, decode rows
+#   bash benchmarks/h200_session.sh score    # score-launch variants, the top-k rule in the step
 #   DSV4_PDL=1 bash benchmarks/h200_session.sh check   # the suite and verify under PDL (the
 #                                            # GPU tests that compare with PDL off still do)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -233,6 +234,15 @@ pdlend)  # PDL with the next kernel let launch at each kernel's end: bit-equalit
     step decode_step_pdlend64k 120 python3 -m dsv4 bench decode-step \
         --out "$OUT/decode_pdlend64k" --models flash,pro --layers C4 --ms 1,16 \
         --contexts 65536 --reps 3 --profile --strategies ours_flashmla_act8,ours_flashmla_act8_pdl
+    ;;
+score)  # the indexer score launch's variants (pipelined loop, tile, programs per SM), its
+    # tests, and the decode step at 64K with the split top-k's set rule, profiled (graph replay)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step pytest_indexer 240 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
+    step score_probe 150 python3 benchmarks/score_probe.py --out "$OUT/score"
+    step decode_step 150 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 --reps 3 --profile \
+        --strategies ours_flashmla_act8_pdl
     ;;
 split)  # the split top-k (several programs per row): its tests, the probe, verify, decode
     # rows at 512 and 64K with the rule's split (one call on a cold machine)

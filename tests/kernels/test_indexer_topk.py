@@ -216,6 +216,44 @@ def test_scores_match_float64_and_mask_the_invisible(fmt):
         assert (unsorted[t, n[t]:] == -1).all()
 
 
+@kernel_runs
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=3), dict(block=128),
+                                dict(block=32, stages=2, programs_per_sm=1),
+                                dict(block=128, stages=2, programs_per_sm=16)],
+                         ids=["pipe1", "pipe3", "bn128", "bn32-pipe2-1pps", "bn128-pipe2-16pps"])
+def test_score_overrides_give_the_same_scores(fmt, kw):
+    """The score launch's tile width, pipelined loop and programs per SM change its speed, not
+    its scores: programs holding only invisible tiles, a tile cut by the visible end and one by
+    the width, queries with nothing visible."""
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, fmt, [90, 0, 333, 1000], [1, 2, 1, 1], seed=2)
+    q, w = queries(cfg, step.num_tokens, seed=5)
+    width = step.max_visible(4) + 37
+    store = step.pool.stores["idx_keys"]
+    args = (q, w, store.data, index_kernel_format(store.fmt), store.block_size, store.table_dev,
+            step.tok_slot, step.pos, width, cfg.index_weight_scale)
+    want = indexer_scores(*args)
+    got = indexer_scores(*args, **kw)
+    # the same -inf (invisible) pattern; the values up to the summation order of a wider
+    # matrix product (the interpreter's numpy product too rounds by its shape)
+    vis = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), vis)
+    torch.testing.assert_close(got[vis], want[vis], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(block=8), dict(block=512), dict(block=48), dict(stages=5),
+                                dict(stages=-1), dict(stages=True), dict(programs_per_sm=0),
+                                dict(programs_per_sm=2.0)])
+def test_score_overrides_are_checked(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"indexer_scores: {name} must be"):
+        indexer_scores(torch.zeros(1, 1, 32, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
+                       torch.zeros(1, 16, 32, dtype=BF16), "bf16", 16,
+                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), 8, 1.0, **kw)
+
+
 def integer_keys(step: CacheStep, distinct: int, seed: int) -> None:
     """Overwrite every held key with one of ``distinct`` integer rows (exact in every format):
     many exact ties at every score. With integer queries and weights the scores are exact in fp32

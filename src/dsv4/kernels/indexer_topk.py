@@ -216,9 +216,11 @@ if triton_available():
                       weight_scale, z_ptr, H: tl.constexpr, HP: tl.constexpr,
                       D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
                       PREC: tl.constexpr, ZERO: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      PIPE: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1; with
-        ZERO, program (t, 0) also sets ``z[t]`` to 0 (the split top-k's arrival count)."""
+        ZERO, program (t, 0) also sets ``z[t]`` to 0 (the split top-k's arrival count). PIPE
+        > 0: the tiles holding visible entries in a loop of their own, software-pipelined over
+        PIPE stages (no branch inside it), then the rest written -inf (the same scores)."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
@@ -233,18 +235,35 @@ if triton_available():
                     mask=h_ok[:, None], other=0.0).to(DT)
         w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
         w = w.to(tl.float32) * weight_scale
-        for i in range(0, tiles):
-            jb = tl.program_id(1) * tiles + i
-            j = jb * BN + tl.arange(0, BN)
-            if jb * BN < visible:
+        if PIPE > 0:
+            first = tl.program_id(1) * tiles
+            # tiles of this program that hold a visible entry: 0 .. n_vis - 1
+            n_vis = tl.minimum(tl.maximum((visible + BN - 1) // BN - first, 0), tiles)
+            for i in tl.range(0, n_vis, num_stages=PIPE):
+                j = (first + i) * BN + tl.arange(0, BN)
                 k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
                                      blk_stride, B, D, FMT, BN, DT)
                 logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
                 s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
                 s = tl.where(j < visible, s, float("-inf"))
-            else:
-                s = tl.full([BN], float("-inf"), tl.float32)
-            tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+                tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+            for i in range(n_vis, tiles):
+                j = (first + i) * BN + tl.arange(0, BN)
+                tl.store(s_ptr + t.to(tl.int64) * sst + j, tl.full([BN], float("-inf"),
+                                                                   tl.float32), mask=j < width)
+        else:
+            for i in range(0, tiles):
+                jb = tl.program_id(1) * tiles + i
+                j = jb * BN + tl.arange(0, BN)
+                if jb * BN < visible:
+                    k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible,
+                                         max_logical, blk_stride, B, D, FMT, BN, DT)
+                    logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
+                    s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+                    s = tl.where(j < visible, s, float("-inf"))
+                else:
+                    s = tl.full([BN], float("-inf"), tl.float32)
+                tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
         let_next_kernel_launch(PDL)
 
     @triton.jit
@@ -474,14 +493,32 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                    rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                    pos: torch.Tensor, width: int, weight_scale: float,
                    out: torch.Tensor | None = None,
-                   zero: torch.Tensor | None = None) -> torch.Tensor:
+                   zero: torch.Tensor | None = None, block: int | None = None,
+                   stages: int | None = None,
+                   programs_per_sm: int | None = None) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
     (module docstring; ``block_table`` [slots, logical blocks] int32). ``zero``: a [T] int32
-    tensor the same launch sets to 0 (:func:`topk_entries`' ``arrivals``)."""
+    tensor the same launch sets to 0 (:func:`topk_entries`' ``arrivals``). Overrides, the same
+    scores at another speed (``benchmarks/score_probe.py``): ``block`` entries per tile (16 ..
+    256, a power of two; default ``SCORE_BLOCK``), ``stages`` (0: the one loop with a branch
+    per tile, the default; 1 .. 4: the visible tiles' own loop, software-pipelined over that
+    many stages) and ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                              or not 16 <= block <= 256 or block & (block - 1)):
+        raise ValueError(f"indexer_scores: block must be a power of two 16 .. 256, got "
+                         f"{block!r}")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                               or not 0 <= stages <= 4):
+        raise ValueError(f"indexer_scores: stages must be 0 .. 4, got {stages!r}")
+    if programs_per_sm is not None and (isinstance(programs_per_sm, bool)
+                                        or not isinstance(programs_per_sm, int)
+                                        or programs_per_sm < 1):
+        raise ValueError(f"indexer_scores: programs_per_sm must be an int >= 1, got "
+                         f"{programs_per_sm!r}")
     _check_available(q.device)
     t, h, d = q.shape
     s = out if out is not None else torch.empty(t, width, device=q.device,
@@ -501,18 +538,19 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     check_key_store(keys, fmt, d)
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
     # about SCORE_PROGRAMS_PER_SM programs per SM, each loading its query once for its tiles
-    n_tiles = -(-width // SCORE_BLOCK)
+    bn = block or SCORE_BLOCK
+    n_tiles = -(-width // bn)
     n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
-    progs = max(1, min(n_tiles, -(-SCORE_PROGRAMS_PER_SM * n_sm // t)))
+    progs = max(1, min(n_tiles, -(-(programs_per_sm or SCORE_PROGRAMS_PER_SM) * n_sm // t)))
     tiles = -(-n_tiles // progs)
     _score_kernel[(t, -(-n_tiles // tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
         rows_per_block, float(weight_scale), zero if zero is not None else s,
-        H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=SCORE_BLOCK,
+        H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=bn,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, num_warps=4,
-        **pdl_args(q.device))
+        PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, PIPE=stages or 0,
+        num_warps=4, **pdl_args(q.device))
     return s
 
 

@@ -1,0 +1,112 @@
+"""The indexer's decode score launch at decode widths: its variants against the default.
+
+Variants (``indexer_scores`` overrides): entries per tile (``block``), the visible tiles' own
+software-pipelined loop (``stages``) and programs per SM (``programs_per_sm``).
+
+    PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
+
+For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible) of an fp8
+index key store (Flash's indexer: 64 heads x 128, 64 rows a block, blocks in shuffled order),
+1, 16 and 64 queries, each one its own sequence, every variant's scores must match the
+default's (the same -inf pattern; values to 1e-5, a wider tile may sum in another order; a
+variant that does not is reported and not timed); then each is timed as 10 calls captured in
+a CUDA graph, replayed (median of 7), beside the floor of the key bytes read (at the copy
+bandwidth the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from topk_probe import _time  # benchmarks/ is the script's folder: sys.path[0]
+
+from dsv4.kernels.indexer_topk import indexer_scores
+
+VARIANTS = {
+    "default": {},
+    "stages 2": dict(stages=2), "stages 3": dict(stages=3),
+    "block 32": dict(block=32), "block 32, stages 2": dict(block=32, stages=2),
+    "2 / SM": dict(programs_per_sm=2), "8 / SM": dict(programs_per_sm=8),
+    "stages 2, 2 / SM": dict(stages=2, programs_per_sm=2),
+    "stages 2, 8 / SM": dict(stages=2, programs_per_sm=8),
+}
+"""Name -> indexer_scores keywords. 128-entry tiles are left out: 255 registers and 112-1904
+bytes of stack at 4 warps (sm_90 compile, ``aot_sm90_regs.py steps``)."""
+HEADS, DIM, ROWS = 64, 128, 64
+ROW_BYTES = DIM + 4 * (DIM // 128)  # e4m3 values, then one float32 scale per 128
+
+
+def _store(t: int, width: int, seed: int, device: str = "cuda"):
+    """(keys [blocks, ROWS * ROW_BYTES] uint8, block table [t, blocks a row] int32): every
+    query's sequence holds ``width`` entries of random e4m3 keys, scale 1."""
+    g = torch.Generator().manual_seed(seed)
+    per = -(-width // ROWS)
+    blocks = t * per
+    vals = torch.randn(blocks, ROWS * DIM, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.ones(blocks, ROWS, dtype=torch.float32).view(torch.uint8)
+    keys = torch.cat([vals.view(torch.uint8), scales], dim=1).to(device)
+    table = torch.randperm(blocks, generator=g).view(t, per).to(device, torch.int32)
+    return keys, table
+
+
+def _copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = _time(lambda: b.copy_(a), calls=3)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("score_probe needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    bw = _copy_bandwidth()
+    scale = (HEADS * DIM) ** -0.5
+    rows = []
+    for width in (4096, 16384, 65536):
+        for t in (1, 16, 64):
+            keys, table = _store(t, width, seed=width + t)
+            g = torch.Generator().manual_seed(t)
+            q = torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+            w = torch.randn(t, HEADS, generator=g).to("cuda", torch.bfloat16)
+            slot = torch.arange(t, device="cuda")
+            pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
+            call_args = (q, w, keys, "fp8", ROWS, table, slot, pos, width, scale)
+            ref = indexer_scores(*call_args)
+            vis = torch.isfinite(ref)
+            floor_us = t * width * ROW_BYTES / bw * 1e6
+            row = {"width": width, "T": t, "floor_us": round(floor_us, 2)}
+            for name, kw in VARIANTS.items():
+                got = indexer_scores(*call_args, **kw)
+                if not (torch.equal(torch.isfinite(got), vis)
+                        and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
+                    row[name] = "differs"
+                    continue
+                row[name] = round(_time(lambda o=got, kw=kw, a=call_args: indexer_scores(
+                    *a, out=o, **kw)), 2)
+            rows.append(row)
+            print(row, flush=True)
+            del keys, table
+    (args.out / "score_probe.json").write_text(json.dumps(
+        {"copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": rows}, indent=1))
+    names = list(VARIANTS)
+    lines = [f"Indexer score launch, us per call (CUDA graph of 10 calls; fp8 keys, 64 heads x "
+             f"128; floor: the key bytes at {bw / 1e12:.2f} TB/s)", "",
+             "| entries | T | floor | " + " | ".join(names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    lines += [f"| {r['width']} | {r['T']} | {r['floor_us']} | "
+              + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
+    (args.out / "score_probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
