@@ -4,13 +4,13 @@ Variants: programs per row (``split``), scores per iteration and warps, the merg
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
 
-For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible), 1, 16 and
-64 queries, random scores and scores with many exact ties, each variant's selection must equal
-the one-program kernel's bit for bit (a variant that differs is reported and not timed); then
-each is timed as 10 calls captured in a CUDA graph, replayed (median of 7). A split variant's
-calls each zero its arrival counts first (in the layer the score launch does): the ``zero``
-column times that fill alone, to subtract. Writes ``topk_probe.json`` and ``topk_probe.md``
-under DIR.
+For k = 512 and 1024 (Flash's and Pro's), rows of 4K, 16K and 64K entries (contexts 16K, 64K,
+256K: every entry visible), 1, 16 and 64 queries, random scores and scores with many exact
+ties, each variant's selection must equal the one-program kernel's bit for bit (a variant that
+differs is reported and not timed); then each is timed as 10 calls captured in a CUDA graph,
+replayed (median of 7). A split variant's calls each zero its arrival counts first (in the
+layer the score launch does): the ``zero`` column times that fill alone, to subtract. Writes
+``topk_probe.json`` and ``topk_probe.md`` under DIR.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ VARIANTS = {
 """Name -> topk_entries keywords. Session 26 (one program per row): 4096 x 8 beat 1024 x 8,
 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); session 27: the two-level method
 (a 1024-bin coarse histogram) lost everywhere, 2-3x, and was removed."""
-TOPK = 512
+TOPKS = (512, 1024)
+"""Flash's and Pro's ``index_topk``."""
 
 
 def _scores(kind: str, t: int, width: int, seed: int) -> torch.Tensor:
@@ -72,10 +73,30 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
-def _choice(width: int, t: int, n_sm: int) -> list[int]:
+def _choice(width: int, k: int, t: int, n_sm: int) -> list[int]:
     """The default's (split, scan block, warps) for a row of ``width`` entries."""
-    split = choose_split(width, TOPK, t, n_sm)
+    split = choose_split(width, k, t, n_sm)
     return [split, *choose_scan(-(-width // split))]
+
+
+def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
+    s = _scores(kind, t, width, seed=width + t)
+    pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device=s.device)
+    ref = topk_entries(s, pos, k, split=1)
+    arr = torch.zeros(t, dtype=torch.int32, device=s.device)
+    row = {"k": k, "width": width, "T": t, "scores": kind,
+           "choice": _choice(width, k, t, n_sm), "zero": round(_time(arr.zero_), 2)}
+    for name, kw in VARIANTS.items():
+        got = topk_entries(s, pos, k, **kw)
+        if not torch.equal(got, ref):
+            row[name] = "differs"
+            continue
+
+        def call(o=got, kw=kw):
+            arr.zero_()
+            topk_entries(s, pos, k, out=o, arrivals=arr, **kw)
+        row[name] = round(_time(call), 2)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,36 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     n_sm = _n_sm(torch.cuda.current_device())
     rows = []
-    for width in (4096, 16384, 65536):
-        for t in (1, 16, 64):
-            for kind in ("random", "ties"):
-                s = _scores(kind, t, width, seed=width + t)
-                pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
-                ref = topk_entries(s, pos, TOPK, split=1)
-                arr = torch.zeros(t, dtype=torch.int32, device="cuda")
-                row = {"width": width, "T": t, "scores": kind,
-                       "choice": _choice(width, t, n_sm),
-                       "zero": round(_time(arr.zero_), 2)}
-                for name, kw in VARIANTS.items():
-                    got = topk_entries(s, pos, TOPK, **kw)
-                    if not torch.equal(got, ref):
-                        row[name] = "differs"
-                        continue
-
-                    def call(s=s, p=pos, o=got, kw=kw, arr=arr):
-                        arr.zero_()
-                        topk_entries(s, p, TOPK, out=o, arrivals=arr, **kw)
-                    row[name] = round(_time(call), 2)
-                rows.append(row)
-                print(row, flush=True)
+    for k in TOPKS:
+        for width in (4096, 16384, 65536):
+            for t in (1, 16, 64):
+                for kind in ("random", "ties"):
+                    rows.append(_probe_row(k, width, t, kind, n_sm))
+                    print(rows[-1], flush=True)
     (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))
     names = ["zero", *VARIANTS]
-    lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; k = 512, every entry visible;"
+    lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; every entry visible;"
              " each call includes a zero fill of the arrival counts, timed alone in `zero`;"
              " `auto`'s choice: split, block, warps)",
-             "", "| width | T | scores | auto's choice | " + " | ".join(names) + " |",
-             "|---|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {r['width']} | {r['T']} | {r['scores']} | {r['choice']} | "
+             "", "| k | width | T | scores | auto's choice | " + " | ".join(names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]
+    lines += [f"| {r['k']} | {r['width']} | {r['T']} | {r['scores']} | {r['choice']} | "
               + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
     (args.out / "topk_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

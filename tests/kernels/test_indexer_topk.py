@@ -355,6 +355,9 @@ def test_the_split_rule():
     assert choose_split(4096, 512, 1, 132) == 1
     assert choose_split(16384, 512, 1, 132) == PREFERRED_SPLIT == 8
     assert choose_split(65536, 512, 16, 132) == 8
+    assert choose_split(1 << 20, 512, 1, 132) == PREFERRED_SPLIT  # never more than preferred
+    assert choose_split(16384, 1024, 1, 132) == 4  # Pro's k: the merge weighs twice as much
+    assert choose_split(16384 - 1, 1024, 1, 132) == 1
     assert choose_split(16384, 512, 64, 132) == 4  # at most two programs per SM
     assert choose_split(16384, 512, 200, 132) == 1  # the rows fill the SMs already
     for width in (2048, 5000, 16384, 1 << 18):

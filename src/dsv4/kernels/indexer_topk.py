@@ -115,12 +115,17 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     64K         64    244        145    125    137    173
     ==========  ====  =========  =====  =====  =====  ======
 
-    So: one program under 16 * topk entries (measured at 8 * topk: the split lost); else 8,
-    halved while the rows would take more than two programs per SM (at 64 rows: 4, the best
-    there). Between 8 and 16 * topk entries not measured."""
+    So: one program under 16 * topk entries (measured at 8 * topk: the split lost); else the
+    largest power of two up to 8 with P^2 <= 2 * width / topk (the chunks' passes and the merge
+    balanced: 8 at 16K and 64K entries for k = 512, measured best; 4 for Pro's k = 1024 at 16K
+    entries, which the step ran with, unchanged within 2 %; k = 1024 not probed alone), halved
+    while the rows would take more than two programs per SM (at 64 rows: 4, the best there).
+    Between 8 and 16 * topk entries not measured."""
     if width < 16 * topk or rows >= 2 * n_sm:
         return 1
-    p = PREFERRED_SPLIT
+    p = 1
+    while p < PREFERRED_SPLIT and (2 * p) ** 2 * topk <= 2 * width:
+        p *= 2
     while p > 1 and rows * p > 2 * n_sm:
         p //= 2
     return p
