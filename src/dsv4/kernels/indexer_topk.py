@@ -414,7 +414,8 @@ if triton_available():
         """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
         chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads);
         then it counts itself in ``arr[t]`` (zero before the launch), and the row's last
-        program to arrive merges the row's P * K candidates into its K entries. Any entry of
+        program to arrive merges the row's P * K candidates into its K entries and sets the
+        count back to zero (a held counter tensor serves the next launch). Any entry of
         the row's top K is in its chunk's top K (the same order: score, then lower index), so
         the selection is the one-program kernel's."""
         wait_for_prior_kernel(PDL)
@@ -472,6 +473,7 @@ if triton_available():
                 key = _order_key(tl.load(row + idx, mask=mv, other=0.0))
                 taken, ties = _take_chunk(out, taken, ties, idx, key, mv, mkth, mneed)
             _write_taken(row, out, total, K, KP, SORT, False)
+            tl.store(arr_ptr + t, 0)  # every program of the row has counted: zero for reuse
         let_next_kernel_launch(PDL)
 
 
@@ -573,8 +575,10 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     another speed. With a split of P > 1 each row's entries are cut into P
     chunks, one program each, and the row's last program merges their P * topk candidates
     (``_topk_split_kernel``); it counts arrivals in ``arrivals`` [T] int32, which must be zero
-    (:func:`indexer_scores` zeroes it with ``zero=``; left out, a zeroed tensor is made - one
-    more launch)."""
+    when the launch starts and is zero again after it (:func:`indexer_scores` zeroes it with
+    ``zero=``; a caller may also keep one zeroed tensor for all its calls on one stream; left
+    out, a zeroed tensor is made - one more launch). Nonzero counts are not detected: the rows
+    would not be merged."""
     for name, b in (("block", block), ("merge_block", merge_block)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 16
                               or b & (b - 1)):
