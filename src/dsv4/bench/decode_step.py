@@ -33,7 +33,9 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        ``--strategies``): ``ours_triton_fp8`` / ``ours_flashmla`` /
                        ``ours_flashmla_act8`` with our kernels launched with programmatic
                        dependent launch (:mod:`dsv4.kernels.launch`); each output must equal
-                       its twin's without PDL bit for bit where that row ran
+                       its twin's without PDL bit for bit where that row ran. Every other
+                       strategy runs with PDL off, so rows compare across sessions (the
+                       library itself launches with PDL by default since session 27)
 * ``ours_flashmla_act8_1s``, ``..._1s_pdl`` (opt-in): ``ours_flashmla_act8`` (with PDL) with
                        every kernel on one stream (no side streams)
 
