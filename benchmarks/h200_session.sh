@@ -22,7 +22,7 @@
 #   bash benchmarks/h200_session.sh pdlend   # PDL, the next kernel launched at each one's end
 #   bash benchmarks/h200_session.sh topk     # the top-k kernel's split / scan block / warps
 #   bash benchmarks/h200_session.sh split    # the split top-k: tests, probe, verify, decode rows
-#   bash benchmarks/h200_session.sh score    # score-launch variants, the top-k rule in the step
+#   bash benchmarks/h200_session.sh score    # score / top-k probes, the 64K step, indexer tests
 #   DSV4_PDL=1 bash benchmarks/h200_session.sh check   # the suite and verify under PDL (the
 #                                            # GPU tests that compare with PDL off still do)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -235,14 +235,16 @@ pdlend)  # PDL with the next kernel let launch at each kernel's end: bit-equalit
         --out "$OUT/decode_pdlend64k" --models flash,pro --layers C4 --ms 1,16 \
         --contexts 65536 --reps 3 --profile --strategies ours_flashmla_act8,ours_flashmla_act8_pdl
     ;;
-score)  # the indexer score launch's variants (pipelined loop, tile, programs per SM), its
-    # tests, and the decode step at 64K with the split top-k's set rule, profiled (graph replay)
+score)  # the indexer score launch's variants (pipelined loop, tile, programs per SM), the
+    # top-k probe (k = 512 and 1024), the decode step at 64K with the split top-k's set rule,
+    # profiled (graph replay); its tests last (after checka / checkb they are compiled)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    step pytest_indexer 240 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
-    step score_probe 150 python3 benchmarks/score_probe.py --out "$OUT/score"
+    step score_probe 120 python3 benchmarks/score_probe.py --out "$OUT/score"
+    step topk_probe 150 python3 benchmarks/topk_probe.py --out "$OUT/topk"
     step decode_step 150 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 --reps 3 --profile \
         --strategies ours_flashmla_act8_pdl
+    step pytest_indexer 120 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
     ;;
 split)  # the split top-k (several programs per row): its tests, the probe, verify, decode
     # rows at 512 and 64K with the rule's split (one call on a cold machine)
