@@ -23,8 +23,8 @@
 #   bash benchmarks/h200_session.sh topk     # the top-k kernel's split / scan block / warps
 #   bash benchmarks/h200_session.sh split    # the split top-k: tests, probe, verify, decode rows
 #   bash benchmarks/h200_session.sh score    # score / top-k probes, the 64K step, indexer tests
-#   DSV4_PDL=1 bash benchmarks/h200_session.sh check   # the suite and verify under PDL (the
-#                                            # GPU tests that compare with PDL off still do)
+#   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
+#                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
