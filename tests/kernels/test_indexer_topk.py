@@ -368,6 +368,21 @@ def test_the_split_rule():
             assert p & (p - 1) == 0 and 1 <= p <= MAX_SPLIT and (p == 1 or rows * p <= 264)
 
 
+def test_the_scan_widens_on_wide_rows():
+    from dsv4.kernels.indexer_topk import SCAN_BLOCK, WIDE_SCAN_BLOCK, choose_scan
+
+    assert choose_scan(WIDE_SCAN_BLOCK - 1)[0] == SCAN_BLOCK
+    assert choose_scan(WIDE_SCAN_BLOCK)[0] == choose_scan(1 << 18)[0] == WIDE_SCAN_BLOCK
+
+
+def test_the_merge_block_rule():
+    from dsv4.kernels.indexer_topk import SCAN_BLOCK, WIDE_SCAN_BLOCK, choose_merge_block
+
+    assert choose_merge_block(8 * 512, WIDE_SCAN_BLOCK) == WIDE_SCAN_BLOCK  # measured faster
+    assert choose_merge_block(8 * 512, SCAN_BLOCK) == WIDE_SCAN_BLOCK
+    assert choose_merge_block(2 * 512, WIDE_SCAN_BLOCK) == SCAN_BLOCK
+
+
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
                                 dict(num_warps=3), dict(num_warps=64), dict(split=3),
                                 dict(split=0), dict(split=32), dict(split=True),
