@@ -279,10 +279,13 @@ if triton_available():
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _radix_select(row, visible, need, lanes, bins, BLOCK: tl.constexpr):
+    def _radix_select(row, visible, need, lanes, bins, BLOCK: tl.constexpr, cand=None,
+                      GATHER: tl.constexpr = False):
         """(prefix, need): the ``need``-th largest order key of the row's ``visible`` scores as
         an unsigned-order prefix (key ^ sign bit), and how many of the entries equal to it are
-        still to be taken; 4 passes of 8-bit histograms from the top."""
+        still to be taken; 4 passes of 8-bit histograms from the top. With GATHER the scores
+        are those of the entries ``cand[:visible]`` instead (int32 entry indices, -1 for none,
+        written by other programs: read through L2)."""
         prefix = need * 0
         for level in tl.static_range(4):
             shift = 24 - 8 * level  # constexpr: level is unrolled
@@ -290,6 +293,9 @@ if triton_available():
             for c in range(0, visible, BLOCK):
                 offs = c + lanes
                 m = offs < visible
+                if GATHER:
+                    offs = tl.load(cand + offs, mask=m, other=-1, cache_modifier=".cg")
+                    m = offs >= 0
                 u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
                 if level > 0:
                     m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -385,27 +391,6 @@ if triton_available():
         _write_taken(row, out, take_n, K, KP, SORT, False)
         let_next_kernel_launch(PDL)
 
-    @triton.jit
-    def _radix_select_gathered(row, cand, n_cand: tl.constexpr, need, lanes, bins,
-                               BLOCK: tl.constexpr):
-        """:func:`_radix_select` over the scores of the entries ``cand[:n_cand]`` (int32 entry
-        indices, -1 for none, written by other programs: read through L2)."""
-        prefix = need * 0
-        for level in tl.static_range(4):
-            shift = 24 - 8 * level
-            hist = tl.zeros([256], tl.int32)
-            for c in range(0, n_cand, BLOCK):
-                v = c + lanes
-                idx = tl.load(cand + v, mask=v < n_cand, other=-1, cache_modifier=".cg")
-                m = idx >= 0
-                u = _order_key(tl.load(row + idx, mask=m, other=0.0)) ^ -2147483648
-                if level > 0:
-                    m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-                hist += tl.histogram((u >> shift) & 255, 256, mask=m)
-            digit, need = _pick_digit(hist, bins, need)
-            prefix = prefix | (digit << shift)
-        return prefix, need
-
     @triton.jit(do_not_specialize=["width", "chunk"])
     def _topk_split_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, arr_ptr, width, chunk,
                            K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
@@ -461,8 +446,8 @@ if triton_available():
             mprefix = total * 0
             mneed = total
             if visible > K:
-                mprefix, mneed = _radix_select_gathered(row, cand, P * K, mneed, mlanes, bins,
-                                                        MBLOCK)
+                mprefix, mneed = _radix_select(row, P * K, mneed, mlanes, bins, MBLOCK, cand,
+                                               True)
             mkth = mprefix ^ -2147483648
             taken = total * 0
             ties = total * 0
