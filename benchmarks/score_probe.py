@@ -17,11 +17,10 @@ bandwidth the probe measures). Writes ``score_probe.json`` and ``score_probe.md`
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from topk_probe import _time  # benchmarks/ is the script's folder: sys.path[0]
+from topk_probe import _time, write_results  # benchmarks/ is the script's folder: sys.path[0]
 
 from dsv4.kernels.indexer_topk import indexer_scores
 
@@ -94,17 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(row, flush=True)
             del keys, table
-    (args.out / "score_probe.json").write_text(json.dumps(
-        {"copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": rows}, indent=1))
-    names = list(VARIANTS)
-    lines = [f"Indexer score launch, us per call (CUDA graph of 10 calls; fp8 keys, 64 heads x "
-             f"128; floor: the key bytes at {bw / 1e12:.2f} TB/s)", "",
-             "| entries | T | floor | " + " | ".join(names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {r['width']} | {r['T']} | {r['floor_us']} | "
-              + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
-    (args.out / "score_probe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "score_probe",
+                  {"copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": rows},
+                  f"Indexer score launch, us per call (CUDA graph of 10 calls; fp8 keys, 64 heads "
+                  f"x 128; floor: the key bytes at {bw / 1e12:.2f} TB/s)",
+                  [("entries", "width"), ("T", "T"), ("floor", "floor_us")], list(VARIANTS))
     return 0
 
 

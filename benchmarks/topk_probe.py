@@ -73,6 +73,21 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
     return statistics.median(times)
 
 
+def write_results(out: Path, stem: str, payload: object, title: str,
+                  keys: list[tuple[str, str]], names: list[str]) -> None:
+    """``out/stem.json`` (``payload``) and ``out/stem.md``: ``title``, then a table of the rows
+    (``payload["rows"]`` or ``payload`` itself) with the ``keys`` columns (header, row key)
+    then one column per variant name; the table is printed too."""
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    rows = payload["rows"] if isinstance(payload, dict) else payload
+    heads = [h for h, _ in keys] + names
+    lines = [title, "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(str(r[k]) for k in [k for _, k in keys] + names) + " |"
+              for r in rows]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _choice(width: int, k: int, t: int, n_sm: int) -> list[int]:
     """The default's (split, scan block, warps) for a row of ``width`` entries."""
     split = choose_split(width, k, t, n_sm)
@@ -114,17 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in ("random", "ties"):
                     rows.append(_probe_row(k, width, t, kind, n_sm))
                     print(rows[-1], flush=True)
-    (args.out / "topk_probe.json").write_text(json.dumps(rows, indent=1))
-    names = ["zero", *VARIANTS]
-    lines = ["Top-k kernel, us per call (CUDA graph of 10 calls; every entry visible;"
-             " each call includes a zero fill of the arrival counts, timed alone in `zero`;"
-             " `auto`'s choice: split, block, warps)",
-             "", "| k | width | T | scores | auto's choice | " + " | ".join(names) + " |",
-             "|---|---|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {r['k']} | {r['width']} | {r['T']} | {r['scores']} | {r['choice']} | "
-              + " | ".join(str(r[n]) for n in names) + " |" for r in rows]
-    (args.out / "topk_probe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "topk_probe", rows,
+                  "Top-k kernel, us per call (CUDA graph of 10 calls; every entry visible; each "
+                  "call includes a zero fill of the arrival counts, timed alone in `zero`; "
+                  "`auto`'s choice: split, block, warps)",
+                  [("k", "k"), ("width", "width"), ("T", "T"), ("scores", "scores"),
+                   ("auto's choice", "choice")], ["zero", *VARIANTS])
     return 0
 
 
