@@ -296,7 +296,7 @@ def steps() -> bool:
                            dict(num_warps=it.SCAN_WARPS))
             for p in (2, 4, 8, it.MAX_SPLIT):  # the split kernel: chunk scan, merge scan
                 for block in (it.SCAN_BLOCK, it.WIDE_SCAN_BLOCK):
-                    mblock = it.choose_merge_block(p * k, block)  # spills at 4096 / 4096: faster
+                    mblock = it.choose_merge_block(p * k)  # spills at 4096 / 4096: faster
                     ok &= _try(f"indexer top-k split={p} K={k} sort={sort} block={block} "
                                f"merge={mblock}", it._topk_split_kernel,
                                {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32",

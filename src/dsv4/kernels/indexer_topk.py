@@ -131,13 +131,12 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     return p
 
 
-def choose_merge_block(candidates: int, block: int) -> int:
+def choose_merge_block(candidates: int) -> int:
     """Candidates per iteration of the split top-k's merge (a row's last program): the scan
-    width :func:`choose_scan` gives that many entries. ``block`` (the chunks' scan) is not
-    used by the rule: a 4096-wide merge beside a 4096-wide chunk scan spills 80-104 bytes (8
-    warps, sm_90 compile) and is still the faster (64K entries, P = 8: 60.5 us against 70.6
-    with a 1024-wide merge; H200, session 27)."""
-    del block
+    width :func:`choose_scan` gives that many entries, whatever the chunks scan - a 4096-wide
+    merge beside a 4096-wide chunk scan spills 80-104 bytes (8 warps, sm_90 compile) and is
+    still the faster (64K entries, P = 8: 60.5 us against 70.6 with a 1024-wide merge; H200,
+    session 27)."""
     return choose_scan(candidates)[0]
 
 
@@ -602,12 +601,11 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{arrivals.device}")
     chunk = -(-width // split)
     auto_block, auto_warps = choose_scan(chunk)
-    block = block or auto_block
     cand = torch.empty(t, split * topk, device=scores.device, dtype=torch.int32)
     _topk_split_kernel[(t, split)](
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
-        chunk, K=topk, KP=kp, P=split, BLOCK=block,
-        MBLOCK=merge_block or choose_merge_block(split * topk, block), SORT=sort,
+        chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
+        MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,
         num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
