@@ -214,6 +214,19 @@ if triton_available():
             k = (val * sc).to(DT)
         return k
 
+    @triton.jit
+    def _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical, blk_stride,
+                     B, D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                     DT: tl.constexpr, PREC: tl.constexpr):
+        """[BN] fp32 scores of entries ``j`` for one query (``q`` [HP, D], head weights ``w``
+        [HP] times the weight scale): sum over heads of w * relu(q . K[j]); -inf from
+        ``visible`` on."""
+        k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                             blk_stride, B, D, FMT, BN, DT)
+        logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        return tl.where(j < visible, s, float("-inf"))
+
     @triton.jit(do_not_specialize=["width", "tiles"])
     def _score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
@@ -245,11 +258,8 @@ if triton_available():
             n_vis = tl.minimum(tl.maximum((visible + BN - 1) // BN - first, 0), tiles)
             for i in tl.range(0, n_vis, num_stages=PIPE):
                 j = (first + i) * BN + tl.arange(0, BN)
-                k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
-                                     blk_stride, B, D, FMT, BN, DT)
-                logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-                s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
-                s = tl.where(j < visible, s, float("-inf"))
+                s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                                 blk_stride, B, D, FMT, BN, DT, PREC)
                 tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
             for i in range(n_vis, tiles):
                 j = (first + i) * BN + tl.arange(0, BN)
@@ -260,11 +270,8 @@ if triton_available():
                 jb = tl.program_id(1) * tiles + i
                 j = jb * BN + tl.arange(0, BN)
                 if jb * BN < visible:
-                    k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible,
-                                         max_logical, blk_stride, B, D, FMT, BN, DT)
-                    logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-                    s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
-                    s = tl.where(j < visible, s, float("-inf"))
+                    s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible,
+                                     max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
                 else:
                     s = tl.full([BN], float("-inf"), tl.float32)
                 tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
