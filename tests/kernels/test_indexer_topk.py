@@ -605,3 +605,20 @@ def test_cuda_layer_decode_selects_like_the_reference():
     want = DeepseekV4Attention._indexer_select(layer, step, q, w)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
+
+
+def test_the_score_grid_rule():
+    from dsv4.kernels.indexer_topk import choose_score_programs
+
+    tiles = 65536 // 64
+    assert choose_score_programs(tiles, 64, 132) == 61  # 8 per SM: 17 programs a row
+    assert choose_score_programs(tiles, 16, 132) == 16  # 8 per SM: 66 programs a row
+    assert choose_score_programs(16384 // 64, 64, 132) == 16
+    assert choose_score_programs(16384 // 64, 16, 132) == 8  # 8 per SM leaves 4: stay at 4
+    assert choose_score_programs(tiles, 1, 132) == 2  # capped by the tiles either way
+    assert choose_score_programs(64, 16, 132) == 2
+    assert choose_score_programs(tiles, 64, 132, programs_per_sm=4) == 114  # the override
+    for n_tiles in (1, 7, 64, 256, 1024, 5000):
+        for rows in (1, 3, 16, 64, 300):
+            t = choose_score_programs(n_tiles, rows, 132)
+            assert 1 <= t <= n_tiles and -(-n_tiles // t) * t >= n_tiles

@@ -6,7 +6,7 @@ width, topk, weight_scale)`` -> entry indices [T, topk] int64 (-1 pads), the con
 without Triton's interpreter):
 
 1. **Scores** (``_score_kernel``, one program per query and run of tiles of ``SCORE_BLOCK``
-   entries, about ``SCORE_PROGRAMS_PER_SM`` programs per SM over all queries):
+   entries, a few programs per SM over all queries: ``choose_score_programs``):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
    table of the query's sequence), dequantised in registers, and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
@@ -63,7 +63,7 @@ from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
            "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
-           "choose_split"]
+           "choose_score_programs", "choose_split"]
 
 FMTS = ("bf16", "fp8", "fp4")
 KERNEL_MAX_TOKENS = 64
@@ -72,7 +72,12 @@ SCORE_BLOCK = 64
 """Entries per scoring program (one page of the default block size)."""
 SCORE_PROGRAMS_PER_SM = 4
 """Scoring programs per SM (fewer: each loads its query once for more tiles; the interpreter
-counts one SM, so its tests run programs of several tiles)."""
+counts one SM, so its tests run programs of several tiles) ..."""
+WIDE_SCORE_PROGRAMS_PER_SM = 8
+"""... and when that many would still give each program ``WIDE_SCORE_MIN_TILES`` tiles
+(:func:`choose_score_programs`)."""
+WIDE_SCORE_MIN_TILES = 16
+"""Tiles a program must keep for the wider grid (fewer: its query loads cost more)."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -129,6 +134,25 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     while p > 1 and rows * p > 2 * n_sm:
         p //= 2
     return p
+
+
+def choose_score_programs(n_tiles: int, rows: int, n_sm: int,
+                          programs_per_sm: int | None = None) -> int:
+    """Tiles per scoring program (its grid: ``rows`` x ceil(n_tiles / tiles)): about
+    ``programs_per_sm`` programs per SM over all rows; by default ``WIDE_SCORE_PROGRAMS_PER_SM``
+    where each program still scans at least ``WIDE_SCORE_MIN_TILES`` tiles, else
+    ``SCORE_PROGRAMS_PER_SM``. H200 (``benchmarks/score_probe.py``, session 28; fp8 keys, 64
+    heads, us per call, 4 / 8 per SM): 16K entries x 64 rows 112.5 / 108.8, 64K x 16 109.7 /
+    107.7, 64K x 64 451.6 / 411.8 (each program 16-61 tiles at 8); where 8 per SM leaves 1-4
+    tiles a program the query loads cost more: 4K x 16 9.9 / 11.5, 64K x 1 9.3 / 11.2, 16K x 16
+    29.2 / 29.3, 4K x 64 28.7 / 29.4."""
+    def tiles_at(per_sm: int) -> int:
+        progs = max(1, min(n_tiles, -(-per_sm * n_sm // rows)))
+        return -(-n_tiles // progs)
+    if programs_per_sm is not None:
+        return tiles_at(programs_per_sm)
+    wide = tiles_at(WIDE_SCORE_PROGRAMS_PER_SM)
+    return wide if wide >= WIDE_SCORE_MIN_TILES else tiles_at(SCORE_PROGRAMS_PER_SM)
 
 
 def choose_merge_block(candidates: int) -> int:
@@ -535,12 +559,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         q = q.contiguous()
     check_key_store(keys, fmt, d)
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
-    # about SCORE_PROGRAMS_PER_SM programs per SM, each loading its query once for its tiles
+    # a few programs per SM over all queries, each loading its query once for its tiles
     bn = block or SCORE_BLOCK
     n_tiles = -(-width // bn)
     n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
-    progs = max(1, min(n_tiles, -(-(programs_per_sm or SCORE_PROGRAMS_PER_SM) * n_sm // t)))
-    tiles = -(-n_tiles // progs)
+    tiles = choose_score_programs(n_tiles, t, n_sm, programs_per_sm)
     _score_kernel[(t, -(-n_tiles // tiles))](
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
