@@ -362,10 +362,15 @@ def test_the_split_rule():
     assert choose_split(16384 - 1, 1024, 1, 132) == 1
     assert choose_split(16384, 512, 64, 132) == 4  # at most two programs per SM
     assert choose_split(16384, 512, 200, 132) == 1  # the rows fill the SMs already
+    assert choose_split(16384, 1024, 64, 132) == 2  # k = 1024: one program per SM
+    assert choose_split(65536, 1024, 64, 132) == 2
+    assert choose_split(65536, 1024, 16, 132) == 8
     for width in (2048, 5000, 16384, 1 << 18):
         for rows in (1, 3, 16, 64, 100, 300):
-            p = choose_split(width, 512, rows, 132)
-            assert p & (p - 1) == 0 and 1 <= p <= MAX_SPLIT and (p == 1 or rows * p <= 264)
+            for k in (512, 1024):
+                p = choose_split(width, k, rows, 132)
+                assert p & (p - 1) == 0 and 1 <= p <= MAX_SPLIT
+                assert p == 1 or rows * p * k <= 1024 * 132
 
 
 def test_the_scan_widens_on_wide_rows():

@@ -88,7 +88,9 @@ SCAN_WARPS = 8
 MAX_SPLIT = 16
 """Most programs a top-k row may be cut into (the ``split`` override)."""
 PREFERRED_SPLIT = 8
-"""Programs per long top-k row where the SMs have room (:func:`choose_split`)."""
+"""Programs per long top-k row where the SMs have room (:func:`choose_split`) ..."""
+SPLIT_CANDIDATES_PER_SM = 1024
+"""... and room: chunk programs times k, per SM, over all rows (two programs at k = 512)."""
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -123,15 +125,17 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     So: one program under 16 * topk entries (measured at 8 * topk: the split lost); else the
     largest power of two up to 8 with P^2 <= 2 * width / topk (the chunks' passes and the merge
     balanced: 8 at 16K and 64K entries for k = 512, measured best; 4 for Pro's k = 1024 at 16K
-    entries, which the step ran with, unchanged within 2 %; k = 1024 not probed alone), halved
-    while the rows would take more than two programs per SM (at 64 rows: 4, the best there).
-    Between 8 and 16 * topk entries not measured."""
+    entries, which the step ran with, unchanged within 2 %; session 28's probe: 50.8 us, the
+    best), halved while the rows' programs would hold more than ``SPLIT_CANDIDATES_PER_SM``
+    candidates per SM (rows * P * topk: two programs per SM at k = 512 - at 64 rows 4, the best
+    there; one at k = 1024 - at 64 rows of 16K entries 2, 62.1 us against 68.7 at 4, of 64K
+    149.7 against 153.7; session 28). Between 8 and 16 * topk entries not measured."""
     if width < 16 * topk or rows >= 2 * n_sm:
         return 1
     p = 1
     while p < PREFERRED_SPLIT and (2 * p) ** 2 * topk <= 2 * width:
         p *= 2
-    while p > 1 and rows * p > 2 * n_sm:
+    while p > 1 and rows * p * topk > SPLIT_CANDIDATES_PER_SM * n_sm:
         p //= 2
     return p
 
