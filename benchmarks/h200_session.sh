@@ -23,6 +23,7 @@
 #   bash benchmarks/h200_session.sh topk     # the top-k kernel's split / scan block / warps
 #   bash benchmarks/h200_session.sh split    # the split top-k: tests, probe, verify, decode rows
 #   bash benchmarks/h200_session.sh score    # score / top-k probes, the 64K step, indexer tests
+#   bash benchmarks/h200_session.sh rules28  # the score grid / k = 1024 split rules in a step
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -245,6 +246,16 @@ score)  # the indexer score launch's variants (pipelined loop, tile, programs pe
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 --reps 3 --profile \
         --strategies ours_flashmla_act8_pdl
     step pytest_indexer 120 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
+    ;;
+rules28)  # session 28's defaults set from probes, in a step: 8 scoring programs per SM on
+    # wide rows, 2 top-k chunks for k = 1024 at 64 rows - the tests that pin them, then the
+    # decode rows at 512 and 64K (after checka / checkb, on the warm machine)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step pytest_indexer 150 "${PYTEST[@]}" -rf tests/kernels/test_indexer_topk.py
+    step decode_step 240 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512,65536 --reps 3 --profile \
+        --strategies ours_pdl,ours_flashmla_act8_pdl
+    step score_probe 120 python3 benchmarks/score_probe.py --out "$OUT/score"
     ;;
 split)  # the split top-k (several programs per row): its tests, the probe, verify, decode
     # rows at 512 and 64K with the rule's split (one call on a cold machine)
