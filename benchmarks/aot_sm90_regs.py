@@ -94,31 +94,45 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
 GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
                   stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
                   cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                  m_tiles="i32", G="i32")
-"""The fp8 GEMM kernel's runtime arguments (its configurations and the gemv variant)."""
+                  m_tiles="i32", G="i32", xs_ptr="*fp32", sxs_m="i32", sxs_g="i32")
+"""The fp8 GEMM kernel's runtime arguments (its configurations and the gemv variant; the
+activation scales' pointer is used with ACT_PRE only)."""
 
 
 def gemm() -> None:
     seen = set()
     for M in (1, 16, 32, 64, 100):
         for n, k in ((32768, 1024), (4096, 8192), (7168, 16384), (8192, 4096)):
-            for act in (False, True):  # bf16 MMAs on the widened weight / fp8 x fp8 MMAs
+            # bf16 MMAs on the widened weight / fp8 x fp8 MMAs (x quantised in the loop) /
+            # the same on an x quantised before the launch (ACT_PRE: e4m3 x, float32 scales)
+            for act, pre in ((False, False), (True, False), (True, True)):
                 c = fl.choose_fp8_config(M, n, k, act_fp8=act)
                 key = (c.block_m, c.block_n, c.split_k > 1, c.swap, c.num_warps, c.num_stages,
-                       act)
+                       act, pre)
                 if key in seen:
                     continue
                 seen.add(key)
                 consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
                               SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
-                              DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False)
+                              DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False,
+                              ACT_PRE=pre)
+                types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
                 try:
-                    r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
+                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
                                     dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"fp8_gemm M={M} act_fp8={act} {c}: {r}", flush=True)
+                    print(f"fp8_gemm M={M} act_fp8={act} pre={pre} {c}: {r}", flush=True)
                 except Exception:
                     traceback.print_exc()
-                    print(f"FAIL fp8_gemm act_fp8={act} {c}", flush=True)
+                    print(f"FAIL fp8_gemm act_fp8={act} pre={pre} {c}", flush=True)
+    types = dict(x_ptr="*bf16", sx="i32", q_ptr="*fp8e4nv", sq="i32", s_ptr="*fp32", ss="i32",
+                 NB="i32")
+    try:
+        r = compile_one(fl._act_quant_kernel, types, dict(CH=8, EMULATE=False),
+                        dict(num_warps=4))
+        print(f"fp8 activation quantiser: {r}", flush=True)
+    except Exception:
+        traceback.print_exc()
+        print("FAIL fp8 activation quantiser", flush=True)
 
 
 def gemv() -> None:
@@ -126,7 +140,7 @@ def gemv() -> None:
     for bn, warps in ((64, 8), (32, 4), (128, 8)):
         consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
                       DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True, ACT_FP8=False,
-                      INTERP=False)
+                      INTERP=False, ACT_PRE=False)
         r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
                         dict(num_warps=warps, num_stages=3))
         print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)

@@ -305,6 +305,70 @@ def test_act_fp8_cpu_fallback_quantises_too():
     assert torch.equal(y, fp8_linear_reference(fp8_block_sim(x, 128), w, s, F32))
 
 
+def test_quantize_activations_is_the_official_rule():
+    """quantize_activations (one launch on a GPU or under the interpreter, PyTorch otherwise):
+    e4m3 values times the per-128 scales are fp8_block_sim(x, 128) exactly, the scales are
+    powers of two, for zero blocks, subnormal codes, one dominating value; 3-D x too."""
+    from dsv4.kernels.fp8_linear import quantize_activations
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    x = act_rows(5, 1024, seed=4).to(DEV)
+    xq, xs = quantize_activations(x)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == x.shape
+    assert xs.dtype == F32 and xs.shape == (5, 8)
+    assert torch.equal(torch.frexp(xs.cpu()).mantissa, torch.full_like(xs.cpu(), 0.5))
+    back = (xq.cpu().float().view(5, 8, 128) * xs.cpu()[..., None]).view(5, 1024)
+    assert torch.equal(back, fp8_block_sim(x.cpu(), 128).float())
+    x3 = act_rows(6, 1024, seed=6).view(3, 2, 1024).to(DEV)  # grouped o: [M, G, Kg]
+    q3, s3 = quantize_activations(x3)
+    assert s3.shape == (3, 2, 8)
+    assert torch.equal((q3.cpu().float().view(3, 2, 8, 128) * s3.cpu()[..., None]).view(3, 2, 1024),
+                       fp8_block_sim(x3.cpu(), 128).float())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_activations(x[:, :100])
+    with pytest.raises(ValueError, match="bf16"):
+        quantize_activations(x.float())
+
+
+@kernel_runs
+@pytest.mark.parametrize("cfg", ACT_CONFIGS)
+def test_prequantised_x_equals_in_kernel_quantisation(cfg):
+    """The e4m3 x with its scales (x_scale) gives the act_fp8 GEMM's output bit for bit: the
+    same tiles, the same products, only the quantisation moved out of the loop."""
+    from dsv4.kernels.fp8_linear import quantize_activations
+
+    w, s = make_weight(256, 1024, device=DEV, seed=2)
+    x = act_rows(7, 1024, seed=8).to(DEV)
+    xq, xs = quantize_activations(x)
+    want = fp8_linear(x, w, s, out_dtype=F32, config=cfg)
+    got = fp8_linear(xq, w, s, out_dtype=F32, config=cfg, x_scale=xs)
+    assert torch.equal(got, want)
+    assert not torch.equal(fp8_linear(xq, w, s, out_dtype=F32, config=cfg,
+                                      x_scale=xs * 2), want)  # the scales are applied
+    wg, sg = make_weight(512, 256, device=DEV, seed=5)
+    xg = act_rows(7, 512, seed=9).view(7, 2, 256).to(DEV)
+    qg, sgx = quantize_activations(xg)
+    assert torch.equal(fp8_grouped_linear(qg, wg, sg, out_dtype=F32, config=cfg, x_scale=sgx),
+                       fp8_grouped_linear(xg, wg, sg, out_dtype=F32, config=cfg))
+
+
+def test_prequantised_x_bad_input_is_refused():
+    from dsv4.kernels.fp8_linear import quantize_activations
+
+    w, s = make_weight(128, 256, device=DEV)
+    x = act_rows(3, 256).to(DEV)
+    xq, xs = quantize_activations(x)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_linear(xq, w, s, x_scale=xs[:, :1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w, s, x_scale=xs)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(xq, w, s, x_scale=xs.double())
+    if _INTERPRET or DEV == "cuda":  # the config is checked at launch
+        with pytest.raises(ValueError, match="act_fp8=False"):
+            fp8_linear(xq, w, s, x_scale=xs, config=Fp8GemmConfig(act_fp8=False))
+
+
 def test_act_fp8_with_gemv_is_refused():
     if not _INTERPRET and not torch.cuda.is_available():
         pytest.skip("the config is checked at launch")

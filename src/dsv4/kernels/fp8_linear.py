@@ -70,6 +70,7 @@ __all__ = [
     "fp8_grouped_linear_reference",
     "fp8_linear",
     "fp8_linear_reference",
+    "quantize_activations",
 ]
 
 BLOCK = 128
@@ -227,6 +228,7 @@ if triton_available():
         DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
         INTERP: tl.constexpr = False,
         PDL: tl.constexpr = False,
+        xs_ptr=None, sxs_m=0, sxs_g=0, ACT_PRE: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
@@ -247,6 +249,8 @@ if triton_available():
         kb1 = (split + 1) * nkb // SPLIT_K
         w_ptrs = w_ptr + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
         x_base = x_ptr + g * sxg
+        if ACT_PRE:  # x already e4m3, its scales [M, G, Kg / 128] float32 beside it
+            xs_row = xs_ptr + g * sxs_g + offs_m * sxs_m
         if SWAP:
             x_ptrs = x_base + offs_m[None, :] * sxm + (kb0 * BK + offs_k)[:, None]
             acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -274,6 +278,22 @@ if triton_available():
                                 eviction_policy="evict_first")
                 xv = tl.load(x_base + pid_m * sxm + kb * BK + offs_k).to(tl.float32)
                 part += wf * (xv * s)[None, :]
+            elif ACT_PRE:
+                # fp8 x fp8 MMA on the activations as quantised before the launch (the tile
+                # and its scales loaded, no amax in the loop); the same products as ACT_FP8
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                sx = tl.load(xs_row + kb, mask=m_mask, other=0.0)
+                if SWAP:
+                    xq = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+                else:
+                    xq = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+                if INTERP:
+                    w = w.to(tl.float32)
+                    xq = xq.to(tl.float32)
+                if SWAP:
+                    acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
+                else:
+                    acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
             elif ACT_FP8:
                 # fp8 x fp8 MMA (the weight tile as stored), each token's block product times
                 # its activation scale and the weight block's scale; interpreted: fp32 operands
@@ -353,6 +373,23 @@ if triton_available():
         let_next_kernel_launch(PDL)
 
 
+    @triton.jit
+    def _act_quant_kernel(x_ptr, sx, q_ptr, sq, s_ptr, ss, NB, CH: tl.constexpr,
+                          EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+        """Row r, K blocks c*CH .. c*CH+CH-1 of x quantised as :func:`act_quant_block` does
+        (the tiles the GEMM's ACT_FP8 loop quantises, here once per launch)."""
+        wait_for_prior_kernel(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1) * CH + tl.arange(0, CH)
+        ok = blk < NB
+        col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
+        xt = tl.load(x_ptr + r * sx + col, mask=ok[:, None], other=0.0).to(tl.float32)
+        q, sc = act_quant_block(xt, 1, EMULATE)
+        tl.store(q_ptr + r * sq + col, q, mask=ok[:, None])
+        tl.store(s_ptr + r * ss + blk, sc, mask=ok)
+        let_next_kernel_launch(PDL)
+
+
 # ---------------------------------------------------------------------------------- launch
 
 
@@ -372,11 +409,13 @@ _WORKSPACES: dict[str, SplitKWorkspace] = {}
 
 
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
-            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None) -> None:
-    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous)."""
+            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None,
+            xs3: torch.Tensor | None = None) -> None:
+    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous); ``xs3``
+    [M, G, Kg / 128] float32: x3 is e4m3, quantised before the launch (act_fp8 tiles)."""
     M, G, Kg = x3.shape
     R = y3.shape[2]
-    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device))
+    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device), act_fp8=xs3 is not None)
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
         raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")
@@ -385,6 +424,9 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
                          f"swap={cfg.swap}")
     if cfg.gemv and cfg.act_fp8:
         raise ValueError("act_fp8 runs fp8 MMAs; gemv has none: choose one")
+    if xs3 is not None and not cfg.act_fp8:
+        raise ValueError("pre-quantised (e4m3) x runs the act_fp8 tiles: the config has "
+                         "act_fp8=False")
     n_tiles = R // bn
     m_tiles = -(-M // cfg.block_m)
     m_ws = m_tiles * cfg.block_m
@@ -406,32 +448,84 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
         INTERP=_INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
+        **({} if xs3 is None else dict(xs_ptr=xs3, sxs_m=xs3.stride(0), sxs_g=xs3.stride(1),
+                                       ACT_PRE=True)),
     )
 
 
-def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None) -> torch.Tensor:
-    """x as the kernel sees it: quantised per 128 (§6.3, exact in bf16) under ``act_fp8``."""
+def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None,
+             x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x as the kernel sees it: quantised per 128 (§6.3, exact in bf16) under ``act_fp8``;
+    a pre-quantised x times its scales."""
+    if x_scale is not None:
+        return (x.float().unflatten(-1, (-1, BLOCK)) * x_scale[..., None]).flatten(-2)
     return fp8_block_sim(x, BLOCK) if config is not None and config.act_fp8 else x
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor, x_scale: torch.Tensor | None = None) -> bool:
+    """The kernel takes the call (Triton, and CUDA or the interpreter); checks x's dtype:
+    bf16, or e4m3 with float32 block scales [..., K / 128] (a pre-quantised x)."""
     use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
-    if use and x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype}")
+    if x_scale is None and use and x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype} (an e4m3 x needs "
+                         "x_scale)")
+    if x_scale is not None:
+        want = (*x.shape[:-1], x.shape[-1] // BLOCK)
+        if x.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32 or \
+                tuple(x_scale.shape) != want:
+            raise ValueError(f"a pre-quantised x is float8_e4m3fn with float32 x_scale {want}, "
+                             f"got x {x.dtype}, x_scale {x_scale.dtype} "
+                             f"{tuple(x_scale.shape)}")
     return use
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The §6.3 activation quantisation of x [..., K] (bf16, K a multiple of 128) once: (xq
+    float8_e4m3fn [..., K], x_scale float32 [..., K / 128]) with xq * x_scale (per 128-block)
+    equal to ``fp8_block_sim(x, 128)`` - the values the ``act_fp8`` GEMM quantises in its loop,
+    for :func:`fp8_linear` / :func:`fp8_grouped_linear`'s ``x_scale`` form. One launch (one
+    program per row and 8 blocks) on CUDA or under the interpreter, else PyTorch."""
+    from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, round_e4m3
+    from dsv4.layers.quant_sim import pow2_block_scale
+
+    if x.dtype != torch.bfloat16 or x.dim() < 1 or x.shape[-1] % BLOCK or x.stride(-1) != 1:
+        raise ValueError(f"quantize_activations: bf16 [..., K] with K a multiple of {BLOCK} and "
+                         f"contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[-1]
+    nb = k // BLOCK
+    if not (triton_available() and (x.device.type == "cuda" or _INTERPRET)):
+        v = x.float().unflatten(-1, (nb, BLOCK))
+        sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+        q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+        return q.flatten(-2).to(torch.float8_e4m3fn), sigma.squeeze(-1)
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    # interpreted: the kernel writes the e4m3 values as float32 (no fp8 arithmetic there)
+    q = torch.empty(rows, k, device=x.device,
+                    dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn)
+    sc = torch.empty(rows, nb, device=x.device, dtype=torch.float32)
+    if rows:
+        ch = 8
+        _act_quant_kernel[(rows, -(-nb // ch))](x2, x2.stride(0), q, q.stride(0), sc,
+                                                sc.stride(0), nb, CH=ch, EMULATE=_INTERPRET,
+                                                num_warps=4, **pdl_args(x.device))
+    return q.to(torch.float8_e4m3fn).view(x.shape), sc.view(*x.shape[:-1], nb)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                config: Fp8GemmConfig | None = None,
-               workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+               workspace: SplitKWorkspace | None = None,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scale)^T, without materialising the dequantised weight.
 
     ``x`` bf16 [M, K] (rows may be strided, columns contiguous); ``weight`` float8_e4m3fn [N, K]
     contiguous; ``scale`` [N/128, K/128] (e8m0 / uint8 bytes / float32). ``out`` (optional)
     [M, N] bf16 or float32 with contiguous columns. A split-K launch uses ``workspace`` (default:
     one per device, shared: do not run two launches concurrently on different streams; grow it
-    with one eager call before CUDA-graph capture).
+    with one eager call before CUDA-graph capture). ``x_scale`` [M, K/128] float32: x is already
+    quantised (e4m3, :func:`quantize_activations`) and runs the act_fp8 tiles without the
+    in-loop quantisation (the same result as act_fp8 on the bf16 x).
     """
     _check_weight(weight, scale)
     N, K = weight.shape
@@ -441,28 +535,31 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     y = out if out is not None else torch.empty(M, N, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, N) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {N}] bf16/float32, got {tuple(y.shape)} {y.dtype}")
+    use = _use_kernel(x, x_scale)
     if M == 0:
         return y
-    if not _use_kernel(x):
-        y.copy_(fp8_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
+    if not use:
+        y.copy_(fp8_linear_reference(_act_sim(x, config, x_scale), weight, scale, y.dtype))
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     if y.stride(1) != 1:
         raise ValueError("out must have contiguous columns")
     _launch(x.unsqueeze(1), weight.contiguous(), scale.contiguous(), y.unsqueeze(1), config,
-            workspace)
+            workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1))
     return y
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                        out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                        config: Fp8GemmConfig | None = None,
-                       workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+                       workspace: SplitKWorkspace | None = None,
+                       x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, G, R] with y[:, g] = x[:, g] @ (W rows g*R .. g*R+R-1)^T, one launch (``wo_a``).
 
     ``x`` bf16 [M, G, Kg] (last dim contiguous; e.g. o [M, H, d] viewed as [M, G, H/G*d]);
     ``weight`` float8_e4m3fn [G*R, Kg]; ``scale`` [G*R/128, Kg/128]; R and Kg multiples of 128
     (so every group owns whole scale blocks). ``out`` optional [M, G, R], last dim contiguous.
+    ``x_scale`` [M, G, Kg/128] float32: a pre-quantised e4m3 x (as :func:`fp8_linear`).
     """
     _check_weight(weight, scale)
     if x.dim() != 3 or x.shape[2] != weight.shape[1] or weight.shape[0] % x.shape[1]:
@@ -475,16 +572,19 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     y = out if out is not None else torch.empty(M, G, R, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, G, R) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {G}, {R}] bf16/float32, got {tuple(y.shape)}")
+    use = _use_kernel(x, x_scale)
     if M == 0:
         return y
-    if not _use_kernel(x):
-        y.copy_(fp8_grouped_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
+    if not use:
+        y.copy_(fp8_grouped_linear_reference(_act_sim(x, config, x_scale), weight, scale,
+                                             y.dtype))
         return y
     if x.stride(2) != 1:
         x = x.contiguous()
     if y.stride(2) != 1:
         raise ValueError("out must have a contiguous last dim")
-    _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace)
+    _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace,
+            None if x_scale is None else x_scale.contiguous())
     return y
 
 
