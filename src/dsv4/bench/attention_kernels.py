@@ -11,7 +11,12 @@ how far the indices reach: sequence t owns window rows t*ctx .. t*ctx+ctx-1 and 
 t*ctx/4 .. ; its window is the last 128 of them, its K compressed rows a random subset).
 
 GEMMs: ``dsv4.kernels.fp8_linear`` vs the current path (dequantise to bf16 + matmul) for
-wq_b, wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64.
+wq_b, wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64; and
+``q_fused``, ``wq_b`` and the indexer's ``wq_b`` stacked into one weight (both read the same
+normalised q latent: what one launch for the two would cost). ``--variants act8`` runs only
+the fp8-activation rows: the layer's act_quant choice (``act8``), the same GEMM on an x
+quantised before it (``act8pre``, ``quantize_activations`` outside the timed call) and both
+launches together (``act8pre_q``).
 
 Every implementation is checked against the reference first (a wrong one is not timed). Times are
 CUDA-graph replay (CUDA events, median of trials; ``input_proj.time_graph``), with inputs rotated
@@ -42,10 +47,15 @@ CTXS = (512, 8192, 65536)
 # (name, N, K, groups) per model; grouped: N = G * R rows, K = Kg
 GEMMS = {
     "flash": [("wq_b", 64 * 512, 1024, 1), ("wo_a", 8 * 1024, 4096, 8),
-              ("wo_b", 4096, 8 * 1024, 1), ("idx_wq_b", 64 * 128, 1024, 1)],
+              ("wo_b", 4096, 8 * 1024, 1), ("idx_wq_b", 64 * 128, 1024, 1),
+              ("q_fused", 64 * 512 + 64 * 128, 1024, 1)],
     "pro": [("wq_b", 128 * 512, 1536, 1), ("wo_a", 16 * 1024, 4096, 16),
-            ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1)],
+            ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1),
+            ("q_fused", 128 * 512 + 64 * 128, 1536, 1)],
 }
+VARIANT_SETS = ("all", "act8", "none")
+"""GEMM rows beside dsv4_fp8 / dequant_bf16: every tile probe, only the fp8-activation rows
+(act8, act8pre, act8pre_q), or none."""
 GEMM_MS = (1, 16, 64)
 ROTATE_BYTES = 320e6
 MAX_STORE_BYTES = 16e9
@@ -206,7 +216,8 @@ def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2)
 
 
 def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
-              variants: bool = True) -> None:
+              variants: bool | str = True) -> None:
+    """``variants``: one of :data:`VARIANT_SETS` (True: all, False: none)."""
     gen = torch.Generator(device=dev).manual_seed(1)
     for model, shapes in GEMMS.items():
         for name, N, K, G in shapes:
@@ -216,7 +227,7 @@ def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
 
 
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                     time_graph, variants: bool = False) -> None:
+                     time_graph, variants: bool | str = False) -> None:
     from dsv4.kernels.fp8_linear import (
         Fp8GemmConfig,
         choose_fp8_config,
@@ -224,8 +235,14 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         fp8_grouped_linear_reference,
         fp8_linear,
         fp8_linear_reference,
+        quantize_activations,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    vset = variants if isinstance(variants, str) else "all" if variants else "none"
+    if vset not in VARIANT_SETS:
+        raise ValueError(f"variants {variants!r}: one of {VARIANT_SETS}")
 
     wbytes = N * K + (N // 128) * (K // 128)
     rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
@@ -239,11 +256,13 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
               for _ in range(rot)]
 
-        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
+        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None,
+                 x_scale: list | None = None) -> torch.Tensor:
             w, s = ws[i]
+            xsc = None if x_scale is None else x_scale[i]
             if G > 1:
-                return fp8_grouped_linear(xs[i], w, s, config=cfg)
-            return fp8_linear(xs[i], w, s, config=cfg)
+                return fp8_grouped_linear(xs[i], w, s, config=cfg, x_scale=xsc)
+            return fp8_linear(xs[i], w, s, config=cfg, x_scale=xsc)
 
         def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does today
             w, s = ws[i]
@@ -259,9 +278,15 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         base = {"section": "gemm", "model": model, "gemm": name, "N": N, "K": K, "G": G,
                 "M": M, "rotations": rot}
         # (name, call, reference): the act8 probes against the product of the quantised x
-        impls: list[tuple[str, Callable, torch.Tensor]] = [("dsv4_fp8", ours, ref),
-                                                           ("dequant_bf16", current, ref)]
-        if variants:  # probes around the table's choice: half / double the row tile and split,
+        # fp8 x fp8 MMAs on activations quantised per 128 (the official numerics,
+        # dsv4-attention.md §6.3): those rows are checked against this product
+        xq0 = fp8_block_sim(xs[0], 128)
+        ref_q = (fp8_grouped_linear_reference(xq0, w0, s0, torch.float32) if G > 1
+                 else fp8_linear_reference(xq0, w0, s0, torch.float32))
+        impls: list[tuple[str, Callable, torch.Tensor]] = [("dsv4_fp8", ours, ref)]
+        if vset != "act8":
+            impls.append(("dequant_bf16", current, ref))
+        if vset == "all":  # probes around the table's choice: half / double the row tile and split,
             # deeper pipelines (more weight bytes in flight per program), twice the split
             c = choose_fp8_config(M, N, K)
             for tag, change in (
@@ -285,13 +310,6 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                 for tag, gchange in gemv_probes:
                     vc = Fp8GemmConfig(**{**c.__dict__, "block_m": 1, "gemv": True, **gchange})
                     impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref))
-            # fp8 x fp8 MMAs on activations quantised per 128 (the official numerics,
-            # dsv4-attention.md §6.3)
-            from dsv4.layers.quant_sim import fp8_block_sim
-
-            xq0 = fp8_block_sim(xs[0], 128)
-            ref_q = (fp8_grouped_linear_reference(xq0, w0, s0, torch.float32) if G > 1
-                     else fp8_linear_reference(xq0, w0, s0, torch.float32))
             # act8: the layer's choice under act_quant (choose_fp8_config(act_fp8=True)); the
             # others around the bf16 table's choice c; act8_mlarge (M > 16): the M > 64
             # table's non-swapped tile (act8 lost in the M = 64 step, session 24)
@@ -306,9 +324,31 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                 act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
+        if vset in ("all", "act8"):
+            impls += _act8_rows(M, N, K, xs, ours, ref_q, vset == "act8", choose_fp8_config,
+                                quantize_activations)
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
+
+
+def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> list:
+    """The fp8-activation rows (``--variants act8``; with ``all`` the act8 row is already
+    there): the act_quant choice quantising x in its loop (``act8``), the same tiles on x
+    quantised before the call (``act8pre``: the GEMM alone) and the quantiser plus the GEMM
+    (``act8pre_q``: two launches). All against the product of ``fp8_block_sim(x, 128)`` and
+    the dequantised weight (``ref_q``)."""
+    cfg = choose(M, N, K, act_fp8=True)
+    pre = [quantize(x) for x in xs]
+    xq, xsc = [p[0] for p in pre], [p[1] for p in pre]
+
+    def both(i: int) -> torch.Tensor:
+        q, sc = quantize(xs[i])
+        return ours(i, xs={i: q}, cfg=cfg, x_scale={i: sc})
+
+    rows = [("dsv4_fp8_act8", lambda i: ours(i, cfg=cfg), ref_q)] if with_act8 else []
+    return rows + [("dsv4_fp8_act8pre", lambda i: ours(i, xs=xq, cfg=cfg, x_scale=xsc), ref_q),
+                   ("dsv4_fp8_act8pre_q", both, ref_q)]
 
 
 # ---------------------------------------------------------------------------------- report
@@ -392,6 +432,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
     ap.add_argument("--only", choices=["attention", "gemm"], default=None)
     ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
+    ap.add_argument("--variants", choices=VARIANT_SETS, default=None,
+                    help="which GEMM probe rows: all (default), act8 (the fp8-activation rows "
+                         "only), none (as --no-variants)")
     ap.add_argument("--report-only", action="store_true",
                     help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
     args = ap.parse_args(argv)
@@ -414,11 +457,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)
 
+    vset = args.variants or ("none" if args.no_variants else "all")
     if args.only in (None, "gemm"):
-        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants)
+        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, vset)
         save()
     if args.only in (None, "attention"):
-        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, not args.no_variants,
+        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, vset == "all",
                        after_case=save)
     res["seconds"] = time.time() - t0
     save()
