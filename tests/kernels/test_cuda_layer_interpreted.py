@@ -81,3 +81,33 @@ def test_step_kernels_on_equal_off(cpu_cuda_layer, ratio, formats):
     assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-3  # inverse RoPE: 1 bf16 ulp
     for name in st_off:  # the stores hold the same rows (a zero's sign may differ)
         assert torch.equal(st_on[name], st_off[name]), name
+
+
+def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
+    """``use_prequantised_query_latent``: under act_quant the latent-norms launch writes qr in
+    e4m3 and both query GEMMs read it instead of quantising in their loops - the same outputs
+    and stores bit for bit, and the GEMMs really took it (every step of at most 128 tokens:
+    the 20-token prefill and the 6 decode steps, twice each)."""
+    import dsv4.platforms.cuda_linears as cl
+
+    cfg = DSV4Config.preset("tiny").replace(act_quant=True)
+    real, took = cl.fp8_linear, []
+
+    def spy(x, *args, **kw):
+        took.append(kw.get("x_scale") is not None)
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(cl, "fp8_linear", spy)
+    runs = []
+    for on in (False, True):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.fp8_plan = cl.plan_fp8_linears(layer, True)  # the streaming GEMMs, interpreted
+        assert {"wq_b", "indexer.wq_b"} <= layer.fp8_plan.eligible
+        layer.use_prequantised_query_latent(on)
+        took.clear()
+        runs.append((*_run(layer, cfg.hidden_size), sum(took)))
+    (y_off, st_off, n_off), (y_on, st_on, n_on) = runs
+    assert n_off == 0 and n_on == 2 * 7
+    assert torch.equal(y_on, y_off)
+    for name in st_off:
+        assert torch.equal(st_on[name], st_off[name]), name

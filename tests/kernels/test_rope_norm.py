@@ -120,6 +120,30 @@ def test_latent_norms(shape, t):
 
 
 @kernel_runs
+@pytest.mark.parametrize("q_rank", [128, 384])
+def test_latent_norms_with_qr_in_fp8(q_rank):
+    """The same launch also writes qr as the act_quant GEMMs take it: the same qr and kv as
+    latent_norms, and e4m3 values times the per-128 scales equal to fp8_block_sim(qr, 128)
+    (an all-zero block included: the amax floor). 384 is not a power of two (masked lanes)."""
+    from dsv4.kernels.rope_norm import latent_norms, latent_norms_q_fp8
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    lay = stage_layer(small_cfg(q_lora_rank=q_rank, num_attention_heads=4, head_dim=128,
+                                qk_rope_head_dim=64))
+    qr_kv = rand(5, q_rank + lay.head_dim, seed=3, scale=3.0)
+    qr_kv[2, :128] = 0.0  # a zero block of qr
+    args = (lay.q_norm.weight, lay.kv_norm.weight, lay.q_norm.eps, lay.kv_norm.eps)
+    qr, kv, (q8, qs) = latent_norms_q_fp8(qr_kv, *args)
+    want_qr, want_kv = latent_norms(qr_kv, *args)
+    assert torch.equal(qr, want_qr) and torch.equal(kv, want_kv)
+    assert q8.dtype == torch.float8_e4m3fn and qs.shape == (5, q_rank // 128)
+    back = (q8.cpu().float().view(5, -1, 128) * qs.cpu()[..., None]).view(5, q_rank)
+    assert torch.equal(back, fp8_block_sim(qr.cpu(), 128).float())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        latent_norms_q_fp8(qr_kv[:, 28:], lay.q_norm.weight[28:], *args[1:])
+
+
+@kernel_runs
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("t", [1, 9])
 def test_query_heads(shape, t):

@@ -285,3 +285,26 @@ def test_stream_plan_calls_take_the_fp8_input_gemm(tiny, ratio):
             y_ref = ref(x[begin:begin + n], pos, ref_cache)
         assert rel_err(y, y_ref) < 1e-2, (n, rel_err(y, y_ref))
         begin += n
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_prequantised_query_latent_is_bit_equal_on_the_gpu(tiny):
+    """``use_prequantised_query_latent`` under act_quant: qr quantised once in the latent-norms
+    launch, both query GEMMs reading it - a prefill and decode steps give the same outputs bit
+    for bit as the in-loop quantisation, and every call of at most 128 tokens took it."""
+    from dsv4.kernels import fp8_linear as fl
+
+    cfg = tiny.replace(act_quant=True)
+    x = random_x(40, cfg.hidden_size).to("cuda", BF16)
+    outs, took = [], []
+    for on in (False, True):
+        layer, _ = _cuda_pair(cfg, 4, "triton")
+        assert {"wq_b", "indexer.wq_b"} <= layer.fp8_plan.eligible
+        layer.use_prequantised_query_latent(on)
+        with mock.patch("dsv4.platforms.cuda_linears.fp8_linear", wraps=fl.fp8_linear) as spy:
+            y, _ = _prefill_and_decode(layer, x, 30)
+        outs.append(y)
+        took.append(sum(c.kwargs.get("x_scale") is not None for c in spy.call_args_list))
+    assert took == [0, 2 * 11]  # the prefill and 10 decode steps, two GEMMs each
+    assert torch.equal(outs[0], outs[1])

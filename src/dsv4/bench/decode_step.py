@@ -38,6 +38,10 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        library itself launches with PDL by default since session 27)
 * ``ours_flashmla_act8_1s``, ``..._1s_pdl`` (opt-in): ``ours_flashmla_act8`` (with PDL) with
                        every kernel on one stream (no side streams)
+* ``ours_flashmla_act8_qpre_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the query latent
+                       quantised once in the latent-norms launch for both query GEMMs
+                       (``CudaAttention.use_prequantised_query_latent``); its output must
+                       equal ``ours_flashmla_act8``'s bit for bit where that ran
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -84,10 +88,11 @@ OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
 PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
+PROBES = ("ours_flashmla_act8_qpre_pdl",)  # opt-in: --strategies
 STRATEGIES = UPSTREAM + OURS  # the default set
-ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM
+ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
-            "ours_flashmla_act8") + PDL + ONE_STREAM
+            "ours_flashmla_act8") + PDL + ONE_STREAM + PROBES
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class Strategy:
     step_kernels: bool = False
     act_quant: bool = False
     pdl: bool = False  # programmatic dependent launch for our kernels (dsv4.kernels.launch)
+    qr_fp8: bool = False  # CudaAttention.use_prequantised_query_latent (with act_quant)
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -127,6 +133,8 @@ STRATEGY_SPECS = {
                                       True),
     "ours_flashmla_act8_1s_pdl": Strategy(0, "plan", _BOTH, True, "flashmla", "fp8_ds_mla",
                                           True, True, pdl=True),
+    "ours_flashmla_act8_qpre_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                            "fp8_ds_mla", True, True, pdl=True, qr_fp8=True),
 }
 
 
@@ -142,6 +150,7 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
     layer.use_step_kernels(spec.step_kernels)
+    layer.use_prequantised_query_latent(spec.qr_fp8)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer
@@ -228,7 +237,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
     # the first act_quant row against the first bf16-activation row where the indexer keeps
     # every visible entry (1e-1): at longer contexts the quantised q picks other entries
     bases: dict[bool, tuple[torch.Tensor, str]] = {}
-    twins: dict[Strategy, tuple[torch.Tensor, str]] = {}  # PDL must not change a bit
+    twins: dict[Strategy, tuple[torch.Tensor, str]] = {}  # PDL, qr_fp8 must not change a bit
     selects_all = (LAYER_RATIO[layer_type] != 4
                    or (context + 1) // 4 <= cfg.index_topk)
     for strategy in strategies:
@@ -276,10 +285,13 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
         spec = STRATEGY_SPECS[strategy]
-        twin = twins.setdefault(dataclasses.replace(spec, pdl=False), (out.clone(), strategy))
+        # PDL and the pre-quantised query latent must not change a bit
+        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False),
+                                (out.clone(), strategy))
         if not torch.equal(out, twin[0]):
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: output "
-                               f"differs from {twin[1]}'s (the same step without PDL)")
+                               f"differs from {twin[1]}'s (the same step without PDL or the "
+                               "pre-quantised query latent)")
         act = spec.act_quant
         tol = 2e-2
         if act in bases:

@@ -77,9 +77,11 @@ from dsv4.platforms.cuda_elementwise import (
     fused_inverse_rope,
     fused_kv_rows,
     fused_latent_norms,
+    fused_latent_norms_q_fp8,
     fused_query_heads,
 )
 from dsv4.platforms.cuda_linears import (
+    FP8_GEMM_MAX_TOKENS,
     Fp8LinearPlan,
     fp8_gemm,
     fp8_wo_a_wo_b,
@@ -135,7 +137,8 @@ class CudaAttention(DeepseekV4Attention):
     platform_name = "cuda"
     HELPERS = ("_score_gemm", "_graphed", "use_cuda_graphs", "use_fp8_gemms", "_fp8_ready",
                "attention_choice", "use_step_kernels", "_elementwise_ready",
-               "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready")
+               "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
+               "use_prequantised_query_latent", "_qr_fp8_for")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -151,6 +154,10 @@ class CudaAttention(DeepseekV4Attention):
         """Which fp8 linears run through the weight-streaming kernels (set after each load)."""
         self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
         self._step_kernels_enabled = True
+        self._qr_fp8_enabled = False
+        self._qr_fp8: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """The last ``_latent_norms`` call's qr and its fp8 form (e4m3, scales), for the two
+        query GEMMs of the same step (matched by identity, so no other tensor takes it)."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -163,6 +170,25 @@ class CudaAttention(DeepseekV4Attention):
         compressors' raw rows, entries and ring rows, the cache writes and the flat store rows.
         Comparisons and benchmarks of the earlier path."""
         self._step_kernels_enabled = enabled
+
+    def use_prequantised_query_latent(self, enabled: bool) -> None:
+        """Under ``act_quant``: the latent-norms launch also writes qr quantised (e4m3 + a
+        power-of-two scale per 128, §6.3) and ``wq_b`` and the indexer's ``wq_b`` read it
+        instead of each quantising qr in their loops (the same outputs, bit for bit; no extra
+        launch). Off by default until timed on a GPU (the decode-step bench's ``..._qpre``
+        strategies)."""
+        self._qr_fp8_enabled = enabled
+        self._qr_fp8 = None
+
+    def _qr_fp8_for(self, name: str, qr: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fp8 form of ``qr`` for the streaming GEMM of linear ``name``, where the latent
+        norms made one for this very tensor and the call is one the kernel streams."""
+        memo = self._qr_fp8
+        if (memo is None or memo[0] is not qr or not self.cfg.act_quant
+                or qr.shape[0] > FP8_GEMM_MAX_TOKENS or name not in self.fp8_plan.eligible):
+            return None
+        return memo[1]
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
@@ -245,12 +271,13 @@ class CudaAttention(DeepseekV4Attention):
 
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self._fp8_ready("wq_b", qr):
-            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant)
+            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self._qr_fp8_for("wq_b", qr))
         return super()._wq_b_gemm(qr)
 
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
-            return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant)
+            return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant,
+                            self._qr_fp8_for("indexer.wq_b", qr))
         return super()._indexer_wq_b_gemm(qr)
 
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -269,9 +296,16 @@ class CudaAttention(DeepseekV4Attention):
         return self._step_kernels_enabled and elementwise_usable(self, x)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._elementwise_ready(qr_kv):
-            return fused_latent_norms(self, qr_kv)
-        return super()._latent_norms(qr_kv)
+        self._qr_fp8 = None
+        if not self._elementwise_ready(qr_kv):
+            return super()._latent_norms(qr_kv)
+        takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
+        if (self._qr_fp8_enabled and self.cfg.act_quant and self._fp8_enabled and takers
+                and self.cfg.q_lora_rank % 128 == 0 and qr_kv.shape[0] <= FP8_GEMM_MAX_TOKENS):
+            qr, kv, q8 = fused_latent_norms_q_fp8(self, qr_kv)
+            self._qr_fp8 = (qr, q8)
+            return qr, kv
+        return fused_latent_norms(self, qr_kv)
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if self._elementwise_ready(qr):

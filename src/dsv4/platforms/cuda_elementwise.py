@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4.kernels.rope_norm import kernels_usable, latent_norms, rope_hadamard_fp4, rope_heads
+from dsv4.kernels.rope_norm import (
+    kernels_usable,
+    latent_norms,
+    latent_norms_q_fp8,
+    rope_hadamard_fp4,
+    rope_heads,
+)
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK, index_numerics_sim
 
 if TYPE_CHECKING:
@@ -35,6 +41,14 @@ def fused_latent_norms(layer: DeepseekV4Attention, qr_kv: torch.Tensor
     """``q_norm`` and ``kv_norm`` of the two halves of ``qr_kv``, one launch."""
     return latent_norms(qr_kv, layer.q_norm.weight, layer.kv_norm.weight, layer.q_norm.eps,
                         layer.kv_norm.eps)
+
+
+def fused_latent_norms_q_fp8(layer: DeepseekV4Attention, qr_kv: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor,
+                                        tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`fused_latent_norms` plus qr in e4m3 with its per-128 scales (§6.3), one launch."""
+    return latent_norms_q_fp8(qr_kv, layer.q_norm.weight, layer.kv_norm.weight,
+                              layer.q_norm.eps, layer.kv_norm.eps)
 
 
 def fused_query_heads(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor

@@ -115,16 +115,21 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
     return not name.startswith("indexer.") or layer.indexer is not None
 
 
-def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
+def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
+             x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
     kernel, or (long calls) a one-pass dequantised copy and cuBLAS. ``act_quant``: x quantised
     as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim`` before
-    cuBLAS."""
+    cuBLAS. ``x_fp8`` (with ``act_quant``): x already quantised that way (e4m3, float32 scales
+    per 128: :func:`dsv4.kernels.rope_norm.latent_norms_q_fp8`), which the streaming kernel
+    then reads instead of quantising x in its loop - the same result."""
     assert lin.scale is not None
     n, k = lin.weight.shape
     if x.shape[0] <= FP8_GEMM_MAX_TOKENS:
         cfg = (choose_fp8_config(x.shape[0], n, k, sm_count(x.device), act_fp8=True)
                if act_quant else None)
+        if act_quant and x_fp8 is not None:
+            return fp8_linear(x_fp8[0], lin.weight, lin.scale, config=cfg, x_scale=x_fp8[1])
         return fp8_linear(x, lin.weight, lin.scale, config=cfg)
     if act_quant:
         x = fp8_block_sim(x, BLOCK)
