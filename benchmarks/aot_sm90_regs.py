@@ -348,6 +348,16 @@ def stages() -> bool:
                {k: v for k, v in t.items() if k != "eps"},
                dict(D2=64, NOPE2=32, BH=16, HSCALE=128 ** -0.5, DOT_DT=tl.bfloat16,
                     DOT_PREC="tf32"), dict(num_warps=4))
+    # the latent norms (q_norm + kv_norm), Flash / Pro ranks, with and without qr's e4m3 form
+    t = dict(x_ptr="*bf16", sxt="i32", wq_ptr="*bf16", wkv_ptr="*bf16", q_ptr="*bf16",
+             sqt="i32", kv_ptr="*bf16", skt="i32", eps_q="fp32", eps_kv="fp32",
+             q8_ptr="*fp8e4nv", sq8="i32", qs_ptr="*fp32", sqs="i32")
+    for qr_rank in (1024, 1536):
+        bq = triton.next_power_of_2(qr_rank)
+        for q_fp8 in (False, True):
+            ok &= _try(f"latent_norms qr={qr_rank} q_fp8={q_fp8}", rn._latent_norms_kernel, t,
+                       dict(QR=qr_rank, KV=512, BQ=bq, BKV=512, Q_FP8=q_fp8, EMULATE=False),
+                       dict(num_warps=8 if bq >= 2048 else 4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", rsrc_ptr="*i64", csrc_ptr="*i64", s_src="i32",
              ent_ptr="*i64", w_ptr="*bf16", freq_ptr="*fp32", out_ptr="*bf16", s_out="i32",
              eps="fp32")
