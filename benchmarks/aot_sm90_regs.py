@@ -94,9 +94,11 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
 GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
                   stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
                   cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                  m_tiles="i32", G="i32", xs_ptr="*fp32", sxs_m="i32", sxs_g="i32")
+                  m_tiles="i32", G="i32", xs_ptr="*fp32", sxs_m="i32", sxs_g="i32",
+                  w2_ptr="*fp8e4nv", sc2_ptr="*u8", stride_sc2="i32", y2_ptr="*bf16",
+                  sy2m="i32", N1="i32")
 """The fp8 GEMM kernel's runtime arguments (its configurations and the gemv variant; the
-activation scales' pointer is used with ACT_PRE only)."""
+activation scales' pointer is used with ACT_PRE only, the second weight's with PAIR only)."""
 
 
 def gemm() -> None:
@@ -115,7 +117,7 @@ def gemm() -> None:
                 consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
                               SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
                               DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False,
-                              ACT_PRE=pre)
+                              ACT_PRE=pre, PAIR=False)
                 types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
                 try:
                     r = compile_one(fl._fp8_gemm_kernel, types, consts,
@@ -124,6 +126,23 @@ def gemm() -> None:
                 except Exception:
                     traceback.print_exc()
                     print(f"FAIL fp8_gemm act_fp8={act} pre={pre} {c}", flush=True)
+    # the query pair (wq_b + the indexer's wq_b in one launch) at its rule's configurations
+    for M in (1, 16, 64):
+        for n, k in ((32768 + 8192, 1024), (65536 + 8192, 1536)):
+            for pre in (False, True):
+                c = fl.choose_fp8_config(M, n, k, act_fp8=True)
+                consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
+                              SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
+                              DOT_PREC="tf32", GEMV=False, ACT_FP8=True, INTERP=False,
+                              ACT_PRE=pre, PAIR=True)
+                types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
+                try:
+                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
+                                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
+                    print(f"fp8_gemm pair M={M} N={n} pre={pre} {c}: {r}", flush=True)
+                except Exception:
+                    traceback.print_exc()
+                    print(f"FAIL fp8_gemm pair M={M} N={n} pre={pre} {c}", flush=True)
     types = dict(x_ptr="*bf16", sx="i32", q_ptr="*fp8e4nv", sq="i32", s_ptr="*fp32", ss="i32",
                  NB="i32")
     try:
@@ -140,7 +159,7 @@ def gemv() -> None:
     for bn, warps in ((64, 8), (32, 4), (128, 8)):
         consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
                       DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True, ACT_FP8=False,
-                      INTERP=False, ACT_PRE=False)
+                      INTERP=False, ACT_PRE=False, PAIR=False)
         r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
                         dict(num_warps=warps, num_stages=3))
         print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)

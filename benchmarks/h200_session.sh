@@ -251,17 +251,19 @@ score)  # the indexer score launch's variants (pipelined loop, tile, programs pe
 qpre29)  # session 29 (no GPU was lent): activations quantised before the fp8 GEMMs - their
     # tests, the GEMM probe's act8 rows (in-loop / pre-quantised alone / quantiser + GEMM;
     # the q_fused shape: wq_b and the indexer's wq_b as one weight), then the decode rows at
-    # 512 and 64K with and without the query latent quantised in the latent-norms launch
-    # (and with session 28's score-grid / k = 1024 split rules, not yet timed in a step)
+    # 512 and 64K with and without the query latent quantised in the latent-norms launch and
+    # both query GEMMs in one launch (and with session 28's score-grid / k = 1024 split rules,
+    # not yet timed in a step)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     step pytest_qpre 200 "${PYTEST[@]}" -rf tests/kernels/test_fp8_linear.py \
         tests/kernels/test_rope_norm.py \
-        "tests/platforms/test_cuda_backends.py::test_prequantised_query_latent_is_bit_equal_on_the_gpu"
+        "tests/platforms/test_cuda_backends.py::test_prequantised_query_latent_is_bit_equal_on_the_gpu" \
+        "tests/platforms/test_cuda_backends.py::test_query_gemm_pair_on_the_gpu"
     step gemm_act8 200 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
         --variants act8
     step decode_step 300 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512,65536 --reps 3 --profile \
-        --strategies ours_pdl,ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
+        --strategies ours_pdl,ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl
     ;;
 rules28)  # session 28's defaults set from probes, in a step: 8 scoring programs per SM on
     # wide rows, 2 top-k chunks for k = 1024 at 64 rows - the tests that pin them, then the

@@ -81,18 +81,21 @@ def test_case_runners_on_cpu_with_a_fake_timer():
         assert by[("gemm", impl)]["us"] == 3.0 and by[("gemm", impl)]["rel_err"] < 1e-2
 
 
-def test_act8_variant_set_runs_only_the_fp8_activation_rows():
-    from dsv4.bench.attention_kernels import _gemm_shape_rows
+def test_act8_variant_set_runs_only_the_fp8_activation_rows(monkeypatch):
+    from dsv4.bench import attention_kernels as ak
 
     rows: list = []
-    _gemm_shape_rows("tiny", "q_fused", 384, 256, 1, "cpu", torch.Generator().manual_seed(1),
-                     4e12, True, rows, lambda fns: 2.0, "act8")
-    assert sorted(r["impl"] for r in rows) == ["dsv4_fp8", "dsv4_fp8_act8", "dsv4_fp8_act8pre",
-                                               "dsv4_fp8_act8pre_q"]
+    # wq_b's rows of the stacked tiny weight (where the pair rows split it)
+    monkeypatch.setitem(ak.Q_FUSED_FIRST, "tiny", 256)
+    ak._gemm_shape_rows("tiny", "q_fused", 384, 256, 1, "cpu", torch.Generator().manual_seed(1),
+                        4e12, True, rows, lambda fns: 2.0, "act8")
+    assert sorted(r["impl"] for r in rows) == [
+        "dsv4_fp8", "dsv4_fp8_act8", "dsv4_fp8_act8_pair", "dsv4_fp8_act8pre",
+        "dsv4_fp8_act8pre_pair", "dsv4_fp8_act8pre_q"]
     assert all(r["us"] == 2.0 and r["rel_err"] < 1e-2 for r in rows), rows
     with pytest.raises(ValueError, match="variants"):
-        _gemm_shape_rows("tiny", "wo_b", 128, 256, 1, "cpu", torch.Generator(), 4e12, True, [],
-                         lambda fns: 2.0, "some")
+        ak._gemm_shape_rows("tiny", "wo_b", 128, 256, 1, "cpu", torch.Generator(), 4e12, True,
+                            [], lambda fns: 2.0, "some")
 
 
 def test_cli_knows_the_suite():

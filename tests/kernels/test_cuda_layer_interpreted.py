@@ -111,3 +111,53 @@ def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
     assert torch.equal(y_on, y_off)
     for name in st_off:
         assert torch.equal(st_on[name], st_off[name]), name
+
+
+@pytest.mark.parametrize("qr_fp8", [False, True])
+def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp8):
+    """``use_query_gemm_pair``: ``_wq_b_gemm`` runs both query GEMMs in one launch and
+    ``_indexer_wq_b_gemm`` (still called, the contract's point) returns the second product.
+    Every step of at most 128 tokens takes it; the stores are bit-equal (they do not depend on
+    the queries), the outputs equal up to the fp32 summation order of the pair's tiles."""
+    import dsv4.platforms.cuda_linears as cl
+    from dsv4.platforms.cuda import CudaAttention
+
+    cfg = DSV4Config.preset("tiny").replace(act_quant=True)
+    real, pairs = cl.fp8_linear_pair, []
+
+    def spy(x, *args, **kw):
+        pairs.append(kw.get("x_scale") is not None)
+        return real(x, *args, **kw)
+
+    orig, calls = CudaAttention._indexer_wq_b_gemm, []
+
+    def indexer_gemm(self, qr):  # the override point, counted
+        calls.append(1)
+        return orig(self, qr)
+
+    monkeypatch.setattr(cl, "fp8_linear_pair", spy)
+    monkeypatch.setattr(CudaAttention, "_indexer_wq_b_gemm", indexer_gemm)
+    runs = []
+    for on in (False, True):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.fp8_plan = cl.plan_fp8_linears(layer, True)  # the streaming GEMMs, interpreted
+        layer.use_query_gemm_pair(on)
+        layer.use_prequantised_query_latent(qr_fp8)
+        pairs.clear()
+        calls.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(pairs), len(calls)))
+    (y_off, st_off, p_off, c_off), (y_on, st_on, p_on, c_on) = runs
+    assert p_off == [] and p_on == [qr_fp8] * 7 and c_off == c_on == 8
+    # a platform that redefines the indexer's GEMM keeps it: no pair launch runs around it
+    qr = torch.zeros(3, cfg.q_lora_rank, dtype=torch.bfloat16)
+    assert layer._query_pair_ready(qr)
+
+    class OwnIndexerGemm(CudaAttention):
+        def _indexer_wq_b_gemm(self, qr):
+            return super()._indexer_wq_b_gemm(qr)
+
+    layer.__class__ = OwnIndexerGemm
+    assert not layer._query_pair_ready(qr)
+    assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
+    for name in st_off:
+        assert torch.equal(st_on[name], st_off[name]), name

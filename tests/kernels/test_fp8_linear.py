@@ -369,6 +369,58 @@ def test_prequantised_x_bad_input_is_refused():
             fp8_linear(xq, w, s, x_scale=xs, config=Fp8GemmConfig(act_fp8=False))
 
 
+PAIR_CONFIGS = [
+    Fp8GemmConfig(block_m=16, block_n=64, split_k=1),
+    Fp8GemmConfig(block_m=16, block_n=32, split_k=3),  # ragged K splits
+    Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False),
+    Fp8GemmConfig(block_m=16, block_n=128, split_k=1, act_fp8=True),
+    Fp8GemmConfig(block_m=16, block_n=64, split_k=2, act_fp8=True),
+]
+
+
+@kernel_runs
+@pytest.mark.parametrize("cfg", PAIR_CONFIGS)
+@pytest.mark.parametrize("M", [1, 19])
+def test_weight_pair_is_two_linears_in_one_launch(cfg, M):
+    """fp8_linear_pair: each output bit for bit fp8_linear's with the same config (the second
+    weight's own scales, rows and output), bf16 x and - under act_fp8 - a pre-quantised x."""
+    from dsv4.kernels.fp8_linear import fp8_linear_pair, quantize_activations
+
+    w1, s1 = make_weight(256, 384, device=DEV, seed=1)
+    w2, s2 = make_weight(384, 384, device=DEV, seed=2, lo=110, hi=140)
+    x = act_rows(M, 384, seed=M).to(DEV)
+    y1, y2 = fp8_linear_pair(x, (w1, s1), (w2, s2), config=cfg)
+    assert torch.equal(y1, fp8_linear(x, w1, s1, config=cfg))
+    assert torch.equal(y2, fp8_linear(x, w2, s2, config=cfg))
+    assert rel(y2, float64_eval(x if not cfg.act_fp8 else fp8_block_sim_128(x), w2, s2)) < 1e-2
+    if cfg.act_fp8:
+        xq, xs = quantize_activations(x)
+        p1, p2 = fp8_linear_pair(xq, (w1, s1), (w2, s2), config=cfg, x_scale=xs)
+        assert torch.equal(p1, y1) and torch.equal(p2, y2)
+
+
+def fp8_block_sim_128(x):
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    return fp8_block_sim(x.cpu(), 128)
+
+
+def test_weight_pair_bad_input_is_refused():
+    from dsv4.kernels.fp8_linear import fp8_linear_pair
+
+    w1, s1 = make_weight(256, 256, device=DEV)
+    w2, s2 = make_weight(128, 384, device=DEV)
+    x = torch.randn(2, 256).to(BF16).to(DEV)
+    with pytest.raises(ValueError, match="one K"):
+        fp8_linear_pair(x, (w1, s1), (w2, s2))
+    w3, s3 = make_weight(128, 256, device=DEV, f32_scale=True)
+    if _INTERPRET or DEV == "cuda":  # the scales are compared at launch
+        with pytest.raises(ValueError, match="both scales"):
+            fp8_linear_pair(x, (w1, s1), (w3, s3))
+    y1, y2 = fp8_linear_pair(x[:0], (w1, s1), (w3, s3))
+    assert y1.shape == (0, 256) and y2.shape == (0, 128)
+
+
 def test_act_fp8_with_gemv_is_refused():
     if not _INTERPRET and not torch.cuda.is_available():
         pytest.skip("the config is checked at launch")

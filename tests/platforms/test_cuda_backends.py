@@ -308,3 +308,27 @@ def test_prequantised_query_latent_is_bit_equal_on_the_gpu(tiny):
         took.append(sum(c.kwargs.get("x_scale") is not None for c in spy.call_args_list))
     assert took == [0, 2 * 11]  # the prefill and 10 decode steps, two GEMMs each
     assert torch.equal(outs[0], outs[1])
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("qr_fp8", [False, True])
+def test_query_gemm_pair_on_the_gpu(tiny, qr_fp8):
+    """``use_query_gemm_pair``: both query GEMMs in one launch for every call of at most 128
+    tokens, the outputs those of two launches up to the fp32 summation order."""
+    from dsv4.kernels import fp8_linear as fl
+
+    cfg = tiny.replace(act_quant=True)
+    x = random_x(40, cfg.hidden_size).to("cuda", BF16)
+    outs, pairs = [], []
+    for on in (False, True):
+        layer, _ = _cuda_pair(cfg, 4, "triton")
+        layer.use_query_gemm_pair(on)
+        layer.use_prequantised_query_latent(qr_fp8)
+        with mock.patch("dsv4.platforms.cuda_linears.fp8_linear_pair",
+                        wraps=fl.fp8_linear_pair) as spy:
+            y, _ = _prefill_and_decode(layer, x, 30)
+        outs.append(y)
+        pairs.append(spy.call_count)
+    assert pairs == [0, 11]  # the prefill and 10 decode steps
+    assert rel_err(outs[1], outs[0]) < 1e-2

@@ -53,6 +53,8 @@ GEMMS = {
             ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1),
             ("q_fused", 128 * 512 + 64 * 128, 1536, 1)],
 }
+Q_FUSED_FIRST = {"flash": 64 * 512, "pro": 128 * 512}
+"""Rows of ``wq_b`` in the ``q_fused`` shape (the indexer's follow): the pair launch's split."""
 VARIANT_SETS = ("all", "act8", "none")
 """GEMM rows beside dsv4_fp8 / dequant_bf16: every tile probe, only the fp8-activation rows
 (act8, act8pre, act8pre_q), or none."""
@@ -192,7 +194,10 @@ def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, cop
 def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2) -> dict:
     row = {**base, "impl": name, "floor_us": floor_b / copy_bw * 1e6}
     try:
-        err = rel(fn(0), ref)
+        got = fn(0)
+        if isinstance(got, tuple):  # a pair launch: its outputs side by side
+            got = torch.cat(got, dim=-1)
+        err = rel(got, ref)
         row["rel_err"] = err
         if not err < tol:
             row["error"] = f"wrong: rel err {err:.3e}"
@@ -327,6 +332,8 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         if vset in ("all", "act8"):
             impls += _act8_rows(M, N, K, xs, ours, ref_q, vset == "act8", choose_fp8_config,
                                 quantize_activations)
+            if name == "q_fused" and model in Q_FUSED_FIRST:
+                impls += _pair_rows(Q_FUSED_FIRST[model], M, N, K, xs, ws, ref_q)
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
@@ -349,6 +356,27 @@ def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> l
     rows = [("dsv4_fp8_act8", lambda i: ours(i, cfg=cfg), ref_q)] if with_act8 else []
     return rows + [("dsv4_fp8_act8pre", lambda i: ours(i, xs=xq, cfg=cfg, x_scale=xsc), ref_q),
                    ("dsv4_fp8_act8pre_q", both, ref_q)]
+
+
+def _pair_rows(n1: int, M: int, N: int, K: int, xs, ws, ref_q) -> list:
+    """The two query GEMMs as they would run in the step with ``use_query_gemm_pair``: the
+    stacked weight's two row ranges (``wq_b``, the indexer's) as separate tensors in one
+    :func:`fp8_linear_pair` launch, act_quant tiles, x bf16 (``act8_pair``) or quantised before
+    (``act8pre_pair``). Both outputs are checked (concatenated) against ``ref_q``."""
+    from dsv4.kernels.fp8_linear import choose_fp8_config, fp8_linear_pair, quantize_activations
+
+    cfg = choose_fp8_config(M, N, K, act_fp8=True)
+    pre = [quantize_activations(x) for x in xs]
+
+    def pair(i: int, quantised: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        w, s = ws[i]
+        halves = ((w[:n1], s[:n1 // 128]), (w[n1:], s[n1 // 128:]))
+        if quantised:
+            return fp8_linear_pair(pre[i][0], *halves, config=cfg, x_scale=pre[i][1])
+        return fp8_linear_pair(xs[i], *halves, config=cfg)
+
+    return [("dsv4_fp8_act8_pair", lambda i: pair(i, False), ref_q),
+            ("dsv4_fp8_act8pre_pair", lambda i: pair(i, True), ref_q)]
 
 
 # ---------------------------------------------------------------------------------- report

@@ -69,6 +69,7 @@ __all__ = [
     "fp8_grouped_linear",
     "fp8_grouped_linear_reference",
     "fp8_linear",
+    "fp8_linear_pair",
     "fp8_linear_reference",
     "quantize_activations",
 ]
@@ -229,6 +230,8 @@ if triton_available():
         INTERP: tl.constexpr = False,
         PDL: tl.constexpr = False,
         xs_ptr=None, sxs_m=0, sxs_g=0, ACT_PRE: tl.constexpr = False,
+        w2_ptr=None, sc2_ptr=None, stride_sc2=0, y2_ptr=None, sy2m=0, N1=0,
+        PAIR: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
@@ -247,7 +250,16 @@ if triton_available():
         nkb = Kg // BK
         kb0 = split * nkb // SPLIT_K
         kb1 = (split + 1) * nkb // SPLIT_K
-        w_ptrs = w_ptr + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
+        w_base = w_ptr
+        sc_base = sc_ptr
+        sc_stride = stride_sc
+        if PAIR:  # two weights on one x (G = 1): rows >= N1 are the second's (its own scales)
+            second = row0 >= N1
+            w_base = tl.where(second, w2_ptr, w_ptr)
+            sc_base = tl.where(second, sc2_ptr, sc_ptr)
+            sc_stride = tl.where(second, stride_sc2, stride_sc)
+            row0 = tl.where(second, row0 - N1, row0)
+        w_ptrs = w_base + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
         x_base = x_ptr + g * sxg
         if ACT_PRE:  # x already e4m3, its scales [M, G, Kg / 128] float32 beside it
             xs_row = xs_ptr + g * sxs_g + offs_m * sxs_m
@@ -257,7 +269,7 @@ if triton_available():
         else:
             x_ptrs = x_base + offs_m[:, None] * sxm + (kb0 * BK + offs_k)[None, :]
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-        sc_row = sc_ptr + (row0 // BK) * stride_sc
+        sc_row = sc_base + (row0 // BK) * sc_stride
         # each block's scale is read one iteration ahead and decoded where it is used: a scale
         # load inside the iteration that needs it held the iteration (and the next tile's
         # copy) for a global-load latency
@@ -324,13 +336,20 @@ if triton_available():
         if GEMV:
             acc = tl.sum(part, axis=1)[:, None]  # [BN, 1]: the swapped tile of one token
 
-        cols = n0 + offs_n  # output column within the group
+        cols = n0 + offs_n  # output column within the group (PAIR: of both outputs, stacked)
+        y_base = y_ptr
+        y_sm = sym
+        y_cols = cols
+        if PAIR:
+            y_base = tl.where(second, y2_ptr, y_ptr)
+            y_sm = tl.where(second, sy2m, sym)
+            y_cols = tl.where(second, cols - N1, cols)
         if SWAP:
-            y_ptrs = y_ptr + offs_m[None, :] * sym + g * syg + cols[:, None]
+            y_ptrs = y_base + offs_m[None, :] * y_sm + g * syg + y_cols[:, None]
             y_mask = m_mask[None, :] & (cols < R)[:, None]
             p_off = offs_m[None, :] * R + cols[:, None]
         else:
-            y_ptrs = y_ptr + offs_m[:, None] * sym + g * syg + cols[None, :]
+            y_ptrs = y_base + offs_m[:, None] * y_sm + g * syg + y_cols[None, :]
             y_mask = m_mask[:, None] & (cols < R)[None, :]
             p_off = offs_m[:, None] * R + cols[None, :]
         if SPLIT_K == 1:
@@ -410,11 +429,14 @@ _WORKSPACES: dict[str, SplitKWorkspace] = {}
 
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
             config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None,
-            xs3: torch.Tensor | None = None) -> None:
+            xs3: torch.Tensor | None = None,
+            pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous); ``xs3``
-    [M, G, Kg / 128] float32: x3 is e4m3, quantised before the launch (act_fp8 tiles)."""
+    [M, G, Kg / 128] float32: x3 is e4m3, quantised before the launch (act_fp8 tiles);
+    ``pair`` (G = 1): a second weight, its scales and its output [M, N2] on the same x, in the
+    same launch (its rows follow the first weight's: the tiles and splits of N1 + N2 rows)."""
     M, G, Kg = x3.shape
-    R = y3.shape[2]
+    R = y3.shape[2] + (0 if pair is None else pair[0].shape[0])
     cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device), act_fp8=xs3 is not None)
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
@@ -440,6 +462,18 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc_f32 = scale.dtype == torch.float32
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
+    extra: dict = {}
+    if xs3 is not None:
+        extra.update(xs_ptr=xs3, sxs_m=xs3.stride(0), sxs_g=xs3.stride(1), ACT_PRE=True)
+    if pair is not None:
+        w2, s2, y2 = pair
+        n1 = y3.shape[2]
+        if G != 1 or n1 % bn or (s2.dtype == torch.float32) != sc_f32:
+            raise ValueError(f"a weight pair needs G = 1, block_n={bn} dividing N1={n1}, and "
+                             f"both scales float32 or both e8m0 ({scale.dtype}, {s2.dtype})")
+        sc2 = s2 if sc_f32 else s2.view(torch.uint8)
+        extra.update(w2_ptr=w2, sc2_ptr=sc2, stride_sc2=sc2.stride(0), y2_ptr=y2,
+                     sy2m=y2.stride(0), N1=n1, PAIR=True)
     _fp8_gemm_kernel[grid](
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
@@ -447,9 +481,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
         INTERP=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
-        **({} if xs3 is None else dict(xs_ptr=xs3, sxs_m=xs3.stride(0), sxs_g=xs3.stride(1),
-                                       ACT_PRE=True)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device), **extra,
     )
 
 
@@ -547,6 +579,43 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     _launch(x.unsqueeze(1), weight.contiguous(), scale.contiguous(), y.unsqueeze(1), config,
             workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1))
     return y
+
+
+def fp8_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                    second: tuple[torch.Tensor, torch.Tensor], *,
+                    config: Fp8GemmConfig | None = None,
+                    workspace: SplitKWorkspace | None = None,
+                    x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W1^T, x @ W2^T) in one launch for two fp8 weights ``first`` = (weight, scale) and
+    ``second`` of the same K read by the same x (``wq_b`` and the indexer's ``wq_b`` both
+    multiply the normalised q latent): the programs of both, one tile rule over N1 + N2 rows,
+    each output exactly :func:`fp8_linear`'s with the same config. bf16 outputs [M, N1] and
+    [M, N2]; ``x`` / ``x_scale`` as :func:`fp8_linear`. No weight is copied or stacked."""
+    (w1, s1), (w2, s2) = first, second
+    _check_weight(w1, s1)
+    _check_weight(w2, s2)
+    K = w1.shape[1]
+    if w2.shape[1] != K or x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"a weight pair needs one K: weights {tuple(w1.shape)} and "
+                         f"{tuple(w2.shape)}, x {tuple(x.shape)}")
+    M = x.shape[0]
+    use = _use_kernel(x, x_scale)
+    y1 = torch.empty(M, w1.shape[0], device=x.device, dtype=torch.bfloat16)
+    y2 = torch.empty(M, w2.shape[0], device=x.device, dtype=torch.bfloat16)
+    if M == 0:
+        return y1, y2
+    if not use:
+        xs = _act_sim(x, config, x_scale)
+        return (fp8_linear_reference(xs, w1, s1, y1.dtype),
+                fp8_linear_reference(xs, w2, s2, y2.dtype))
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if config is None:
+        config = choose_fp8_config(M, w1.shape[0] + w2.shape[0], K, sm_count(x.device),
+                                   act_fp8=x_scale is not None)
+    _launch(x.unsqueeze(1), w1.contiguous(), s1.contiguous(), y1.unsqueeze(1), config,
+            workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1),
+            (w2.contiguous(), s2.contiguous(), y2))
+    return y1, y2
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,

@@ -39,6 +39,7 @@ from dsv4.kernels.fp8_linear import (
     fp8_dequantize,
     fp8_grouped_linear,
     fp8_linear,
+    fp8_linear_pair,
     sm_count,
 )
 from dsv4.layers.linear import Linear, grouped_linear
@@ -134,6 +135,27 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
     if act_quant:
         x = fp8_block_sim(x, BLOCK)
     return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
+
+
+def fp8_query_pair(layer: DeepseekV4Attention, qr: torch.Tensor,
+                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``wq_b`` and the indexer's ``wq_b`` on the same qr [T, q_lora_rank] in one streaming
+    launch (T <= :data:`FP8_GEMM_MAX_TOKENS`; both weights fp8 in the canonical layout):
+    (q [T, heads * head_dim], idx_q [T, index_heads * index_head_dim]), bf16. One tile rule
+    over both weights' rows, so the indexer's product may sum its K blocks in another order than
+    its own launch would (fp32, ~1e-7 relative); under ``act_quant`` the §6.3 numerics, on
+    ``x_fp8`` (qr already quantised) where given."""
+    assert layer.indexer is not None
+    a, b = layer.wq_b, layer.indexer.wq_b
+    assert a.scale is not None and b.scale is not None
+    n = a.weight.shape[0] + b.weight.shape[0]
+    act = layer.cfg.act_quant
+    cfg = choose_fp8_config(qr.shape[0], n, a.weight.shape[1], sm_count(qr.device), act_fp8=act)
+    if act and x_fp8 is not None:
+        return fp8_linear_pair(x_fp8[0], (a.weight, a.scale), (b.weight, b.scale), config=cfg,
+                               x_scale=x_fp8[1])
+    return fp8_linear_pair(qr, (a.weight, a.scale), (b.weight, b.scale), config=cfg)
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:
