@@ -56,6 +56,14 @@ def test_floor_counts_the_cache_format_bytes(tiny):
     keys = 2 * (tiny.sliding_window + tiny.index_topk)  # rows read by 2 sequences
     row_bf16, row_fp8 = tiny.head_dim * 2, (tiny.head_dim - 64) + 128 + 8
     assert sizes["bf16"] - sizes["fp8_ds_mla"] == keys * (row_bf16 - row_fp8)
+    # at a context where the indexer would take every visible entry the step skips it: its
+    # keys and its wq_b weight are not read
+    idx_w = sum(p.numel() * p.element_size() for p in layer.indexer.wq_b.parameters())
+    key_row = layer.new_cache_pool(1, 64).index_format.row_bytes()
+    k = tiny.index_topk
+    # 4k - 1 and 4k + 3: k and k + 1 entries visible (the same window and selected rows)
+    grow = step_bytes(layer, 2, 4 * k + 3) - step_bytes(layer, 2, 4 * k - 1)  # type: ignore[arg-type]
+    assert grow == idx_w + 2 * (k + 1) * key_row
 
 
 def test_bad_strategy_and_layer_names_are_refused(tmp_path):

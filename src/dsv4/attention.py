@@ -328,9 +328,12 @@ class DeepseekV4Attention(nn.Module):
         pos = step.pos
         qr_kv, kv_score, idx_kv_score, idx_weights = self._run_parallel_input_projections(x)
         qr, kv = self._latent_norms(qr_kv)
+        # the indexer's query only where its top-k decides something (see _indexer_decides);
+        # before the query heads, so that a platform can run both query GEMMs in one launch
+        # exactly when both are needed
+        idx_q = self._indexer_query(qr, pos) if self._indexer_decides(step) else None
         q = self._query_heads(qr, pos)
         kv = self._kv_rows(kv, pos)
-        idx_q = None if self.indexer is None else self._indexer_query(qr, pos)
         self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
         raw = self._write_entries(step, kv_score, idx_kv_score)
         entries = self._select_compressed(step, idx_q, idx_weights)
@@ -699,10 +702,19 @@ class DeepseekV4Attention(nn.Module):
         r = self.compress_ratio
         if r == 0:
             return None
-        if self.indexer is None:
+        if not self._indexer_decides(step):  # ratio 128, or ratio 4 within index_topk entries
             return _every_visible_entry(step.pos, step.max_visible(r), r)
         assert idx_q is not None and idx_weights is not None
         return self._indexer_select(step, idx_q, idx_weights)
+
+    def _indexer_decides(self, step: CacheStep) -> bool:
+        """Whether the C4 indexer has a choice in this step: some query sees more than
+        ``index_topk`` entries. Where none does (contexts up to 4 * index_topk tokens: 2K for
+        Flash, 4K for Pro), every query takes all its visible entries whatever the scores (the
+        indexer's contract), so the indexer's query, scores and top-k are skipped and the
+        selection is every visible entry, ascending: the same set (attention does not depend on
+        the order but for fp32 rounding). Host arithmetic, no sync."""
+        return self.indexer is not None and step.max_visible(4) > self.indexer.topk
 
     # ---- validation ---------------------------------------------------------------------
     def _check_weights_loaded(self) -> None:

@@ -59,13 +59,15 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
     weights may take the one-launch path (``packed_path``) or, for calls its platform plans
     otherwise, the separate GEMMs; default: packed iff the layer is packed. A prefill of
     ``tokens`` tokens from position 0 completes compressed entries, hence passes through
-    ``_compress_entries``, once it reaches the layer's ratio."""
+    ``_compress_entries``, once it reaches the layer's ratio, and runs the C4 indexer once its
+    last query sees more than ``index_topk`` entries."""
     packed = layer._input_pack is not None if packed_path is None else packed_path
     common = {"_latent_norms", "_query_heads", "_kv_rows", "_wq_b_gemm", "_store_rows",
               "_window_rows", "forward_mqa", "_o_proj"}
     if layer.compress_ratio:
         common |= {"_raw_rows", "_entry_rows", "_keep_ring_rows"}
-    if layer.indexer is not None:
+    if layer.indexer is not None and tokens // 4 > layer.indexer.topk:
+        # (the indexer runs where a query sees more than index_topk entries: _indexer_decides)
         common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
     if layer.compress_ratio and tokens >= layer.compress_ratio:
         common.add("_compress_entries")

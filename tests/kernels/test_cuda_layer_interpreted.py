@@ -87,7 +87,8 @@ def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
     """``use_prequantised_query_latent``: under act_quant the latent-norms launch writes qr in
     e4m3 and both query GEMMs read it instead of quantising in their loops - the same outputs
     and stores bit for bit, and the GEMMs really took it (every step of at most 128 tokens:
-    the 20-token prefill and the 6 decode steps, twice each)."""
+    the 20-token prefill, whose 5 entries the indexer would all take, so only wq_b runs, and
+    the 6 decode steps, twice each)."""
     import dsv4.platforms.cuda_linears as cl
 
     cfg = DSV4Config.preset("tiny").replace(act_quant=True)
@@ -107,7 +108,7 @@ def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
         took.clear()
         runs.append((*_run(layer, cfg.hidden_size), sum(took)))
     (y_off, st_off, n_off), (y_on, st_on, n_on) = runs
-    assert n_off == 0 and n_on == 2 * 7
+    assert n_off == 0 and n_on == 1 + 2 * 6
     assert torch.equal(y_on, y_off)
     for name in st_off:
         assert torch.equal(st_on[name], st_off[name]), name
@@ -115,10 +116,10 @@ def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
 
 @pytest.mark.parametrize("qr_fp8", [False, True])
 def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp8):
-    """``use_query_gemm_pair``: ``_wq_b_gemm`` runs both query GEMMs in one launch and
-    ``_indexer_wq_b_gemm`` (still called, the contract's point) returns the second product.
-    Every step of at most 128 tokens takes it; the stores are bit-equal (they do not depend on
-    the queries), the outputs equal up to the fp32 summation order of the pair's tiles."""
+    """``use_query_gemm_pair``: ``_indexer_wq_b_gemm`` runs both query GEMMs in one launch and
+    ``_wq_b_gemm`` (still called, the contract's point) returns the first product. Every step
+    of at most 128 tokens that runs the indexer takes it; the stores are bit-equal (they do not
+    depend on the queries), the outputs equal up to the fp32 summation order of the tiles."""
     import dsv4.platforms.cuda_linears as cl
     from dsv4.platforms.cuda import CudaAttention
 
@@ -129,14 +130,14 @@ def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp
         pairs.append(kw.get("x_scale") is not None)
         return real(x, *args, **kw)
 
-    orig, calls = CudaAttention._indexer_wq_b_gemm, []
+    orig, calls = CudaAttention._wq_b_gemm, []
 
-    def indexer_gemm(self, qr):  # the override point, counted
+    def wq_b_gemm(self, qr):  # the override point, counted
         calls.append(1)
         return orig(self, qr)
 
     monkeypatch.setattr(cl, "fp8_linear_pair", spy)
-    monkeypatch.setattr(CudaAttention, "_indexer_wq_b_gemm", indexer_gemm)
+    monkeypatch.setattr(CudaAttention, "_wq_b_gemm", wq_b_gemm)
     runs = []
     for on in (False, True):
         layer = cpu_cuda_layer(cfg, 4, True)
@@ -147,16 +148,18 @@ def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp
         calls.clear()
         runs.append((*_run(layer, cfg.hidden_size), list(pairs), len(calls)))
     (y_off, st_off, p_off, c_off), (y_on, st_on, p_on, c_on) = runs
-    assert p_off == [] and p_on == [qr_fp8] * 7 and c_off == c_on == 8
-    # a platform that redefines the indexer's GEMM keeps it: no pair launch runs around it
+    # 8 steps; the 130-token prefill is above the streaming GEMMs' tokens and the 20-token
+    # one runs no indexer (5 entries visible, index_topk 8): 6 decode steps take the pair
+    assert p_off == [] and p_on == [qr_fp8] * 6 and c_off == c_on == 8
+    # a platform that redefines the wq_b GEMM keeps it: no pair launch runs around it
     qr = torch.zeros(3, cfg.q_lora_rank, dtype=torch.bfloat16)
     assert layer._query_pair_ready(qr)
 
-    class OwnIndexerGemm(CudaAttention):
-        def _indexer_wq_b_gemm(self, qr):
-            return super()._indexer_wq_b_gemm(qr)
+    class OwnQueryGemm(CudaAttention):
+        def _wq_b_gemm(self, qr):
+            return super()._wq_b_gemm(qr)
 
-    layer.__class__ = OwnIndexerGemm
+    layer.__class__ = OwnQueryGemm
     assert not layer._query_pair_ready(qr)
     assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
     for name in st_off:

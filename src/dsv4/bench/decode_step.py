@@ -55,7 +55,8 @@ the output by a few 1e-2 on random weights) where the indexer keeps every visibl
 longer contexts the quantised q picks other entries (64K: 0.35 apart). ``floor_us`` = bytes of
 all the layer's weights plus the cache bytes the step reads (window rows and selected entries in
 the strategy's kv format, and every visible indexer key), over the copy bandwidth measured in
-the same run.
+the same run; since session 29, at contexts where the indexer would take every visible entry
+(the step skips it) without the indexer's ``wq_b`` and keys.
 ``launches`` = GPU operations (kernels, copies, memsets) of one eager step of the same code,
 counted with the profiler (a graph replays the same operations).
 """
@@ -167,7 +168,9 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
 
 def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
     """Weights plus the cache bytes one decode step of M sequences at ``context`` reads, in the
-    layer's cache formats (kv rows: window + selected entries; every visible indexer key)."""
+    layer's cache formats (kv rows: window + selected entries; every visible indexer key where
+    the indexer runs - where it would take every visible entry the step skips it, so neither
+    the keys nor the indexer's ``wq_b`` count: ``_indexer_decides``)."""
     w = sum(p.numel() * p.element_size() for p in layer.parameters())
     cfg = layer.cfg
     pool = layer.new_cache_pool(1, 64)
@@ -175,9 +178,13 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
     keys = min(context + 1, cfg.sliding_window)
     r = layer.compress_ratio
     if r == 4:
-        keys += min(cfg.index_topk, (context + 1) // 4)
-        assert pool.index_format is not None
-        w += m * ((context + 1) // 4) * pool.index_format.row_bytes()
+        visible = (context + 1) // 4
+        keys += min(cfg.index_topk, visible)
+        assert pool.index_format is not None and layer.indexer is not None
+        if visible > cfg.index_topk:
+            w += m * visible * pool.index_format.row_bytes()
+        else:
+            w -= sum(p.numel() * p.element_size() for p in layer.indexer.wq_b.parameters())
     elif r == 128:
         keys += (context + 1) // 128
     return w + m * keys * kv_row

@@ -161,9 +161,9 @@ class CudaAttention(DeepseekV4Attention):
         """The last ``_latent_norms`` call's qr and its fp8 form (e4m3, scales), for the two
         query GEMMs of the same step (matched by identity, so no other tensor takes it)."""
         self._q_pair_enabled = False
-        self._idx_q_from_pair: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(qr, the indexer's wq_b product) that ``_wq_b_gemm``'s pair launch made for
-        ``_indexer_wq_b_gemm`` of the same qr (taken once, then dropped)."""
+        self._q_from_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(qr, the wq_b product) that ``_indexer_wq_b_gemm``'s pair launch made for
+        ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -187,19 +187,21 @@ class CudaAttention(DeepseekV4Attention):
         self._qr_fp8 = None
 
     def use_query_gemm_pair(self, enabled: bool) -> None:
-        """``wq_b`` and the indexer's ``wq_b`` (both multiply qr) in one streaming launch:
-        ``_wq_b_gemm`` runs both and ``_indexer_wq_b_gemm`` returns the second product for the
+        """``wq_b`` and the indexer's ``wq_b`` (both multiply qr) in one streaming launch in
+        steps that run the indexer (the base step asks for the indexer's query first):
+        ``_indexer_wq_b_gemm`` runs both and ``_wq_b_gemm`` returns the first product for the
         same qr. Only where both are fp8 linears the kernels take and the platform subclass
-        does not redefine ``_indexer_wq_b_gemm`` (its own kernel must see its calls). The
-        indexer's product may differ from its own launch's in the fp32 summation order. Off by
-        default until timed on a GPU (the decode-step bench's ``..._qpair_pdl``)."""
+        does not redefine ``_wq_b_gemm`` (its own kernel must see its calls). The products may
+        differ from their own launches' in the fp32 summation order (the tiles are chosen for
+        both weights' rows). Off by default until timed on a GPU (the decode-step bench's
+        ``..._qpair_pdl``)."""
         self._q_pair_enabled = enabled
-        self._idx_q_from_pair = None
+        self._q_from_pair = None
 
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
-        """Host-side: this call of ``_wq_b_gemm`` may run the pair launch."""
+        """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
         return (self._q_pair_enabled and self.indexer is not None
-                and type(self)._indexer_wq_b_gemm is CudaAttention._indexer_wq_b_gemm
+                and type(self)._wq_b_gemm is CudaAttention._wq_b_gemm
                 and qr.shape[0] <= FP8_GEMM_MAX_TOKENS
                 and self._fp8_ready("wq_b", qr) and self._fp8_ready("indexer.wq_b", qr))
 
@@ -293,19 +295,19 @@ class CudaAttention(DeepseekV4Attention):
         return super()._fused_wqa_wkv_gemm(x)
 
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        self._idx_q_from_pair = None
-        if self._query_pair_ready(qr):
-            q, idx_q = fp8_query_pair(self, qr, self._qr_fp8_for("wq_b", qr))
-            self._idx_q_from_pair = (qr, idx_q)
-            return q
+        made, self._q_from_pair = self._q_from_pair, None
+        if made is not None and made[0] is qr:
+            return made[1]
         if self._fp8_ready("wq_b", qr):
             return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self._qr_fp8_for("wq_b", qr))
         return super()._wq_b_gemm(qr)
 
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        made, self._idx_q_from_pair = self._idx_q_from_pair, None
-        if made is not None and made[0] is qr:
-            return made[1]
+        self._q_from_pair = None
+        if self._query_pair_ready(qr):
+            q, idx_q = fp8_query_pair(self, qr, self._qr_fp8_for("wq_b", qr))
+            self._q_from_pair = (qr, q)
+            return idx_q
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
             return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant,
                             self._qr_fp8_for("indexer.wq_b", qr))
@@ -327,7 +329,7 @@ class CudaAttention(DeepseekV4Attention):
         return self._step_kernels_enabled and elementwise_usable(self, x)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._qr_fp8 = self._idx_q_from_pair = None  # a new step: nothing of the last one
+        self._qr_fp8 = self._q_from_pair = None  # a new step: nothing of the last one
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
