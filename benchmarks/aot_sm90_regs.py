@@ -277,6 +277,10 @@ def steps() -> bool:
     for window in (True, False):
         ok &= _try(f"paged_rows window={window}", pr._flat_rows_kernel, t,
                    dict(WINDOW=window, BLOCK=128 if window else 256), dict(num_warps=4))
+    for ratio in (4, 128):
+        ok &= _try(f"visible_entries ratio={ratio}", pr._visible_entries_kernel,
+                   dict(pos_ptr="*i64", out_ptr="*i64", out_stride="i32", N="i32"),
+                   dict(RATIO=ratio, BLOCK=256), dict(num_warps=4))
     t = dict(ks_ptr="*fp32", s_ks="i32", pos_ptr="*i64", ape_ptr="*fp32", out_ptr="*fp32",
              s_out="i32")
     for r, width in ((4, 1024), (128, 512), (4, 256)):

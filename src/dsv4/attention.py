@@ -57,6 +57,7 @@ class DeepseekV4Attention(nn.Module):
         "_kv_rows",
         "_indexer_query",
         "_indexer_select",
+        "_visible_entries",
         "_raw_rows",
         "_compress_entries",
         "_store_rows",
@@ -703,9 +704,18 @@ class DeepseekV4Attention(nn.Module):
         if r == 0:
             return None
         if not self._indexer_decides(step):  # ratio 128, or ratio 4 within index_topk entries
-            return _every_visible_entry(step.pos, step.max_visible(r), r)
+            return self._visible_entries(step, r)
         assert idx_q is not None and idx_weights is not None
         return self._indexer_select(step, idx_q, idx_weights)
+
+    def _visible_entries(self, step: CacheStep, ratio: int) -> torch.Tensor:
+        """Every compressed entry each query of ``step`` sees: [T, step.max_visible(ratio)]
+        int64, entry j where j < (pos + 1) // ratio, ascending, -1 after (ratio-128 layers, and
+        ratio-4 steps whose indexer would take every visible entry).
+
+        May change: the kernel (e.g. one launch instead of ~5 small ops).
+        Must keep: the shape, the order, the -1 pads, int64, no host sync."""
+        return _every_visible_entry(step.pos, step.max_visible(ratio), ratio)
 
     def _indexer_decides(self, step: CacheStep) -> bool:
         """Whether the C4 indexer has a choice in this step: some query sees more than

@@ -69,6 +69,8 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
     if layer.indexer is not None and tokens // 4 > layer.indexer.topk:
         # (the indexer runs where a query sees more than index_topk entries: _indexer_decides)
         common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
+    elif layer.compress_ratio:  # ratio 128, or an indexer that would take every entry
+        common.add("_visible_entries")
     if layer.compress_ratio and tokens >= layer.compress_ratio:
         common.add("_compress_entries")
     if packed:  # one launch replaces the four GEMMs

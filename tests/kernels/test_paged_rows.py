@@ -1,5 +1,6 @@
 """The paged-rows kernels (dsv4.kernels.paged_rows) against PagedStore.flat_rows: window rows
-and entry rows of a step, over slots with released and never-held blocks."""
+and entry rows of a step, over slots with released and never-held blocks; the visible-entries
+selection against the torch path's."""
 
 from __future__ import annotations
 
@@ -70,6 +71,28 @@ def test_entry_rows_match_the_store(block, k, t, dtype):
     # a non-contiguous view (a column slice) reads the same rows
     assert torch.equal(entry_flat_rows(store, entries[:, ::2].to(dtype), slots),
                        store.flat_rows(slots[:, None], entries[:, ::2]))
+
+
+@kernel_runs
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_visible_entries_match_the_torch_path(ratio):
+    """Every entry j < (pos + 1) // ratio, ascending, -1 after: the values of the base layer's
+    selection at positions around the ratio's multiples, the step's widest row and wider ones
+    (several loop iterations of the kernel), and a step that sees none yet."""
+    from dsv4.attention import _every_visible_entry
+    from dsv4.kernels.paged_rows import visible_entries
+
+    pos = torch.tensor([0, ratio - 2, ratio - 1, ratio, 3 * ratio + 1, 700 * ratio - 1, 5],
+                       device=DEV)
+    widest = int((pos.max() + 1) // ratio)
+    for n in (widest, widest + 300):
+        got = visible_entries(pos, n, ratio)
+        assert got.dtype == torch.long and got.shape == (7, n)
+        assert torch.equal(got.cpu(), _every_visible_entry(pos.cpu(), n, ratio))
+    early = torch.tensor([0, 1, 2], device=DEV)
+    assert visible_entries(early, 0, ratio).shape == (3, 0)
+    with pytest.raises(ValueError, match="pos must be"):
+        visible_entries(pos[None], 4, ratio)
 
 
 @kernel_runs

@@ -10,7 +10,10 @@ that is ~6 small ops for a given [T, k] row tensor, and ~20 for a step's window 
 * :func:`window_flat_rows`: the window rows ``pos - window + 1 .. pos`` of each query, oldest
   first, computed in the kernel (what :meth:`dsv4.cache.step.CacheStep.window_rows` returns);
 * :func:`entry_flat_rows`: given row indices [T, k] (e.g. the indexer's selected entries, -1
-  pads), their flat rows (:meth:`~dsv4.cache.step.CacheStep.entry_rows`).
+  pads), their flat rows (:meth:`~dsv4.cache.step.CacheStep.entry_rows`);
+* :func:`visible_entries`: the selection of every compressed entry each query sees, ``j <
+  (pos + 1) // ratio`` ascending, -1 padded to the step's widest (ratio-128 layers, and C4
+  steps whose indexer would take them all) - ~5 small PyTorch ops, here one launch.
 
 Both are exact (integer arithmetic), write int64, never sync with the host, and allocate only
 their output, so a step that calls them can be captured in a CUDA graph.
@@ -23,7 +26,7 @@ import torch
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
-__all__ = ["entry_flat_rows", "paged_rows_usable", "window_flat_rows"]
+__all__ = ["entry_flat_rows", "paged_rows_usable", "visible_entries", "window_flat_rows"]
 
 ROWS_PER_ITER = 256
 """Rows a program handles per loop iteration."""
@@ -69,6 +72,41 @@ if triton_available():
             flat = tl.where((row >= 0) & (phys >= 0), phys * B + row % B, -1)
             tl.store(out_ptr + t.to(tl.int64) * out_stride + offs, flat, mask=m)
         let_next_kernel_launch(PDL)
+
+
+    @triton.jit
+    def _visible_entries_kernel(pos_ptr, out_ptr, out_stride, N, RATIO: tl.constexpr,
+                                BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Row t: j where j < (pos[t] + 1) // RATIO, else -1, for j < N."""
+        wait_for_prior_kernel(PDL)
+        t = tl.program_id(0)
+        seen = (tl.load(pos_ptr + t).to(tl.int64) + 1) // RATIO
+        lanes = tl.arange(0, BLOCK)
+        for c in range(0, N, BLOCK):
+            j = (c + lanes).to(tl.int64)
+            tl.store(out_ptr + t.to(tl.int64) * out_stride + j, tl.where(j < seen, j, -1),
+                     mask=j < N)
+        let_next_kernel_launch(PDL)
+
+
+def visible_entries(pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
+    """[T, n] int64: entry j for each j < (pos + 1) // ratio, ascending, -1 after, for the
+    query positions ``pos`` [T] (on a CUDA device, or under the interpreter); ``n`` the
+    step's most visible entries (host arithmetic). One launch; the values of
+    ``dsv4.attention._every_visible_entry``."""
+    if not paged_rows_usable(pos.device):
+        raise RuntimeError("the visible-entries kernel needs Triton and a CUDA device (or "
+                           "TRITON_INTERPRET=1)")
+    if pos.dim() != 1 or n < 0 or ratio < 1:
+        raise ValueError(f"pos must be [T] and n >= 0, ratio >= 1, got {tuple(pos.shape)}, "
+                         f"n={n}, ratio={ratio}")
+    t = pos.shape[0]
+    out = torch.empty(t, n, dtype=torch.long, device=pos.device)
+    if t and n:
+        block = min(ROWS_PER_ITER, max(16, 1 << (n - 1).bit_length()))
+        _visible_entries_kernel[(t,)](pos, out, out.stride(0), n, RATIO=ratio, BLOCK=block,
+                                      num_warps=4, **pdl_args(pos.device))
+    return out
 
 
 def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,

@@ -60,7 +60,12 @@ from dsv4.kernels.compress_entries import (
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
-from dsv4.kernels.paged_rows import entry_flat_rows, paged_rows_usable, window_flat_rows
+from dsv4.kernels.paged_rows import (
+    entry_flat_rows,
+    paged_rows_usable,
+    visible_entries,
+    window_flat_rows,
+)
 from dsv4.kernels.store_rows import store_rows, store_rows_problem
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.linear import Linear
@@ -406,6 +411,11 @@ class CudaAttention(DeepseekV4Attention):
             return window_flat_rows(step.pool.stores["kv"], step.pos, step.tok_slot,
                                     self.window)
         return super()._window_rows(step)
+
+    def _visible_entries(self, step: CacheStep, ratio: int) -> torch.Tensor:
+        if self._paged_kernels_ready(step.pos):
+            return visible_entries(step.pos, step.max_visible(ratio), ratio)
+        return super()._visible_entries(step, ratio)
 
     def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
         if self._paged_kernels_ready(entries):
