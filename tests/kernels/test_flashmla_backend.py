@@ -26,6 +26,12 @@ def test_pad_idx_and_paged_view():
     idx = torch.arange(130, dtype=torch.int32).view(1, 130)
     p = _pad_idx(idx)
     assert p.shape == (1, 256) and torch.equal(p[:, :130], idx) and (p[:, 130:] == -1).all()
+    wide = torch.arange(-1, 255).view(2, 128)  # int64 flat rows, a width FlashMLA takes as is
+    p = _pad_idx(wide)
+    assert p.dtype == torch.int32 and p.is_contiguous() and torch.equal(p, wide.int())
+    p = _pad_idx(wide[:, :100])  # a strided slice: cast, then padded
+    assert p.shape == (2, 128) and torch.equal(p[:, :100], wide[:, :100].int())
+    assert (p[:, 100:] == -1).all() and p.dtype == torch.int32
     case = build_case(2, 4, 512, 4, 4, "fp8_ds_mla", B=64, n_rows=130)
     store = case[1]
     v = _paged_view(store)
