@@ -74,3 +74,21 @@ def test_bad_strategy_and_layer_names_are_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--layers", "C8"])
     assert torch.cuda.is_available() is False
+
+
+def test_launch_origins_names_the_operators_and_undoes_the_step(tiny):
+    """The profile's third table (CPU here: the operators of one step by Python stack); the
+    step's rows are rolled back."""
+    from dsv4 import DeepseekV4Attention
+    from dsv4.bench.decode_step import launch_origins
+    from dsv4.random_weights import random_layer_weights
+
+    layer = DeepseekV4Attention.build(tiny, tiny.layer_of_ratio(4))
+    layer.load_weights(random_layer_weights(tiny, layer.layer_id).items())
+    caches = layer.new_caches(2, 64)
+    x = torch.randn(40, tiny.hidden_size).bfloat16()
+    layer(x[:20], torch.arange(20), caches[0])
+    layer(x[20:40], torch.arange(20), caches[1])
+    text = launch_origins(layer, x[:2], torch.tensor([20, 20]), caches, 20, "tiny C4")
+    assert text.startswith("## tiny C4: where") and "aten::" in text
+    assert [c.length for c in caches] == [20, 20]

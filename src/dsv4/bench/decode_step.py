@@ -211,6 +211,30 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
                       f"one eager step\n\n{table}\n")
 
 
+def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
+                   context: int, title: str = "") -> str:
+    """Where one eager step's GPU work is launched from: the profiler's operators (PyTorch's
+    own kernels, copies and fills among them) with their device time, grouped by the Python
+    stack that called them (5 frames) - what names the small copies a kernel table only calls
+    ``direct_copy``. The step's writes are undone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts, with_stack=True) as prof:
+        layer(x, pos, caches)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    for c in caches:
+        c.truncate(context)
+    events = prof.key_averages(group_by_stack_n=5)
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = events.table(sort_by=sort, row_limit=25, max_name_column_width=40,
+                         max_src_column_width=110)
+    return f"## {title}: where the GPU operations come from (5 frames)\n\n{table}\n"
+
+
 def replay_table(graph: Any, caches: list[Any], context: int, title: str) -> str:
     """The profiler's kernel table of one replay of ``graph`` (kernels inside a graph are
     timed as they ran there: PDL's overlap shows, unlike in an eager step under the
@@ -339,9 +363,10 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         launches, table = count_launches(layer, x, pos, caches, context,
                                          f"{model} {layer_type} ctx={context} M={m} {strategy}")
         if profiles is not None and strategy in NEW_PATH:
+            title = f"{model} {layer_type} ctx={context} M={m} {strategy}"
             profiles.append(table)
-            profiles.append(replay_table(graph, caches, context, f"{model} {layer_type} "
-                                         f"ctx={context} M={m} {strategy}"))
+            profiles.append(replay_table(graph, caches, context, title))
+            profiles.append(launch_origins(layer, x, pos, caches, context, title))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
@@ -474,7 +499,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="with --tp: the M sequences' caches in one pool")
     ap.add_argument("--profile", action="store_true",
                     help="also write decode_step_profile.md: the kernel tables of one eager "
-                    "step and one graph replay of each new-path row")
+                    "step and one graph replay of each new-path row, and where the step's "
+                    "GPU operations are launched from (operators by Python stack)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
                     "or started by torchrun): the cuda_plan step per rank, with and without "
