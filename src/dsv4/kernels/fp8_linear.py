@@ -6,6 +6,14 @@ Entry points:
 * ``fp8_grouped_linear(x [M, G, Kg], weight [G*R, Kg], scale [G*R/128, Kg/128]) -> y [M, G, R]``:
   group g multiplies x[:, g, :] by weight rows g*R .. g*R + R - 1 (``wo_a``: o viewed as
   [M, G, heads/G * head_dim]), all groups in one launch.
+* ``fp8_linear_pair(x, (W1, s1), (W2, s2)) -> (y1, y2)``: two weights of the same K on one x in
+  one launch (``wq_b`` and the indexer's ``wq_b`` both multiply qr): the second weight's rows
+  follow the first's in the tile grid, pointers chosen per tile; no weight is copied. Each
+  output equals ``fp8_linear``'s with the same config bit for bit.
+* ``quantize_activations(x) -> (xq, x_scale)``: the §6.3 quantisation of x once (e4m3, float32
+  scale per 128); ``fp8_linear`` / ``fp8_grouped_linear`` / the pair take such an x with
+  ``x_scale=`` and then skip the quantisation in their loops (the same products as ``act_fp8``
+  on the bf16 x).
 * ``fp8_linear_reference`` / ``fp8_grouped_linear_reference``: dequantise + matmul (the oracle,
   and the path taken on a machine without Triton or off CUDA).
 * ``fp8_dequantize(weight, scale) -> [N, K] bf16``: the dequantised weight in one pass (read

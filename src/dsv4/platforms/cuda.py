@@ -186,8 +186,8 @@ class CudaAttention(DeepseekV4Attention):
         """Under ``act_quant``: the latent-norms launch also writes qr quantised (e4m3 + a
         power-of-two scale per 128, §6.3) and ``wq_b`` and the indexer's ``wq_b`` read it
         instead of each quantising qr in their loops (the same outputs, bit for bit; no extra
-        launch). Off by default until timed on a GPU (the decode-step bench's ``..._qpre``
-        strategies)."""
+        launch). Off by default until timed on a GPU (the decode-step bench's
+        ``ours_flashmla_act8_qpre_pdl``)."""
         self._qr_fp8_enabled = enabled
         self._qr_fp8 = None
 
@@ -199,7 +199,7 @@ class CudaAttention(DeepseekV4Attention):
         does not redefine ``_wq_b_gemm`` (its own kernel must see its calls). The products may
         differ from their own launches' in the fp32 summation order (the tiles are chosen for
         both weights' rows). Off by default until timed on a GPU (the decode-step bench's
-        ``..._qpair_pdl``)."""
+        ``ours_flashmla_act8_qpair_pdl``)."""
         self._q_pair_enabled = enabled
         self._q_from_pair = None
 
