@@ -24,7 +24,8 @@
 #   bash benchmarks/h200_session.sh split    # the split top-k: tests, probe, verify, decode rows
 #   bash benchmarks/h200_session.sh score    # score / top-k probes, the 64K step, indexer tests
 #   bash benchmarks/h200_session.sh rules28  # the score grid / k = 1024 split rules in a step
-#   bash benchmarks/h200_session.sh qpre29   # pre-quantised fp8 GEMM inputs: tests, probe, rows
+#   bash benchmarks/h200_session.sh qpre29   # pre-quantised fp8 GEMM inputs: tests, probe, 512
+#   bash benchmarks/h200_session.sh long29   # the 64K decode rows with session 28-29's changes
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -250,20 +251,29 @@ score)  # the indexer score launch's variants (pipelined loop, tile, programs pe
     ;;
 qpre29)  # session 29 (no GPU was lent): activations quantised before the fp8 GEMMs - their
     # tests, the GEMM probe's act8 rows (in-loop / pre-quantised alone / quantiser + GEMM;
-    # the q_fused shape: wq_b and the indexer's wq_b as one weight), then the decode rows at
-    # 512 and 64K with and without the query latent quantised in the latent-norms launch and
-    # both query GEMMs in one launch (and with session 28's score-grid / k = 1024 split rules,
-    # not yet timed in a step)
+    # the q_fused shape: wq_b and the indexer's wq_b as one weight, and the pair launch), then
+    # the decode rows at context 512 (the indexer skipped there since session 29: every entry
+    # is taken; the FlashMLA indices cast in one op) with and without the query latent
+    # quantised in the latent-norms launch, profiled (the third table names what launches
+    # the small copies). On a warm machine after checka / checkb; long29 next
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    step pytest_qpre 200 "${PYTEST[@]}" -rf tests/kernels/test_fp8_linear.py \
-        tests/kernels/test_rope_norm.py \
+    step pytest_qpre 150 "${PYTEST[@]}" -rf tests/kernels/test_fp8_linear.py \
+        tests/kernels/test_rope_norm.py tests/kernels/test_paged_rows.py \
         "tests/platforms/test_cuda_backends.py::test_prequantised_query_latent_is_bit_equal_on_the_gpu" \
         "tests/platforms/test_cuda_backends.py::test_query_gemm_pair_on_the_gpu"
-    step gemm_act8 200 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
+    step gemm_act8 150 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
         --variants act8
-    step decode_step 300 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
-        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512,65536 --reps 3 --profile \
-        --strategies ours_pdl,ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl
+    step decode_step 260 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
+        --models flash,pro --layers C4,C128 --ms 1,16,64 --contexts 512 --reps 3 --profile \
+        --strategies ours_pdl,ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
+    ;;
+long29)  # the 64K rows: session 28's score-grid / k = 1024 split rules (not yet timed in a
+    # step), the pre-quantised query latent and the query pair (the indexer runs there)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step decode_step 400 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 --reps 3 --profile \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl
+    step score_probe 120 python3 benchmarks/score_probe.py --out "$OUT/score"
     ;;
 rules28)  # session 28's defaults set from probes, in a step: 8 scoring programs per SM on
     # wide rows, 2 top-k chunks for k = 1024 at 64 rows - the tests that pin them, then the
