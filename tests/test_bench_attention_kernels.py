@@ -114,3 +114,35 @@ def test_report_only_from_json(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(_res()))
     assert main(["--out", str(tmp_path), "--report-only"]) == 0
     assert "## fp8 GEMMs" in (tmp_path / "summary.md").read_text()
+
+
+def test_act8_rows_probe_eight_warps_on_the_m64_swapped_tile():
+    """Where the act_quant choice is an M = 64 swapped tile of 4 warps (it spills on sm_90), the
+    act8 rows add the same tile with 8 warps; each row computes the quantised product."""
+    from dsv4.bench.attention_kernels import _act8_rows
+    from dsv4.kernels.fp8_linear import (
+        Fp8GemmConfig,
+        fp8_linear,
+        fp8_linear_reference,
+        quantize_activations,
+    )
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(256, 256, generator=g) * 2).to(torch.float8_e4m3fn)
+    s = torch.randint(118, 124, (2, 2), generator=g).to(torch.uint8).view(torch.float8_e8m0fnu)
+    xs = [torch.randn(64, 256, generator=g).bfloat16()]
+
+    def ours(i, xs=xs, cfg=None, x_scale=None):
+        return fp8_linear(xs[i], w, s, config=cfg, x_scale=None if x_scale is None else x_scale[i])
+
+    tile = Fp8GemmConfig(block_m=64, block_n=128, split_k=1, swap=True, act_fp8=True)
+    ref_q = fp8_linear_reference(fp8_block_sim(xs[0], 128), w, s, torch.float32)
+    rows = _act8_rows(64, 256, 256, xs, ours, ref_q, True, lambda *a, **k: tile,
+                      quantize_activations)
+    names = [r[0] for r in rows]
+    assert names == ["dsv4_fp8_act8", "dsv4_fp8_act8pre", "dsv4_fp8_act8pre_q",
+                     "dsv4_fp8_act8_w8", "dsv4_fp8_act8pre_w8"]
+    for _, fn, want in rows:
+        got = fn(0)
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

@@ -343,8 +343,11 @@ def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> l
     """The fp8-activation rows (``--variants act8``; with ``all`` the act8 row is already
     there): the act_quant choice quantising x in its loop (``act8``), the same tiles on x
     quantised before the call (``act8pre``: the GEMM alone) and the quantiser plus the GEMM
-    (``act8pre_q``: two launches). All against the product of ``fp8_block_sim(x, 128)`` and
-    the dequantised weight (``ref_q``)."""
+    (``act8pre_q``: two launches); where the choice is an M = 64 swapped tile of 4 warps, the
+    same with 8 (``act8_w8``, ``act8pre_w8``). All against the product of
+    ``fp8_block_sim(x, 128)`` and the dequantised weight (``ref_q``)."""
+    from dsv4.kernels.fp8_linear import Fp8GemmConfig
+
     cfg = choose(M, N, K, act_fp8=True)
     pre = [quantize(x) for x in xs]
     xq, xsc = [p[0] for p in pre], [p[1] for p in pre]
@@ -354,8 +357,15 @@ def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> l
         return ours(i, xs={i: q}, cfg=cfg, x_scale={i: sc})
 
     rows = [("dsv4_fp8_act8", lambda i: ours(i, cfg=cfg), ref_q)] if with_act8 else []
-    return rows + [("dsv4_fp8_act8pre", lambda i: ours(i, xs=xq, cfg=cfg, x_scale=xsc), ref_q),
-                   ("dsv4_fp8_act8pre_q", both, ref_q)]
+    rows += [("dsv4_fp8_act8pre", lambda i: ours(i, xs=xq, cfg=cfg, x_scale=xsc), ref_q),
+             ("dsv4_fp8_act8pre_q", both, ref_q)]
+    if cfg.swap and cfg.block_m == 64 and cfg.num_warps == 4:
+        # the M = 64 swapped tiles with 8 warps: the 128-row one keeps 32 bytes of its 255
+        # registers on the stack at 4 warps and none at 8 (154 registers; sm_90 compile)
+        w8 = Fp8GemmConfig(**{**cfg.__dict__, "num_warps": 8})
+        rows += [("dsv4_fp8_act8_w8", lambda i: ours(i, cfg=w8), ref_q),
+                 ("dsv4_fp8_act8pre_w8", lambda i: ours(i, xs=xq, cfg=w8, x_scale=xsc), ref_q)]
+    return rows
 
 
 def _pair_rows(n1: int, M: int, N: int, K: int, xs, ws, ref_q) -> list:
