@@ -29,6 +29,7 @@
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
+#   bash benchmarks/h200_session.sh checkx   # the suite in one call, 8 xdist workers, + verify
 #
 # The device tool brings back at most 8 files: for `kernels` point OUT at a scratch folder and
 # PACK at an archive in the real one (rewritten after every step):
@@ -83,6 +84,17 @@ checka)  # the whole suite in two calls on a cold machine (one call was cut at 8
     # the kernel tests here, the rest in checkb
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     step pytest_kernels_all 560 "${PYTEST[@]}" -v -rf tests/kernels
+    ;;
+checkx)  # the whole suite in ONE call: 8 pytest workers (pytest-xdist, installed on the lent
+    # H200 - the plugin list of every run shows it), so Triton's compiles of a cold machine run
+    # 8 at a time (the one-process `checka` took 560+ s and was cut every time); then verify.
+    # Without xdist it runs in one process (then use checka / checkb instead).
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    step pytest_all 470 "${PYTEST[@]}" "${XDIST[@]}" -v -rf --deselect tests/test_readme.py \
+        --ignore=tests/integrations --deselect tests/test_transformers_dialect.py
+    verify 90
     ;;
 checkb)  # the rest of the suite and verify
     step pytest_rest 480 "${PYTEST[@]}" -v -rf --deselect tests/test_readme.py \
