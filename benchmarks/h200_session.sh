@@ -92,7 +92,8 @@ checkx)  # the whole suite in ONE call: 8 pytest workers (pytest-xdist, installe
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-    step pytest_all 470 "${PYTEST[@]}" "${XDIST[@]}" -v -rf --deselect tests/test_readme.py \
+    # -vv: with PYTEST's -q, one line per test as it ends (-v alone cancels -q: dots only)
+    step pytest_all 470 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf --deselect tests/test_readme.py \
         --ignore=tests/integrations --deselect tests/test_transformers_dialect.py
     verify 90
     ;;
