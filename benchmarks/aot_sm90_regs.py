@@ -101,6 +101,18 @@ GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr=
 activation scales' pointer is used with ACT_PRE only, the second weight's with PAIR only)."""
 
 
+def _gemm_config(label: str, c, act: bool, pre: bool, pair: bool) -> bool:
+    """Compile the fp8 GEMM at config ``c``: fp8 x fp8 MMAs under ``act`` (x quantised in the
+    loop), on an x quantised before the launch under ``pre`` (ACT_PRE: e4m3 x, float32
+    scales), two weights on one x under ``pair`` (PAIR)."""
+    consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap, SCALE_F32=False,
+                  FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=False, ACT_FP8=act,
+                  INTERP=False, ACT_PRE=pre, PAIR=pair)
+    types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
+    return _try(f"{label} {c}", fl._fp8_gemm_kernel, types, consts,
+                dict(num_warps=c.num_warps, num_stages=c.num_stages))
+
+
 def gemm() -> None:
     seen = set()
     for M in (1, 16, 32, 64, 100):
@@ -111,47 +123,18 @@ def gemm() -> None:
                 c = fl.choose_fp8_config(M, n, k, act_fp8=act)
                 key = (c.block_m, c.block_n, c.split_k > 1, c.swap, c.num_warps, c.num_stages,
                        act, pre)
-                if key in seen:
-                    continue
-                seen.add(key)
-                consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
-                              SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
-                              DOT_PREC="tf32", GEMV=False, ACT_FP8=act, INTERP=False,
-                              ACT_PRE=pre, PAIR=False)
-                types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
-                try:
-                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
-                                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"fp8_gemm M={M} act_fp8={act} pre={pre} {c}: {r}", flush=True)
-                except Exception:
-                    traceback.print_exc()
-                    print(f"FAIL fp8_gemm act_fp8={act} pre={pre} {c}", flush=True)
+                if key not in seen:
+                    seen.add(key)
+                    _gemm_config(f"fp8_gemm M={M} act_fp8={act} pre={pre}", c, act, pre, False)
     # the query pair (wq_b + the indexer's wq_b in one launch) at its rule's configurations
     for M in (1, 16, 64):
         for n, k in ((32768 + 8192, 1024), (65536 + 8192, 1536)):
             for pre in (False, True):
                 c = fl.choose_fp8_config(M, n, k, act_fp8=True)
-                consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap,
-                              SCALE_F32=False, FENCE=True, DOT_DT=tl.bfloat16,
-                              DOT_PREC="tf32", GEMV=False, ACT_FP8=True, INTERP=False,
-                              ACT_PRE=pre, PAIR=True)
-                types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
-                try:
-                    r = compile_one(fl._fp8_gemm_kernel, types, consts,
-                                    dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"fp8_gemm pair M={M} N={n} pre={pre} {c}: {r}", flush=True)
-                except Exception:
-                    traceback.print_exc()
-                    print(f"FAIL fp8_gemm pair M={M} N={n} pre={pre} {c}", flush=True)
-    types = dict(x_ptr="*bf16", sx="i32", q_ptr="*fp8e4nv", sq="i32", s_ptr="*fp32", ss="i32",
-                 NB="i32")
-    try:
-        r = compile_one(fl._act_quant_kernel, types, dict(CH=8, EMULATE=False),
-                        dict(num_warps=4))
-        print(f"fp8 activation quantiser: {r}", flush=True)
-    except Exception:
-        traceback.print_exc()
-        print("FAIL fp8 activation quantiser", flush=True)
+                _gemm_config(f"fp8_gemm pair M={M} N={n} pre={pre}", c, True, pre, True)
+    _try("fp8 activation quantiser", fl._act_quant_kernel,
+         dict(x_ptr="*bf16", sx="i32", q_ptr="*fp8e4nv", sq="i32", s_ptr="*fp32", ss="i32",
+              NB="i32"), dict(CH=8, EMULATE=False), dict(num_warps=4))
 
 
 def gemv() -> None:
