@@ -138,7 +138,8 @@ def test_act8_rows_probe_eight_warps_on_the_m64_swapped_tile():
 
     tile = Fp8GemmConfig(block_m=64, block_n=128, split_k=1, swap=True, act_fp8=True)
     ref_q = fp8_linear_reference(fp8_block_sim(xs[0], 128), w, s, torch.float32)
-    rows = _act8_rows(64, 256, 256, xs, ours, ref_q, True, lambda *a, **k: tile,
+    pre = [quantize_activations(x) for x in xs]
+    rows = _act8_rows(64, 256, 256, xs, pre, ours, ref_q, True, lambda *a, **k: tile,
                       quantize_activations)
     names = [r[0] for r in rows]
     assert names == ["dsv4_fp8_act8", "dsv4_fp8_act8pre", "dsv4_fp8_act8pre_q",

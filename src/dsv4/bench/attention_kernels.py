@@ -330,26 +330,27 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
         if vset in ("all", "act8"):
-            impls += _act8_rows(M, N, K, xs, ours, ref_q, vset == "act8", choose_fp8_config,
-                                quantize_activations)
+            pre = [quantize_activations(x) for x in xs]  # x quantised once, for both kinds
+            impls += _act8_rows(M, N, K, xs, pre, ours, ref_q, vset == "act8",
+                                choose_fp8_config, quantize_activations)
             if name == "q_fused" and model in Q_FUSED_FIRST:
-                impls += _pair_rows(Q_FUSED_FIRST[model], M, N, K, xs, ws, ref_q)
+                impls += _pair_rows(Q_FUSED_FIRST[model], M, N, K, xs, pre, ws, ref_q)
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
 
 
-def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> list:
+def _act8_rows(M, N, K, xs, pre, ours, ref_q, with_act8: bool, choose, quantize) -> list:
     """The fp8-activation rows (``--variants act8``; with ``all`` the act8 row is already
     there): the act_quant choice quantising x in its loop (``act8``), the same tiles on x
     quantised before the call (``act8pre``: the GEMM alone) and the quantiser plus the GEMM
     (``act8pre_q``: two launches); where the choice is an M = 64 swapped tile of 4 warps, the
     same with 8 (``act8_w8``, ``act8pre_w8``). All against the product of
-    ``fp8_block_sim(x, 128)`` and the dequantised weight (``ref_q``)."""
+    ``fp8_block_sim(x, 128)`` and the dequantised weight (``ref_q``); ``pre``: each x as
+    ``quantize`` makes it, (e4m3, scales)."""
     from dsv4.kernels.fp8_linear import Fp8GemmConfig
 
     cfg = choose(M, N, K, act_fp8=True)
-    pre = [quantize(x) for x in xs]
     xq, xsc = [p[0] for p in pre], [p[1] for p in pre]
 
     def both(i: int) -> torch.Tensor:
@@ -368,15 +369,15 @@ def _act8_rows(M, N, K, xs, ours, ref_q, with_act8: bool, choose, quantize) -> l
     return rows
 
 
-def _pair_rows(n1: int, M: int, N: int, K: int, xs, ws, ref_q) -> list:
+def _pair_rows(n1: int, M: int, N: int, K: int, xs, pre, ws, ref_q) -> list:
     """The two query GEMMs as they would run in the step with ``use_query_gemm_pair``: the
     stacked weight's two row ranges (``wq_b``, the indexer's) as separate tensors in one
     :func:`fp8_linear_pair` launch, act_quant tiles, x bf16 (``act8_pair``) or quantised before
-    (``act8pre_pair``). Both outputs are checked (concatenated) against ``ref_q``."""
-    from dsv4.kernels.fp8_linear import choose_fp8_config, fp8_linear_pair, quantize_activations
+    (``act8pre_pair``, on ``pre``: each x quantised). Both outputs are checked (concatenated)
+    against ``ref_q``."""
+    from dsv4.kernels.fp8_linear import choose_fp8_config, fp8_linear_pair
 
     cfg = choose_fp8_config(M, N, K, act_fp8=True)
-    pre = [quantize_activations(x) for x in xs]
 
     def pair(i: int, quantised: bool) -> tuple[torch.Tensor, torch.Tensor]:
         w, s = ws[i]

@@ -213,10 +213,10 @@ class CudaAttention(DeepseekV4Attention):
     def _qr_fp8_for(self, name: str, qr: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The fp8 form of ``qr`` for the streaming GEMM of linear ``name``, where the latent
-        norms made one for this very tensor and the call is one the kernel streams."""
+        norms made one for this very tensor (they do so only under ``act_quant`` and for calls
+        the kernel streams) and ``name`` runs through the fp8 kernels."""
         memo = self._qr_fp8
-        if (memo is None or memo[0] is not qr or not self.cfg.act_quant
-                or qr.shape[0] > FP8_GEMM_MAX_TOKENS or name not in self.fp8_plan.eligible):
+        if memo is None or memo[0] is not qr or name not in self.fp8_plan.eligible:
             return None
         return memo[1]
 
