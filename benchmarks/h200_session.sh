@@ -26,6 +26,7 @@
 #   bash benchmarks/h200_session.sh rules28  # the score grid / k = 1024 split rules in a step
 #   bash benchmarks/h200_session.sh qpre29   # pre-quantised fp8 GEMM inputs: tests, probe, 512
 #   bash benchmarks/h200_session.sh long29   # the 64K decode rows with session 28-29's changes
+#   bash benchmarks/h200_session.sh s30      # after checkx: GEMM act8 probe, 512 rows, 64K M = 16
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -279,6 +280,18 @@ qpre29)  # session 29 (no GPU was lent): activations quantised before the fp8 GE
     step decode_step 280 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
         --models flash,pro --layers C4,C128 --ms 1,16,64 --contexts 512 --reps 3 --profile \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
+    ;;
+s30)  # session 30's second call (after checkx, warm): qpre29 without its tests (checkx ran
+    # them) and the 64K M = 16 rows (the goal's row) with the three act8 strategies, profiled
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step gemm_act8 150 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
+        --variants act8
+    step decode_step 270 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
+        --models flash,pro --layers C4,C128 --ms 1,16,64 --contexts 512 --reps 3 --profile \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
+    step decode_64k 160 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 --profile \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl
     ;;
 long29)  # the 64K rows: session 28's score-grid / k = 1024 split rules (not yet timed in a
     # step), the pre-quantised query latent and the query pair (the indexer runs there)
