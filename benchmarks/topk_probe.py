@@ -32,6 +32,8 @@ VARIANTS = {
     "2p": dict(split=2), "4p": dict(split=4), "8p": dict(split=8), "16p": dict(split=16),
     "8p m1024": dict(split=8, merge_block=1024), "8p m4096": dict(split=8, merge_block=4096),
     "4p 1024x8": dict(split=4, block=1024, num_warps=8),
+    "1p 4096x8 nosort": dict(split=1, block=4096, num_warps=8, sort=False),
+    "auto nosort": dict(sort=False),
 }
 """Name -> topk_entries keywords. Session 26 (one program per row): 4096 x 8 beat 1024 x 8,
 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); session 27: the two-level method
@@ -103,7 +105,10 @@ def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
            "choice": _choice(width, k, t, n_sm), "zero": round(_time(arr.zero_), 2)}
     for name, kw in VARIANTS.items():
         got = topk_entries(s, pos, k, **kw)
-        if not torch.equal(got, ref):
+        # sort=False leaves each row's entries by ascending index: compare the sets
+        same = (torch.equal(got, ref) if kw.get("sort", True)
+                else torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values))
+        if not same:
             row[name] = "differs"
             continue
 
@@ -117,14 +122,25 @@ def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
+    ap.add_argument("--topks", default="512,1024", help="comma-separated k (default: both)")
+    ap.add_argument("--widths", default="4096,16384,65536",
+                    help="comma-separated row widths in entries")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to time (default: every one)")
     args = ap.parse_args(argv)
+    if args.variants:
+        unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+        if unknown:
+            raise SystemExit(f"unknown --variants {unknown}; known: {sorted(VARIANTS)}")
+        for name in set(VARIANTS) - set(args.variants.split(",")):
+            del VARIANTS[name]
     if not torch.cuda.is_available():
         raise SystemExit("topk_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     n_sm = _n_sm(torch.cuda.current_device())
     rows = []
-    for k in TOPKS:
-        for width in (4096, 16384, 65536):
+    for k in (int(v) for v in args.topks.split(",")):
+        for width in (int(v) for v in args.widths.split(",")):
             for t in (1, 16, 64):
                 for kind in ("random", "ties"):
                     rows.append(_probe_row(k, width, t, kind, n_sm))
