@@ -294,7 +294,7 @@ s30)  # session 30's second call (after checkx, warm): qpre29 without its tests 
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
     step decode_64k 140 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 --profile \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl,ours_flashmla_act8_nosort_pdl
     ;;
 long29)  # the 64K rows: session 28's score-grid / k = 1024 split rules (not yet timed in a
     # step), the pre-quantised query latent and the query pair (the indexer runs there)

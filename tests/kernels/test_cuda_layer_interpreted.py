@@ -164,3 +164,40 @@ def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp
     assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
     for name in st_off:
         assert torch.equal(st_on[name], st_off[name]), name
+
+
+def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
+    """``use_sorted_selection(False)``: the decode top-k hands each query's entries by
+    ascending index instead of by score - the same sets in every decode step, the stores
+    bit-equal, the outputs equal up to the attention's fp32 summation order."""
+    import dsv4.platforms.cuda as cuda
+
+    cfg = DSV4Config.preset("tiny")
+    real, picked = cuda.indexer_topk, []
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        picked.append((kw.get("sort", True), out.clone()))
+        return out
+
+    monkeypatch.setattr(cuda, "indexer_topk", spy)
+    runs = []
+    for on in (True, False):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.use_sorted_selection(on)
+        picked.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(picked)))
+    (y_on, st_on, p_on), (y_off, st_off, p_off) = runs
+    # the 6 batched decode steps (the 130-token prefill takes the prefill kernels, the
+    # 20-token one sees 5 entries, index_topk 8: no indexer)
+    assert [s for s, _ in p_on] == [True] * 6 and [s for s, _ in p_off] == [False] * 6
+    reordered = False
+    for (_, a), (_, b) in zip(p_on, p_off, strict=True):
+        assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+        kept = torch.where(b >= 0, b, torch.iinfo(torch.long).max)
+        assert torch.equal(kept, kept.sort(dim=1).values)  # ascending, -1 pads last
+        reordered |= not torch.equal(a, b)
+    assert reordered  # the scores' order is not the index order somewhere
+    assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
+    for name in st_off:
+        assert torch.equal(st_on[name], st_off[name]), name

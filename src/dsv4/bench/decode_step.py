@@ -46,6 +46,10 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        (``use_query_gemm_pair``; the indexer's product may differ in the
                        fp32 summation order, so it is checked against the act_quant base
                        only)
+* ``ours_flashmla_act8_nosort_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the indexer's
+                       top-k leaving each query's entries by index, not sorted by score
+                       (``use_sorted_selection(False)``; the same sets, checked against the
+                       act_quant base)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -93,7 +97,8 @@ OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
 PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
-PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl")  # opt-in
+PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
+          "ours_flashmla_act8_nosort_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -113,6 +118,7 @@ class Strategy:
     pdl: bool = False  # programmatic dependent launch for our kernels (dsv4.kernels.launch)
     qr_fp8: bool = False  # CudaAttention.use_prequantised_query_latent (with act_quant)
     q_pair: bool = False  # CudaAttention.use_query_gemm_pair
+    sorted_selection: bool = True  # CudaAttention.use_sorted_selection
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -144,6 +150,9 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_qpair_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                              "fp8_ds_mla", True, True, pdl=True, qr_fp8=True,
                                              q_pair=True),
+    "ours_flashmla_act8_nosort_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                              "fp8_ds_mla", True, True, pdl=True,
+                                              sorted_selection=False),
 }
 
 
@@ -161,6 +170,7 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer.use_step_kernels(spec.step_kernels)
     layer.use_prequantised_query_latent(spec.qr_fp8)
     layer.use_query_gemm_pair(spec.q_pair)
+    layer.use_sorted_selection(spec.sorted_selection)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer
@@ -325,8 +335,8 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
                                "from eager")
         spec = STRATEGY_SPECS[strategy]
-        # PDL and the pre-quantised query latent must not change a bit (the query pair may:
-        # it keeps its own twin)
+        # PDL and the pre-quantised query latent must not change a bit (the query pair and
+        # the unsorted selection may: each keeps its own twin)
         twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False),
                                 (out.clone(), strategy))
         if not torch.equal(out, twin[0]):

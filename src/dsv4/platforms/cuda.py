@@ -169,6 +169,7 @@ class CudaAttention(DeepseekV4Attention):
         self._q_from_pair: tuple[torch.Tensor, torch.Tensor] | None = None
         """(qr, the wq_b product) that ``_indexer_wq_b_gemm``'s pair launch made for
         ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
+        self._sorted_selection = True
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -202,6 +203,15 @@ class CudaAttention(DeepseekV4Attention):
         ``ours_flashmla_act8_qpair_pdl``)."""
         self._q_pair_enabled = enabled
         self._q_from_pair = None
+
+    def use_sorted_selection(self, enabled: bool) -> None:
+        """The indexer's decode top-k kernels hand each query's entries ordered by score,
+        highest first (the default: torch.topk's order, which the reference path gives), or,
+        off, by ascending entry index, skipping the kernel's final sort. The same entry
+        sets either way; the attention reads them in any order (only its fp32 sums' rounding
+        can change). Off is a probe until timed on a GPU (the decode-step bench's
+        ``ours_flashmla_act8_nosort_pdl``)."""
+        self._sorted_selection = enabled
 
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
         """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
@@ -456,7 +466,8 @@ class CudaAttention(DeepseekV4Attention):
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
                             self.indexer.topk, self.indexer.weight_scale,
-                            workspace_bytes=self.cfg.attention_workspace_bytes)
+                            workspace_bytes=self.cfg.attention_workspace_bytes,
+                            sort=self._sorted_selection)
 
     # ---- fp32-output GEMMs ------------------------------------------------------------
     def _score_gemm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
