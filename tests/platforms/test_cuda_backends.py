@@ -333,3 +333,35 @@ def test_query_gemm_pair_on_the_gpu(tiny, qr_fp8):
         pairs.append(spy.call_count)
     assert pairs == [0, 11]  # the prefill and 10 decode steps
     assert rel_err(outs[1], outs[0]) < 1e-2
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_unsorted_selection_on_the_gpu(tiny):
+    """``use_sorted_selection(False)``: every decode step's top-k takes the same entry sets,
+    by ascending index, and the layer's outputs stay within the fp32 summation order."""
+    import dsv4.platforms.cuda as cuda_platform
+
+    x = random_x(70, tiny.hidden_size).to("cuda", BF16)
+    outs, picks = [], []
+    real = cuda_platform.indexer_topk
+    for on in (True, False):
+        layer, _ = _cuda_pair(tiny, 4, "triton")
+        layer.use_sorted_selection(on)
+        got = []
+
+        def spy(*args, _got=got, **kw):
+            out = real(*args, **kw)
+            _got.append(out.clone())
+            return out
+
+        with mock.patch.object(cuda_platform, "indexer_topk", spy):
+            y, _ = _prefill_and_decode(layer, x, 60)
+        outs.append(y)
+        picks.append(got)
+    assert len(picks[0]) == len(picks[1]) == 11  # the 60-token prefill and 10 decode steps
+    for a, b in zip(*picks, strict=True):
+        assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+        kept = torch.where(b >= 0, b, torch.iinfo(torch.long).max)
+        assert torch.equal(kept, kept.sort(dim=1).values)
+    assert rel_err(outs[1], outs[0]) < 1e-2
