@@ -312,7 +312,7 @@ def steps() -> bool:
         for sort in (True, False):
             for block in (it.SCAN_BLOCK, it.WIDE_SCAN_BLOCK):
                 ok &= _try(f"indexer top-k K={k} sort={sort} block={block}", it._topk_kernel, t,
-                           dict(K=k, KP=k, BLOCK=block, SORT=sort),
+                           dict(K=k, KP=k, BLOCK=block, SORT=sort, DB=it.DIGIT_BITS),
                            dict(num_warps=it.SCAN_WARPS))
             for p in (2, 4, 8, it.MAX_SPLIT):  # the split kernel: chunk scan, merge scan
                 for block in (it.SCAN_BLOCK, it.WIDE_SCAN_BLOCK):
@@ -321,8 +321,18 @@ def steps() -> bool:
                                f"merge={mblock}", it._topk_split_kernel,
                                {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32",
                                 "chunk": "i32"},
-                               dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=mblock, SORT=sort),
+                               dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=mblock, SORT=sort,
+                                    DB=it.DIGIT_BITS),
                                dict(num_warps=it.SCAN_WARPS))
+    for db in (4, 2):  # topk_probe.py's narrower radix digits (digit_bits)
+        ok &= _try(f"indexer top-k K=512 digits={db}", it._topk_kernel, t,
+                   dict(K=512, KP=512, BLOCK=it.WIDE_SCAN_BLOCK, SORT=True, DB=db),
+                   dict(num_warps=it.SCAN_WARPS))
+        ok &= _try(f"indexer top-k split=8 K=512 digits={db}", it._topk_split_kernel,
+                   {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32", "chunk": "i32"},
+                   dict(K=512, KP=512, P=8, BLOCK=it.SCAN_BLOCK,
+                        MBLOCK=it.choose_merge_block(8 * 512), SORT=True, DB=db),
+                   dict(num_warps=it.SCAN_WARPS))
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
              s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
              max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",

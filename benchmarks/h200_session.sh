@@ -284,15 +284,16 @@ qpre29)  # session 29 (no GPU was lent): activations quantised before the fp8 GE
 s30)  # session 30's second call (after checkx, warm): qpre29 without its tests (checkx ran
     # them) and the 64K M = 16 rows (the goal's row) with the three act8 strategies, profiled;
     # first the top-k with and without its final sort by score (the attention needs no order)
+    # and with 4- / 2-bit radix digits
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    step topk_nosort 60 python3 benchmarks/topk_probe.py --out "$OUT/topk" --widths 4096,16384 \
-        --variants "auto,auto nosort,1p 4096x8,1p 4096x8 nosort"
-    step gemm_act8 120 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
+    step topk_nosort 80 python3 benchmarks/topk_probe.py --out "$OUT/topk" --widths 4096,16384 \
+        --variants "auto,auto nosort,1p 4096x8,1p 4096x8 nosort,auto b4,auto b2,1p 4096x8 b4,auto b4 nosort"
+    step gemm_act8 110 python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" --only gemm \
         --variants act8
     step decode_step 270 python3 -m dsv4 bench decode-step --out "$OUT/decode" \
         --models flash,pro --layers C4,C128 --ms 1,16,64 --contexts 512 --reps 3 --profile \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl
-    step decode_64k 140 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+    step decode_64k 130 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 --profile \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_qpre_pdl,ours_flashmla_act8_qpair_pdl,ours_flashmla_act8_nosort_pdl
     ;;

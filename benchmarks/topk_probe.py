@@ -1,6 +1,7 @@
 """The indexer's top-k kernel at decode widths: its variants against the default.
 
-Variants: programs per row (``split``), scores per iteration and warps, the merge's width.
+Variants: programs per row (``split``), scores per iteration and warps, the merge's width, the
+radix digit's bits (``digit_bits``), the final sort by score left out (``sort=False``).
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
 
@@ -34,6 +35,9 @@ VARIANTS = {
     "4p 1024x8": dict(split=4, block=1024, num_warps=8),
     "1p 4096x8 nosort": dict(split=1, block=4096, num_warps=8, sort=False),
     "auto nosort": dict(sort=False),
+    "auto b4": dict(digit_bits=4), "auto b2": dict(digit_bits=2),
+    "1p 4096x8 b4": dict(split=1, block=4096, num_warps=8, digit_bits=4),
+    "auto b4 nosort": dict(digit_bits=4, sort=False),
 }
 """Name -> topk_entries keywords. Session 26 (one program per row): 4096 x 8 beat 1024 x 8,
 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); session 27: the two-level method

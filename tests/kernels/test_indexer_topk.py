@@ -314,6 +314,34 @@ def test_topk_of_constructed_scores(k, scan, split):
 
 
 @kernel_runs
+@pytest.mark.parametrize("digit_bits", [2, 4])
+@pytest.mark.parametrize("split", [1, 4])
+def test_narrower_radix_digits_select_the_same(digit_bits, split):
+    """``digit_bits``: 16 passes of 2 bits or 8 of 4 instead of 4 of 8 - the same selection
+    (order included) on normal scores, quarter-step ties with exact zeros, -0.0 beside +0.0,
+    one value everywhere, scores that differ only in their lowest bits, negative scores
+    (the sign bit's digit), and short rows."""
+    width, k = 3000, 300
+    g = torch.Generator().manual_seed(digit_bits)
+    s = torch.randn(7, width, generator=g)
+    s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
+    s[1, ::4] = 0.0
+    s[2, ::2], s[2, 1::2] = -0.0, 0.0
+    s[3] = -1.5
+    s[4] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() * 2.0 ** -23
+    s[5] = -torch.rand(width, generator=g) - 1.0
+    pos = torch.tensor([4 * width - 1] * 6 + [4 * 200])
+    args = (s.to(DEV), pos.to(DEV), k)
+    want = topk_entries(*args, split=split).cpu()
+    got = topk_entries(*args, split=split, digit_bits=digit_bits).cpu()
+    assert torch.equal(got, want)
+    vis = ((pos + 1) // 4).clamp(max=width)
+    masked = s.masked_fill(torch.arange(width)[None, :] >= vis[:, None], float("-inf"))
+    values, idx = stable_topk(masked, k)
+    assert torch.equal(got, idx.masked_fill(values == float("-inf"), -1))
+
+
+@kernel_runs
 @pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("split", [2, 4, 8, 16])
 def test_a_split_row_selects_like_one_program(sort, split):
@@ -391,7 +419,8 @@ def test_the_merge_block_rule():
 @pytest.mark.parametrize("kw", [dict(block=1000), dict(block=8), dict(block=True),
                                 dict(num_warps=3), dict(num_warps=64), dict(split=3),
                                 dict(split=0), dict(split=32), dict(split=True),
-                                dict(split=4.0), dict(merge_block=100)])
+                                dict(split=4.0), dict(merge_block=100), dict(digit_bits=3),
+                                dict(digit_bits=16), dict(digit_bits=True)])
 def test_scan_overrides_are_checked(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=f"topk_entries: {name} must be"):

@@ -93,6 +93,11 @@ SPLIT_CANDIDATES_PER_SM = 1024
 """... and room: chunk programs times k, per SM, over all rows (two programs at k = 512)."""
 
 
+DIGIT_BITS = 8
+"""Bits of the order key each radix-select pass over a row decides (32 / DIGIT_BITS passes of
+2 ** DIGIT_BITS-bin histograms); ``topk_entries(digit_bits=)`` probes 2 and 4."""
+
+
 def choose_scan(width: int) -> tuple[int, int]:
     """(scores per iteration, warps) of the top-k program for rows of ``width`` entries. Each
     of its five passes over a row is a chain of iterations, each with a fixed cost (the loads'
@@ -313,17 +318,19 @@ if triton_available():
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _radix_select(row, visible, need, lanes, bins, BLOCK: tl.constexpr, cand=None,
-                      GATHER: tl.constexpr = False):
+    def _radix_select(row, visible, need, lanes, BLOCK: tl.constexpr, DB: tl.constexpr,
+                      cand=None, GATHER: tl.constexpr = False):
         """(prefix, need): the ``need``-th largest order key of the row's ``visible`` scores as
         an unsigned-order prefix (key ^ sign bit), and how many of the entries equal to it are
-        still to be taken; 4 passes of 8-bit histograms from the top. With GATHER the scores
-        are those of the entries ``cand[:visible]`` instead (int32 entry indices, -1 for none,
-        written by other programs: read through L2)."""
+        still to be taken; 32 / DB passes of DB-bit histograms from the top. With GATHER the
+        scores are those of the entries ``cand[:visible]`` instead (int32 entry indices, -1 for
+        none, written by other programs: read through L2)."""
+        NB: tl.constexpr = 1 << DB
+        bins = tl.arange(0, NB)
         prefix = need * 0
-        for level in tl.static_range(4):
-            shift = 24 - 8 * level  # constexpr: level is unrolled
-            hist = tl.zeros([256], tl.int32)
+        for level in tl.static_range(32 // DB):
+            shift = 32 - DB * (level + 1)  # constexpr: level is unrolled
+            hist = tl.zeros([NB], tl.int32)
             for c in range(0, visible, BLOCK):
                 offs = c + lanes
                 m = offs < visible
@@ -331,9 +338,9 @@ if triton_available():
                     offs = tl.load(cand + offs, mask=m, other=-1, cache_modifier=".cg")
                     m = offs >= 0
                 u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
-                if level > 0:
-                    m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-                hist += tl.histogram((u >> shift) & 255, 256, mask=m)
+                if level > 0:  # the digits above this one equal the prefix's
+                    m = m & ((u >> (shift + DB)) == (prefix >> (shift + DB)))
+                hist += tl.histogram((u >> shift) & (NB - 1), NB, mask=m)
             digit, need = _pick_digit(hist, bins, need)
             prefix = prefix | (digit << shift)
         return prefix, need
@@ -387,7 +394,7 @@ if triton_available():
     @triton.jit(do_not_specialize=["width"])
     def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
                      KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     DB: tl.constexpr = 8, PDL: tl.constexpr = False):
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         row = s_ptr + t.to(tl.int64) * sst
@@ -395,15 +402,14 @@ if triton_available():
         visible = tl.minimum(((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32), width)
         take_n = tl.minimum(visible, K)
         lanes = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 256)
-        # radix select, 8 bits a pass from the top, on u = key ^ sign bit (unsigned order): the
+        # radix select, DB bits a pass from the top, on u = key ^ sign bit (unsigned order): the
         # take_n-th largest key is ``prefix``; ``need`` of the entries equal to it are taken.
         # With every visible entry taken (visible <= K: short contexts) the passes are skipped:
         # prefix 0 is the lowest key, which no score has (it is a NaN's), so all are above it
         prefix = take_n * 0
         need = take_n
         if visible > K:
-            prefix, need = _radix_select(row, visible, need, lanes, bins, BLOCK)
+            prefix, need = _radix_select(row, visible, need, lanes, BLOCK, DB)
         kth = prefix ^ -2147483648
         # compaction: every entry above the k-th key, then the lowest-indexed equal ones
         taken = take_n * 0
@@ -429,7 +435,7 @@ if triton_available():
     def _topk_split_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, arr_ptr, width, chunk,
                            K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
                            BLOCK: tl.constexpr, MBLOCK: tl.constexpr, SORT: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           DB: tl.constexpr = 8, PDL: tl.constexpr = False):
         """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
         chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads);
         then it counts itself in ``arr[t]`` (zero before the launch), and the row's last
@@ -447,11 +453,10 @@ if triton_available():
         n = tl.maximum(tl.minimum(visible - lo, chunk), 0)
         take_n = tl.minimum(n, K)
         lanes = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 256)
         prefix = take_n * 0
         need = take_n
         if n > K:
-            prefix, need = _radix_select(row + lo, n, need, lanes, bins, BLOCK)
+            prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
         kth = prefix ^ -2147483648
         slots = cand + c * K
         taken = take_n * 0
@@ -480,7 +485,7 @@ if triton_available():
             mprefix = total * 0
             mneed = total
             if visible > K:
-                mprefix, mneed = _radix_select(row, P * K, mneed, mlanes, bins, MBLOCK, cand,
+                mprefix, mneed = _radix_select(row, P * K, mneed, mlanes, MBLOCK, DB, cand,
                                                True)
             mkth = mprefix ^ -2147483648
             taken = total * 0
@@ -582,15 +587,16 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
                  out: torch.Tensor | None = None, block: int | None = None,
                  num_warps: int | None = None, split: int | None = None,
-                 merge_block: int | None = None,
+                 merge_block: int | None = None, digit_bits: int | None = None,
                  arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
     ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
     :func:`choose_scan`, ``split`` (a power of two, 1 .. MAX_SPLIT) :func:`choose_split` and
-    ``merge_block`` (a power of two >= 16) :func:`choose_merge_block`: the same selection,
-    another speed. With a split of P > 1 each row's entries are cut into P
+    ``merge_block`` (a power of two >= 16) :func:`choose_merge_block` and ``digit_bits``
+    (2, 4 or 8: the radix select's bits per pass over a row) ``DIGIT_BITS``: the same
+    selection, another speed. With a split of P > 1 each row's entries are cut into P
     chunks, one program each, and the row's last program merges their P * topk candidates
     (``_topk_split_kernel``); it counts arrivals in ``arrivals`` [T] int32, which must be zero
     when the launch starts and is zero again after it (:func:`indexer_scores` zeroes it with
@@ -608,6 +614,9 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                               or not 1 <= split <= MAX_SPLIT or split & (split - 1)):
         raise ValueError(f"topk_entries: split must be a power of two 1 .. {MAX_SPLIT}, got "
                          f"{split!r}")
+    if digit_bits is not None and (isinstance(digit_bits, bool) or digit_bits not in (2, 4, 8)):
+        raise ValueError(f"topk_entries: digit_bits must be 2, 4 or 8, got {digit_bits!r}")
+    db = digit_bits or DIGIT_BITS
     _check_available(scores.device)
     t, width = scores.shape
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
@@ -623,7 +632,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     if split == 1:
         auto_block, auto_warps = choose_scan(width)
         _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
-                           BLOCK=block or auto_block, SORT=sort,
+                           BLOCK=block or auto_block, SORT=sort, DB=db,
                            num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
     if arrivals is None:
@@ -639,7 +648,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     _topk_split_kernel[(t, split)](
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
         chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
-        MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,
+        MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort, DB=db,
         num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
