@@ -483,7 +483,8 @@ def cuda_layer_shell(cfg: DSV4Config):
     layer.cfg = cfg
     layer.acc_dtype = torch.float32
     layer.indexer = indexer(cfg)
-    layer.use_step_kernels(True)  # the constructor's default
+    layer.use_step_kernels(True)  # the constructor's defaults
+    layer.use_sorted_selection(True)
     return layer
 
 
