@@ -145,7 +145,7 @@ class CudaAttention(DeepseekV4Attention):
                "attention_choice", "use_step_kernels", "_elementwise_ready",
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
-               "_query_pair_ready")
+               "_query_pair_ready", "use_sorted_selection")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
