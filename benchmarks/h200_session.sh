@@ -314,7 +314,8 @@ s30b)  # session 30's last call (cold, ~440 s of command left): checkx's one fai
     python3 benchmarks/pytest_remaining.py "$LOG" "${SKIP[@]}" >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-    step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -v -rf $(cat /tmp/rest.txt)
+    mapfile -t REST </tmp/rest.txt  # one id a line: ids with spaces stay whole
+    step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -v -rf "${REST[@]}"
     ;;
 long29)  # the 64K rows: session 28's score-grid / k = 1024 split rules (not yet timed in a
     # step), the pre-quantised query latent and the query pair (the indexer runs there)
