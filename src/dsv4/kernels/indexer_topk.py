@@ -63,7 +63,7 @@ from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
            "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
-           "choose_score_programs", "choose_split"]
+           "choose_digit_bits", "choose_score_programs", "choose_split"]
 
 FMTS = ("bf16", "fp8", "fp4")
 KERNEL_MAX_TOKENS = 64
@@ -95,7 +95,21 @@ SPLIT_CANDIDATES_PER_SM = 1024
 
 DIGIT_BITS = 8
 """Bits of the order key each radix-select pass over a row decides (32 / DIGIT_BITS passes of
-2 ** DIGIT_BITS-bin histograms); ``topk_entries(digit_bits=)`` probes 2 and 4."""
+2 ** DIGIT_BITS-bin histograms) ..."""
+SPLIT_DIGIT_BITS = 4
+"""... and in split rows whose chunks scan ``SCAN_BLOCK`` scores an iteration
+(:func:`choose_digit_bits`)."""
+
+
+def choose_digit_bits(split: int, block: int) -> int:
+    """Radix digit bits for a top-k launch of ``split`` programs per row scanning ``block``
+    scores an iteration. H200, k = 512 (``benchmarks/topk_probe.py``, session 30; every
+    variant bit-equal), us per call: 16K entries, 1 and 16 rows (8 chunks of 2048, 1024-wide
+    scans, 4096-wide merge) 37.9-39.1 at 8 bits, 31.2-32.2 at 4, 38.7-39.9 at 2; one program
+    on 4K entries (4096-wide scan) 21.1-22.0 at 8, 23.2-24.3 at 4, 33.9-35.6 at 2, and on 16K
+    entries 64.0-64.5 at 8, 66.6-67.9 at 4. So 4 bits only where it won: split rows with
+    1024-wide chunk scans; 8 elsewhere (k = 1024, 64 rows and 64K entries not probed)."""
+    return SPLIT_DIGIT_BITS if split > 1 and block == SCAN_BLOCK else DIGIT_BITS
 
 
 def choose_scan(width: int) -> tuple[int, int]:
@@ -595,7 +609,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
     :func:`choose_scan`, ``split`` (a power of two, 1 .. MAX_SPLIT) :func:`choose_split` and
     ``merge_block`` (a power of two >= 16) :func:`choose_merge_block` and ``digit_bits``
-    (2, 4 or 8: the radix select's bits per pass over a row) ``DIGIT_BITS``: the same
+    (2, 4 or 8: the radix select's bits per pass over a row) :func:`choose_digit_bits`: the same
     selection, another speed. With a split of P > 1 each row's entries are cut into P
     chunks, one program each, and the row's last program merges their P * topk candidates
     (``_topk_split_kernel``); it counts arrivals in ``arrivals`` [T] int32, which must be zero
@@ -616,7 +630,6 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{split!r}")
     if digit_bits is not None and (isinstance(digit_bits, bool) or digit_bits not in (2, 4, 8)):
         raise ValueError(f"topk_entries: digit_bits must be 2, 4 or 8, got {digit_bits!r}")
-    db = digit_bits or DIGIT_BITS
     _check_available(scores.device)
     t, width = scores.shape
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
@@ -632,7 +645,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     if split == 1:
         auto_block, auto_warps = choose_scan(width)
         _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
-                           BLOCK=block or auto_block, SORT=sort, DB=db,
+                           BLOCK=block or auto_block, SORT=sort,
+                           DB=digit_bits or choose_digit_bits(1, block or auto_block),
                            num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
     if arrivals is None:
@@ -648,7 +662,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     _topk_split_kernel[(t, split)](
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
         chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
-        MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort, DB=db,
+        MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,
+        DB=digit_bits or choose_digit_bits(split, block or auto_block),
         num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
