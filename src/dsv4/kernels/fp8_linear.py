@@ -617,9 +617,7 @@ def fp8_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
         return (fp8_linear_reference(xs, w1, s1, y1.dtype),
                 fp8_linear_reference(xs, w2, s2, y2.dtype))
     x = x if x.stride(1) == 1 else x.contiguous()
-    if config is None:
-        config = choose_fp8_config(M, w1.shape[0] + w2.shape[0], K, sm_count(x.device),
-                                   act_fp8=x_scale is not None)
+    # config None: _launch chooses one over both weights' rows (N1 + N2)
     _launch(x.unsqueeze(1), w1.contiguous(), s1.contiguous(), y1.unsqueeze(1), config,
             workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1),
             (w2.contiguous(), s2.contiguous(), y2))
