@@ -724,7 +724,7 @@ class DeepseekV4Attention(nn.Module):
         indexer's contract), so the indexer's query, scores and top-k are skipped and the
         selection is every visible entry, ascending: the same set (attention does not depend on
         the order but for fp32 rounding). Host arithmetic, no sync."""
-        return self.indexer is not None and step.max_visible(4) > self.indexer.topk
+        return self.indexer is not None and self.indexer.has_choice(step.max_visible(4))
 
     # ---- validation ---------------------------------------------------------------------
     def _check_weights_loaded(self) -> None:

@@ -66,7 +66,7 @@ def expected_points(layer: DeepseekV4Attention, packed_path: bool | None = None,
               "_window_rows", "forward_mqa", "_o_proj"}
     if layer.compress_ratio:
         common |= {"_raw_rows", "_entry_rows", "_keep_ring_rows"}
-    if layer.indexer is not None and tokens // 4 > layer.indexer.topk:
+    if layer.indexer is not None and layer.indexer.has_choice(tokens // 4):
         # (the indexer runs where a query sees more than index_topk entries: _indexer_decides)
         common |= {"_indexer_wq_b_gemm", "_indexer_query", "_indexer_select"}
     elif layer.compress_ratio:  # ratio 128, or an indexer that would take every entry

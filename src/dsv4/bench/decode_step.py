@@ -191,7 +191,7 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
         visible = (context + 1) // 4
         keys += min(cfg.index_topk, visible)
         assert pool.index_format is not None and layer.indexer is not None
-        if visible > cfg.index_topk:
+        if layer.indexer.has_choice(visible):
             w += m * visible * pool.index_format.row_bytes()
         else:
             w -= sum(p.numel() * p.element_size() for p in layer.indexer.wq_b.parameters())

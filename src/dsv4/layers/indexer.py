@@ -38,6 +38,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, dim=self.head_dim, ratio=4, for_indexer=True,
                                      dtype=dtype, f32_dtype=f32_dtype, device=device)
 
+    def has_choice(self, visible: int) -> bool:
+        """Whether a query seeing ``visible`` compressed entries gets a selection that depends
+        on the scores: more than ``topk`` of them (else it takes them all)."""
+        return visible > self.topk
+
     def rotate_query(self, q: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                      acc_dtype: torch.dtype, numerics: str | None) -> torch.Tensor:
         """q_I [T, n_heads, head_dim] from the projected latent ``q`` [T, n_heads * head_dim] (the
