@@ -27,6 +27,7 @@
 #   bash benchmarks/h200_session.sh qpre29   # pre-quantised fp8 GEMM inputs: tests, probe, 512
 #   bash benchmarks/h200_session.sh long29   # the 64K decode rows with session 28-29's changes
 #   bash benchmarks/h200_session.sh s30      # after checkx: GEMM act8 probe, 512 rows, 64K M = 16
+#   bash benchmarks/h200_session.sh s31      # the GPU tests a cut checkx left, 64K M = 16 rows
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -316,6 +317,19 @@ s30b)  # session 30's last call (cold, ~440 s of command left): checkx's one fai
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     mapfile -t REST </tmp/rest.txt  # one id a line: ids with spaces stay whole
     step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -v -rf "${REST[@]}"
+    ;;
+s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
+    # follow-up did not reach (ids in benchmarks/gpu_rest_ids.txt, made on the CPU machine from
+    # both logs with pytest_remaining.py), then the 64K M = 16 C4 rows (4-bit digits default
+    # there) with and without the final sort and with the query pair
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    mapfile -t REST <benchmarks/gpu_rest_ids.txt
+    step pytest_rest 150 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
+    step decode_64k 130 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl,ours_flashmla_act8_qpair_pdl
     ;;
 long29)  # the 64K rows: session 28's score-grid / k = 1024 split rules (not yet timed in a
     # step), the pre-quantised query latent and the query pair (the indexer runs there)
