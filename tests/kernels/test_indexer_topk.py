@@ -217,6 +217,31 @@ def test_scores_match_float64_and_mask_the_invisible(fmt):
 
 
 @kernel_runs
+@pytest.mark.parametrize("kw", [dict(), dict(stages=2), dict(block=128)], ids=["loop", "pipe2",
+                                                                            "bn128"])
+def test_fp8_scores_equal_those_of_the_same_keys_in_bf16(kw):
+    """fp8 keys of one 128-block have one power-of-two scale a row, which the score kernel
+    applies to the row's score instead of each key value: bit for bit the scores of the same
+    keys dequantised into a bf16 store (exact there) with the same block tables."""
+    cfg = tiny_cfg(8)
+    steps = [make_step(cfg, fmt, [90, 0, 333, 1000], [1, 2, 1, 1], seed=2)
+             for fmt in ("fp8", "bf16")]
+    st8, st16 = (st.pool.stores["idx_keys"] for st in steps)
+    assert torch.equal(st8.table_dev, st16.table_dev)
+    flat = torch.arange(st8.data.shape[0] * st8.block_size, device=st8.data.device)
+    keys = st8.read(flat, torch.float32)
+    st16.write(flat, keys.to(BF16))  # rows no query sees may hold any bytes: not exact there
+    q, w = queries(cfg, steps[0].num_tokens, seed=5)
+    width = steps[0].max_visible(4) + 37
+    got = [indexer_scores(q * 4, w, st.data, index_kernel_format(st.fmt), st.block_size,
+                          st.table_dev, step.tok_slot, step.pos, width, cfg.index_weight_scale,
+                          **kw)
+           for st, step in zip((st8, st16), steps, strict=True)]
+    assert torch.isfinite(got[0]).sum() > 300
+    assert torch.equal(got[0], got[1])
+
+
+@kernel_runs
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=3), dict(block=128),
                                 dict(block=32, stages=2, programs_per_sm=1),

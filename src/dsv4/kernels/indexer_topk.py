@@ -8,7 +8,8 @@ without Triton's interpreter):
 1. **Scores** (``_score_kernel``, one program per query and run of tiles of ``SCORE_BLOCK``
    entries, a few programs per SM over all queries: ``choose_score_programs``):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
-   table of the query's sequence), dequantised in registers, and
+   table of the query's sequence), dequantised in registers (fp8 keys of one 128-block: their
+   row's power-of-two scale multiplies the score instead, the same bits), and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
    query's visible entries only write -inf.
@@ -216,31 +217,45 @@ if triton_available():
         patch_interpreter_index()
 
     @triton.jit
+    def _index_key_places(tab_ptr, slot, stab, j, limit, max_logical, B):
+        """Physical block ``p`` (int64), offset in it and validity of entries ``j`` [BN] of the
+        sequence in ``slot`` (its block-table row): invalid for entries >= ``limit``, beyond
+        the table or in an unheld block (``p`` 0 there)."""
+        logical = j // B
+        seen = (j < limit) & (logical < max_logical)
+        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
+        valid = seen & (phys >= 0)
+        return tl.where(valid, phys, 0).to(tl.int64), j - logical * B, valid
+
+    @triton.jit
+    def _fp8_index_rows(st_ptr, p, off, valid, blk_stride, B, D: tl.constexpr,
+                        BN: tl.constexpr):
+        """The fp8 store's rows at (block ``p``, offset ``off``): [BN, D] e4m3 values, not
+        scaled, and their [BN, D // 128] float32 scales; zeros where not ``valid``."""
+        base = p * blk_stride
+        cols = tl.arange(0, D)
+        e = tl.load(st_ptr + (base + off * D)[:, None] + cols[None, :], mask=valid[:, None],
+                    other=0)
+        NS: tl.constexpr = D // 128
+        sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
+        sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
+        return e.to(tl.float8e4nv, bitcast=True), sc
+
+    @triton.jit
     def _load_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical, blk_stride, B,
                          D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
                          DT: tl.constexpr):
         """[BN, D] keys in DT of entries ``j`` [BN] of the sequence in ``slot``, found through its
         block-table row; zeros for entries >= ``limit``, beyond the table or in an unheld
         block. FMT: 0 bf16, 1 fp8, 2 fp4."""
-        logical = j // B
-        seen = (j < limit) & (logical < max_logical)
-        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-        valid = seen & (phys >= 0)
-        off = j % B
-        cols = tl.arange(0, D)
-        p = tl.where(valid, phys, 0).to(tl.int64)
+        p, off, valid = _index_key_places(tab_ptr, slot, stab, j, limit, max_logical, B)
         if FMT == 0:
             k = _load_rows(st_ptr, p * B + off, valid, blk_stride, B, D, False, 0, 0, 0, BN, DT)
         elif FMT == 1:
-            base = p * blk_stride
-            e = tl.load(st_ptr + (base + off * D)[:, None] + cols[None, :], mask=valid[:, None],
-                        other=0)
-            e = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            e, sc = _fp8_index_rows(st_ptr, p, off, valid, blk_stride, B, D, BN)
             NS: tl.constexpr = D // 128
-            sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
-            sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D))
-            k = (e * sc).to(DT)
+            k = (e.to(tl.float32) * sc).to(DT)
         else:
             base = p * blk_stride
             HALF: tl.constexpr = D // 2
@@ -267,11 +282,20 @@ if triton_available():
                      DT: tl.constexpr, PREC: tl.constexpr):
         """[BN] fp32 scores of entries ``j`` for one query (``q`` [HP, D], head weights ``w``
         [HP] times the weight scale): sum over heads of w * relu(q . K[j]); -inf from
-        ``visible`` on."""
-        k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
-                             blk_stride, B, D, FMT, BN, DT)
-        logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        ``visible`` on. fp8 keys of one 128-block (D = 128: Flash's and Pro's) have one
+        power-of-two scale a row, so it multiplies the row's score instead of each key value:
+        the same bits (a power-of-two factor commutes with every fp32 rounding), D multiplies
+        fewer per entry."""
+        if FMT == 1 and D == 128:
+            p, off, valid = _index_key_places(tab_ptr, slot, stab, j, visible, max_logical, B)
+            e, sc = _fp8_index_rows(keys_ptr, p, off, valid, blk_stride, B, D, BN)
+            logits = tl.dot(q, tl.trans(e.to(DT)), input_precision=PREC)  # [HP, BN] fp32
+            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0) * tl.reshape(sc, (BN,))
+        else:
+            k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                                 blk_stride, B, D, FMT, BN, DT)
+            logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
+            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         return tl.where(j < visible, s, float("-inf"))
 
     @triton.jit(do_not_specialize=["width", "tiles"])
