@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_session.sh long29   # the 64K decode rows with session 28-29's changes
 #   bash benchmarks/h200_session.sh s30      # after checkx: GEMM act8 probe, 512 rows, 64K M = 16
 #   bash benchmarks/h200_session.sh s31      # the GPU tests a cut checkx left, 64K M = 16 rows
+#   bash benchmarks/h200_session.sh s32      # session 31's top-k merge / score scale vs before
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -317,6 +318,35 @@ s30b)  # session 30's last call (cold, ~440 s of command left): checkx's one fai
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     mapfile -t REST </tmp/rest.txt  # one id a line: ids with spaces stay whole
     step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -v -rf "${REST[@]}"
+    ;;
+s32)  # session 31's kernel changes, timed against the kernels they replace in the same run
+    # (carry .whl and .baseline; .baseline/indexer_topk_s30.py = `git show
+    # c423483:src/dsv4/kernels/indexer_topk.py`): the split top-k's merge on contiguous
+    # candidate scores held in registers, the score launch's fp8 row scale on the score; then
+    # the 64K and 512 C4 rows. Optional: LOG=<a cut checkx log in the tree> runs the ids it
+    # did not reach first (the log must travel with the tree: a released machine keeps none).
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    if [ -n "${LOG:-}" ]; then
+        python3 benchmarks/pytest_remaining.py "$LOG" --deselect tests/test_readme.py \
+            --ignore=tests/integrations --deselect tests/test_transformers_dialect.py \
+            >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+        XDIST=()
+        python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+        mapfile -t REST </tmp/rest.txt
+        [ "${#REST[@]}" -gt 0 ] && step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf \
+            "${REST[@]}"
+    fi
+    BASE=.baseline/indexer_topk_s30.py
+    step topk_merge 90 python3 benchmarks/topk_probe.py --out "$OUT/topk" --widths 16384,65536 \
+        --variants "auto,auto nosort" --baseline "$BASE"
+    step score_fp8 60 python3 benchmarks/score_probe.py --out "$OUT/score" --variants default \
+        --baseline "$BASE"
+    step decode_64k 100 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 --profile \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl
+    step decode_512 90 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl
     ;;
 s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
     # follow-up did not reach (ids in benchmarks/gpu_rest_ids.txt, made on the CPU machine from

@@ -20,7 +20,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from topk_probe import _time, write_results  # benchmarks/ is the script's folder: sys.path[0]
+from topk_probe import (  # benchmarks/ is the script's folder: sys.path[0]
+    _time,
+    load_baseline,
+    write_results,
+)
 
 from dsv4.kernels.indexer_topk import indexer_scores
 
@@ -62,7 +66,22 @@ def _copy_bandwidth() -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and table")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another commit's indexer_topk.py: its indexer_scores as `baseline` "
+                         "(topk_probe.py's docstring)")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to time (default: every one)")
     args = ap.parse_args(argv)
+    if args.variants:
+        unknown = sorted(set(args.variants.split(",")) - set(VARIANTS) - {"baseline"})
+        if unknown:
+            raise SystemExit(f"unknown --variants {unknown}; known: {sorted(VARIANTS)}")
+        for name in set(VARIANTS) - set(args.variants.split(",")):
+            del VARIANTS[name]
+    impls = {name: indexer_scores for name in VARIANTS}
+    if args.baseline is not None:
+        VARIANTS["baseline"] = {}
+        impls["baseline"] = load_baseline(args.baseline, "baseline_indexer_topk").indexer_scores
     if not torch.cuda.is_available():
         raise SystemExit("score_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -83,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             floor_us = t * width * ROW_BYTES / bw * 1e6
             row = {"width": width, "T": t, "floor_us": round(floor_us, 2)}
             for name, kw in VARIANTS.items():
-                got = indexer_scores(*call_args, **kw)
+                fn = impls[name]
+                got = fn(*call_args, **kw)
                 if not (torch.equal(torch.isfinite(got), vis)
                         and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
                     row[name] = "differs"
                     continue
-                row[name] = round(_time(lambda o=got, kw=kw, a=call_args: indexer_scores(
+                row[name] = round(_time(lambda o=got, kw=kw, a=call_args, fn=fn: fn(
                     *a, out=o, **kw)), 2)
             rows.append(row)
             print(row, flush=True)

@@ -4,6 +4,12 @@ Variants: programs per row (``split``), scores per iteration and warps, the merg
 radix digit's bits (``digit_bits``), the final sort by score left out (``sort=False``).
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
+    ... --baseline OLD.py   # also time OLD.py's topk_entries (its defaults) as ``baseline``
+
+``--baseline`` takes a copy of ``src/dsv4/kernels/indexer_topk.py`` from another commit
+(``git show COMMIT:src/dsv4/kernels/indexer_topk.py > .baseline/indexer_topk_COMMIT.py``, an
+ignored folder the device tool can carry), so a kernel change is timed against the kernel it
+replaces in the same run.
 
 For k = 512 and 1024 (Flash's and Pro's), rows of 4K, 16K and 64K entries (contexts 16K, 64K,
 256K: every entry visible), 1, 16 and 64 queries, random scores and scores with many exact
@@ -17,9 +23,11 @@ layer the score launch does): the ``zero`` column times that fill alone, to subt
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -44,6 +52,22 @@ VARIANTS = {
 (a 1024-bin coarse histogram) lost everywhere, 2-3x, and was removed."""
 TOPKS = (512, 1024)
 """Flash's and Pro's ``index_topk``."""
+
+
+BASELINE: dict[str, ModuleType] = {}
+"""``--baseline``'s module, loaded under its own name beside the package's."""
+
+
+def load_baseline(path: Path, name: str) -> ModuleType:
+    """The kernel module at ``path`` (a copy of one of ``dsv4.kernels``' files from another
+    commit), imported as ``name``: its kernels are its own, its imports the package's."""
+    if not path.is_file():
+        raise SystemExit(f"--baseline {path}: no such file")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _scores(kind: str, t: int, width: int, seed: int) -> torch.Tensor:
@@ -108,7 +132,8 @@ def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
     row = {"k": k, "width": width, "T": t, "scores": kind,
            "choice": _choice(width, k, t, n_sm), "zero": round(_time(arr.zero_), 2)}
     for name, kw in VARIANTS.items():
-        got = topk_entries(s, pos, k, **kw)
+        fn = BASELINE["mod"].topk_entries if name == "baseline" else topk_entries
+        got = fn(s, pos, k, **kw)
         # sort=False leaves each row's entries by ascending index: compare the sets
         same = (torch.equal(got, ref) if kw.get("sort", True)
                 else torch.equal(got.sort(dim=1).values, ref.sort(dim=1).values))
@@ -116,9 +141,9 @@ def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
             row[name] = "differs"
             continue
 
-        def call(o=got, kw=kw):
+        def call(o=got, kw=kw, fn=fn):
             arr.zero_()
-            topk_entries(s, pos, k, out=o, arrivals=arr, **kw)
+            fn(s, pos, k, out=o, arrivals=arr, **kw)
         row[name] = round(_time(call), 2)
     return row
 
@@ -131,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated row widths in entries")
     ap.add_argument("--variants", default="",
                     help="comma-separated variant names to time (default: every one)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another commit's indexer_topk.py: its topk_entries as `baseline`")
     args = ap.parse_args(argv)
+    if args.baseline is not None:
+        BASELINE["mod"] = load_baseline(args.baseline, "baseline_indexer_topk")
+        VARIANTS["baseline"] = {}
     if args.variants:
         unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
         if unknown:

@@ -367,6 +367,26 @@ def test_narrower_radix_digits_select_the_same(digit_bits, split):
 
 
 @kernel_runs
+@pytest.mark.parametrize("merge_block", [16, 256, 2048, 4096])
+def test_held_and_streamed_merges_select_the_same(merge_block):
+    """The split top-k's merge holds the P * k candidates in registers where they fit one
+    merge block (2048, 4096 here) and streams them in blocks otherwise (16, 256): the same
+    selection either way, sorted and by index, on ties, equal rows and short rows."""
+    width, k, split = 3000, 512, 4
+    g = torch.Generator().manual_seed(11)
+    s = torch.randn(5, width, generator=g)
+    s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
+    s[2] = 0.5
+    s[3, 2000:2600] += 8.0  # the best entries in one chunk
+    pos = torch.tensor([4 * width - 1] * 4 + [4 * 700])
+    args = (s.to(DEV), pos.to(DEV), k)
+    for sort in (True, False):
+        want = topk_entries(*args, sort=sort, split=1).cpu()
+        got = topk_entries(*args, sort=sort, split=split, merge_block=merge_block).cpu()
+        assert torch.equal(got, want), sort
+
+
+@kernel_runs
 @pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("split", [2, 4, 8, 16])
 def test_a_split_row_selects_like_one_program(sort, split):

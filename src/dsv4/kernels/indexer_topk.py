@@ -23,8 +23,9 @@ without Triton's interpreter):
    +0.0 count as equal (relu zeroes make many exact zeros). On long rows with few queries
    (``choose_split``) each row is cut into P chunks instead, one program each
    (``_topk_split_kernel``, grid [T, P]): every program selects its chunk's top k into a
-   candidate workspace, counts itself in an arrival counter the score launch zeroed, and the
-   row's last program to arrive merges the P * k candidates the same way - the same
+   candidate workspace (entries and their scores), counts itself in an arrival counter the
+   score launch zeroed, and the row's last program to arrive merges the P * k candidates the
+   same way (held in registers when they fit one merge block) - the same
    selection, with P programs on the row's passes instead of one.
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
@@ -356,31 +357,49 @@ if triton_available():
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _digit_histogram(u, m, prefix, level: tl.constexpr, DB: tl.constexpr):
+        """Histogram of the DB-bit digit ``level`` (from the top) of the unsigned-order keys
+        ``u`` (mask ``m``) whose higher digits equal ``prefix``'s."""
+        shift: tl.constexpr = 32 - DB * (level + 1)
+        if level > 0:  # the digits above this one equal the prefix's
+            m = m & ((u >> (shift + DB)) == (prefix >> (shift + DB)))
+        return tl.histogram((u >> shift) & ((1 << DB) - 1), 1 << DB, mask=m)
+
+    @triton.jit
     def _radix_select(row, visible, need, lanes, BLOCK: tl.constexpr, DB: tl.constexpr,
-                      cand=None, GATHER: tl.constexpr = False):
+                      cand=None, MASKED: tl.constexpr = False):
         """(prefix, need): the ``need``-th largest order key of the row's ``visible`` scores as
         an unsigned-order prefix (key ^ sign bit), and how many of the entries equal to it are
-        still to be taken; 32 / DB passes of DB-bit histograms from the top. With GATHER the
-        scores are those of the entries ``cand[:visible]`` instead (int32 entry indices, -1 for
-        none, written by other programs: read through L2)."""
-        NB: tl.constexpr = 1 << DB
-        bins = tl.arange(0, NB)
+        still to be taken; 32 / DB passes of DB-bit histograms from the top. With MASKED the
+        row is a split row's candidate scores, written by other programs (read through L2),
+        and those whose entry ``cand[j]`` is -1 (no candidate) do not count."""
+        bins = tl.arange(0, 1 << DB)
         prefix = need * 0
         for level in tl.static_range(32 // DB):
-            shift = 32 - DB * (level + 1)  # constexpr: level is unrolled
-            hist = tl.zeros([NB], tl.int32)
+            hist = tl.zeros([1 << DB], tl.int32)
             for c in range(0, visible, BLOCK):
                 offs = c + lanes
                 m = offs < visible
-                if GATHER:
-                    offs = tl.load(cand + offs, mask=m, other=-1, cache_modifier=".cg")
-                    m = offs >= 0
-                u = _order_key(tl.load(row + offs, mask=m, other=0.0)) ^ -2147483648
-                if level > 0:  # the digits above this one equal the prefix's
-                    m = m & ((u >> (shift + DB)) == (prefix >> (shift + DB)))
-                hist += tl.histogram((u >> shift) & (NB - 1), NB, mask=m)
+                if MASKED:
+                    x = tl.load(row + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    m = m & (tl.load(cand + offs, mask=m, other=-1, cache_modifier=".cg") >= 0)
+                else:
+                    x = tl.load(row + offs, mask=m, other=0.0)
+                u = _order_key(x) ^ -2147483648
+                hist += _digit_histogram(u, m, prefix, level, DB)
             digit, need = _pick_digit(hist, bins, need)
-            prefix = prefix | (digit << shift)
+            prefix = prefix | (digit << (32 - DB * (level + 1)))
+        return prefix, need
+
+    @triton.jit
+    def _radix_select_held(u, m, need, DB: tl.constexpr):
+        """:func:`_radix_select` on keys already in registers: ``u`` unsigned-order keys, mask
+        ``m``."""
+        bins = tl.arange(0, 1 << DB)
+        prefix = need * 0
+        for level in tl.static_range(32 // DB):
+            digit, need = _pick_digit(_digit_histogram(u, m, prefix, level, DB), bins, need)
+            prefix = prefix | (digit << (32 - DB * (level + 1)))
         return prefix, need
 
     @triton.jit
@@ -475,10 +494,12 @@ if triton_available():
                            BLOCK: tl.constexpr, MBLOCK: tl.constexpr, SORT: tl.constexpr,
                            DB: tl.constexpr = 8, PDL: tl.constexpr = False):
         """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
-        chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads);
-        then it counts itself in ``arr[t]`` (zero before the launch), and the row's last
-        program to arrive merges the row's P * K candidates into its K entries and sets the
-        count back to zero (a held counter tensor serves the next launch). Any entry of
+        chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads),
+        each with its score in the row's score half of the workspace; then it counts itself in
+        ``arr[t]`` (zero before the launch), and the row's last program to arrive merges the
+        row's P * K candidates into its K entries - from registers where they fit one merge
+        block (``MBLOCK``): one read of them for every radix pass - and sets the count back to
+        zero (a held counter tensor serves the next launch). Any entry of
         the row's top K is in its chunk's top K (the same order: score, then lower index), so
         the selection is the one-program kernel's."""
         wait_for_prior_kernel(PDL)
@@ -496,18 +517,24 @@ if triton_available():
         if n > K:
             prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
         kth = prefix ^ -2147483648
+        # the candidates' scores beside their entries, [P * K] float32 after the [P * K] int32
+        # indices: the merge reads them in one coalesced load, not through the indices
+        cscore = (cand + P * K).to(tl.pointer_type(tl.float32))
         slots = cand + c * K
         taken = take_n * 0
         ties = take_n * 0
         for i in range(0, n, BLOCK):
             offs = i + lanes
             m = offs < n
-            key = _order_key(tl.load(row + lo + offs, mask=m, other=0.0))
+            x = tl.load(row + lo + offs, mask=m, other=0.0)
+            key = _order_key(x)
             eq = m & (key == kth)
             eq_i = eq.to(tl.int32)
             take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
             take_i = take.to(tl.int32)
-            tl.store(slots + taken + tl.cumsum(take_i, axis=0) - take_i, lo + offs, mask=take)
+            dst = c * K + taken + tl.cumsum(take_i, axis=0) - take_i
+            tl.store(cand + dst, lo + offs, mask=take)
+            tl.store(cscore + dst, x, mask=take)
             taken += tl.sum(take_i, axis=0)
             ties += tl.sum(eq_i, axis=0)
         ks = tl.arange(0, KP)
@@ -519,21 +546,32 @@ if triton_available():
         if arrived == P - 1:
             out = o_ptr + t.to(tl.int64) * sot
             total = tl.minimum(visible, K)
-            mlanes = tl.arange(0, MBLOCK)
             mprefix = total * 0
             mneed = total
-            if visible > K:
-                mprefix, mneed = _radix_select(row, P * K, mneed, mlanes, MBLOCK, DB, cand,
-                                               True)
-            mkth = mprefix ^ -2147483648
-            taken = total * 0
-            ties = total * 0
-            for i in range(0, P * K, MBLOCK):
-                v = i + mlanes
+            if P * K <= MBLOCK:  # every candidate in registers: one read for all the passes
+                v = tl.arange(0, MBLOCK)
                 idx = tl.load(cand + v, mask=v < P * K, other=-1, cache_modifier=".cg")
                 mv = idx >= 0
-                key = _order_key(tl.load(row + idx, mask=mv, other=0.0))
-                taken, ties = _take_chunk(out, taken, ties, idx, key, mv, mkth, mneed)
+                key = _order_key(tl.load(cscore + v, mask=mv, other=0.0, cache_modifier=".cg"))
+                if visible > K:
+                    mprefix, mneed = _radix_select_held(key ^ -2147483648, mv, mneed, DB)
+                _take_chunk(out, total * 0, total * 0, idx, key, mv, mprefix ^ -2147483648,
+                            mneed)
+            else:
+                mlanes = tl.arange(0, MBLOCK)
+                if visible > K:
+                    mprefix, mneed = _radix_select(cscore, P * K, mneed, mlanes, MBLOCK, DB,
+                                                   cand, True)
+                mkth = mprefix ^ -2147483648
+                taken = total * 0
+                ties = total * 0
+                for i in range(0, P * K, MBLOCK):
+                    v = i + mlanes
+                    idx = tl.load(cand + v, mask=v < P * K, other=-1, cache_modifier=".cg")
+                    mv = idx >= 0
+                    key = _order_key(tl.load(cscore + v, mask=mv, other=0.0,
+                                             cache_modifier=".cg"))
+                    taken, ties = _take_chunk(out, taken, ties, idx, key, mv, mkth, mneed)
             _write_taken(row, out, total, K, KP, SORT, False)
             tl.store(arr_ptr + t, 0)  # every program of the row has counted: zero for reuse
         let_next_kernel_launch(PDL)
@@ -682,7 +720,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{arrivals.device}")
     chunk = -(-width // split)
     auto_block, auto_warps = choose_scan(chunk)
-    cand = torch.empty(t, split * topk, device=scores.device, dtype=torch.int32)
+    # per row: P * topk candidate entries (int32), then their scores (float32 bits)
+    cand = torch.empty(t, 2 * split * topk, device=scores.device, dtype=torch.int32)
     _topk_split_kernel[(t, split)](
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
         chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
