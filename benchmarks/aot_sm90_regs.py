@@ -61,6 +61,8 @@ AOT_PDL = False
 def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     if "PDL" in fn.arg_names and "PDL" not in consts:
         consts = {**consts, "PDL": AOT_PDL}
+    if "HOLD" in fn.arg_names and "HOLD" not in consts:  # the top-k's opt-in held rows
+        consts = {**consts, "HOLD": False}
     if "USE_PDL" in consts and AOT_PDL:
         consts = {**consts, "USE_PDL": True}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -324,6 +326,20 @@ def steps() -> bool:
                                dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=mblock, SORT=sort,
                                     DB=it.DIGIT_BITS),
                                dict(num_warps=it.SCAN_WARPS))
+    for k, p, block, db in ((512, 1, 4096, 8), (1024, 1, 4096, 8), (512, 8, 2048, 4),
+                            (512, 8, 2048, 8), (1024, 4, 4096, 8), (512, 2, 4096, 8)):
+        # topk_entries(hold=True): a row (P = 1) or chunk held in registers for every pass
+        if p == 1:
+            ok &= _try(f"indexer top-k hold K={k} block={block} digits={db}", it._topk_kernel,
+                       t, dict(K=k, KP=k, BLOCK=block, SORT=True, DB=db, HOLD=True),
+                       dict(num_warps=it.SCAN_WARPS))
+        else:
+            ok &= _try(f"indexer top-k split={p} hold K={k} block={block} digits={db}",
+                       it._topk_split_kernel,
+                       {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32", "chunk": "i32"},
+                       dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=it.choose_merge_block(p * k),
+                            SORT=True, DB=db, HOLD=True),
+                       dict(num_warps=it.SCAN_WARPS))
     for db in (4, 2):  # topk_probe.py's narrower radix digits (digit_bits)
         ok &= _try(f"indexer top-k K=512 digits={db}", it._topk_kernel, t,
                    dict(K=512, KP=512, BLOCK=it.WIDE_SCAN_BLOCK, SORT=True, DB=db),

@@ -322,9 +322,10 @@ s30b)  # session 30's last call (cold, ~440 s of command left): checkx's one fai
 s32)  # session 31's kernel changes, timed against the kernels they replace in the same run
     # (carry .whl and .baseline; .baseline/indexer_topk_s30.py = `git show
     # c423483:src/dsv4/kernels/indexer_topk.py`): the split top-k's merge on contiguous
-    # candidate scores held in registers, the score launch's fp8 row scale on the score; then
-    # the 64K and 512 C4 rows. Optional: LOG=<a cut checkx log in the tree> runs the ids it
-    # did not reach first (the log must travel with the tree: a released machine keeps none).
+    # candidate scores held in registers, the score launch's fp8 row scale on the score, the
+    # opt-in held rows / chunks (hold=True); then the 64K and 512 C4 rows. Optional:
+    # LOG=<a cut checkx log in the tree> runs the ids it did not reach first (the log must
+    # travel with the tree: a released machine keeps none).
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     if [ -n "${LOG:-}" ]; then
         python3 benchmarks/pytest_remaining.py "$LOG" --deselect tests/test_readme.py \
@@ -338,7 +339,7 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
     fi
     BASE=.baseline/indexer_topk_s30.py
     step topk_merge 90 python3 benchmarks/topk_probe.py --out "$OUT/topk" --widths 16384,65536 \
-        --variants "auto,auto nosort" --baseline "$BASE"
+        --variants "auto,auto nosort,auto hold,auto hold b8,auto hold b4" --baseline "$BASE"
     step score_fp8 60 python3 benchmarks/score_probe.py --out "$OUT/score" --variants default \
         --baseline "$BASE"
     step decode_64k 100 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \

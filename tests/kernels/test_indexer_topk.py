@@ -387,6 +387,41 @@ def test_held_and_streamed_merges_select_the_same(merge_block):
 
 
 @kernel_runs
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("digit_bits", [4, 8])
+def test_held_rows_select_the_same(split, digit_bits, monkeypatch):
+    """``hold=True``: each program reads its row (one program) or chunk (split) once into
+    registers for every pass - the same selection, sorted and by index, on normal scores,
+    ties with exact zeros, one value everywhere, low-bit differences and short rows; rows
+    wider than ``MAX_HOLD`` stream as before; a scan block narrower than the held width is
+    refused."""
+    import dsv4.kernels.indexer_topk as it
+
+    width, k = 2500, 200
+    g = torch.Generator().manual_seed(5 + split)
+    s = torch.randn(6, width, generator=g)
+    s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
+    s[1, ::4] = 0.0
+    s[2] = -0.75
+    s[3] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() * 2.0 ** -23
+    pos = torch.tensor([4 * width - 1] * 4 + [4 * 150, 4 * 1200])
+    args = (s.to(DEV), pos.to(DEV), k)
+    for sort in (True, False):
+        want = topk_entries(*args, sort=sort, split=1).cpu()
+        got = topk_entries(*args, sort=sort, split=split, digit_bits=digit_bits,
+                           hold=True).cpu()
+        assert torch.equal(got, want), sort
+    monkeypatch.setattr(it, "MAX_HOLD", 256)  # every row / chunk wider: streamed
+    assert torch.equal(topk_entries(*args, split=split, hold=True).cpu(),
+                       topk_entries(*args, split=1).cpu())
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="hold=True holds .* block must be at least"):
+        topk_entries(*args, split=split, hold=True, block=16)
+    with pytest.raises(ValueError, match="hold must be a bool"):
+        topk_entries(*args, hold=1)
+
+
+@kernel_runs
 @pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("split", [2, 4, 8, 16])
 def test_a_split_row_selects_like_one_program(sort, split):
