@@ -323,7 +323,7 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
     # (carry .whl and .baseline; .baseline/indexer_topk_s30.py = `git show
     # c423483:src/dsv4/kernels/indexer_topk.py`): the split top-k's merge on contiguous
     # candidate scores held in registers, the score launch's fp8 row scale on the score, the
-    # opt-in held rows / chunks (hold=True); then the 64K and 512 C4 rows. Optional:
+    # opt-in held rows / chunks (hold=True); then the 64K and 8K C4 rows. Optional:
     # LOG=<a cut checkx log in the tree> runs the ids it did not reach first (the log must
     # travel with the tree: a released machine keeps none).
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
@@ -342,12 +342,13 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
         --variants "auto,auto nosort,auto hold,auto hold b8,auto hold b4" --baseline "$BASE"
     step score_fp8 60 python3 benchmarks/score_probe.py --out "$OUT/score" --variants default \
         --baseline "$BASE"
-    step decode_64k 100 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+    step decode_64k 110 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 --profile \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl
-    step decode_512 90 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
-        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_hold_pdl,ours_flashmla_act8_nosort_pdl
+    # 8K: 2K entries a row, one top-k program (the indexer is skipped at 512: no change there)
+    step decode_8k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode8k" \
+        --models flash,pro --layers C4 --ms 1,16 --contexts 8192 --reps 3 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_hold_pdl
     ;;
 s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
     # follow-up did not reach (ids in benchmarks/gpu_rest_ids.txt, made on the CPU machine from

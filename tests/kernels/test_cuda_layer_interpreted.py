@@ -201,3 +201,33 @@ def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
     assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
     for name in st_off:
         assert torch.equal(st_on[name], st_off[name]), name
+
+
+def test_held_topk_rows_change_nothing_but_speed(cpu_cuda_layer, monkeypatch):
+    """``use_held_topk_rows(True)``: the decode top-k programs hold their rows in registers -
+    the same selections (order included) in every decode step, the same outputs and stores,
+    bit for bit."""
+    import dsv4.platforms.cuda as cuda
+
+    cfg = DSV4Config.preset("tiny")
+    real, picked = cuda.indexer_topk, []
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        picked.append((kw.get("hold", False), out.clone()))
+        return out
+
+    monkeypatch.setattr(cuda, "indexer_topk", spy)
+    runs = []
+    for on in (False, True):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.use_held_topk_rows(on)
+        picked.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(picked)))
+    (y_off, st_off, p_off), (y_on, st_on, p_on) = runs
+    assert [h for h, _ in p_off] == [False] * 6 and [h for h, _ in p_on] == [True] * 6
+    for (_, a), (_, b) in zip(p_off, p_on, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(y_on, y_off)
+    for name in st_off:
+        assert torch.equal(st_on[name], st_off[name]), name

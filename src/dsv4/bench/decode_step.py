@@ -50,6 +50,9 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        top-k leaving each query's entries by index, not sorted by score
                        (``use_sorted_selection(False)``; the same sets, checked against the
                        act_quant base)
+* ``ours_flashmla_act8_hold_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the top-k
+                       programs holding their rows in registers (``use_held_topk_rows``; the
+                       same selection, so the same output bit for bit)
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -98,7 +101,7 @@ OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_
 PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
-          "ours_flashmla_act8_nosort_pdl")  # opt-in
+          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -119,6 +122,7 @@ class Strategy:
     qr_fp8: bool = False  # CudaAttention.use_prequantised_query_latent (with act_quant)
     q_pair: bool = False  # CudaAttention.use_query_gemm_pair
     sorted_selection: bool = True  # CudaAttention.use_sorted_selection
+    held_rows: bool = False  # CudaAttention.use_held_topk_rows
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -153,6 +157,9 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_nosort_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                               "fp8_ds_mla", True, True, pdl=True,
                                               sorted_selection=False),
+    "ours_flashmla_act8_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                            "fp8_ds_mla", True, True, pdl=True,
+                                            held_rows=True),
 }
 
 
@@ -171,6 +178,7 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer.use_prequantised_query_latent(spec.qr_fp8)
     layer.use_query_gemm_pair(spec.q_pair)
     layer.use_sorted_selection(spec.sorted_selection)
+    layer.use_held_topk_rows(spec.held_rows)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer

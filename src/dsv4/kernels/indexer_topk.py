@@ -787,12 +787,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
                  rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
                  workspace_bytes: int = 256 << 20, sort: bool = True,
-                 split: int | None = None) -> torch.Tensor:
+                 split: int | None = None, hold: bool = False) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
     ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
-    arrival counts, so the step stays two launches."""
+    arrival counts, so the step stays two launches. ``sort`` and ``hold``:
+    :func:`topk_entries`'."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
@@ -809,5 +810,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
                            tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
                            zero=arr)
-        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
+        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr,
+                     hold=hold)
     return out

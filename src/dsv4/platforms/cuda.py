@@ -145,7 +145,7 @@ class CudaAttention(DeepseekV4Attention):
                "attention_choice", "use_step_kernels", "_elementwise_ready",
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
-               "_query_pair_ready", "use_sorted_selection")
+               "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -170,6 +170,7 @@ class CudaAttention(DeepseekV4Attention):
         """(qr, the wq_b product) that ``_indexer_wq_b_gemm``'s pair launch made for
         ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
         self._sorted_selection = True
+        self._held_topk_rows = False
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -212,6 +213,13 @@ class CudaAttention(DeepseekV4Attention):
         can change). Off is a probe until timed on a GPU (the decode-step bench's
         ``ours_flashmla_act8_nosort_pdl``)."""
         self._sorted_selection = enabled
+
+    def use_held_topk_rows(self, enabled: bool) -> None:
+        """The indexer's decode top-k programs read their row or chunk once into registers
+        for every radix pass (``topk_entries(hold=True)``; the same selection, bit for bit)
+        instead of once per pass. Off by default until timed on a GPU (the decode-step
+        bench's ``ours_flashmla_act8_hold_pdl``)."""
+        self._held_topk_rows = enabled
 
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
         """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
@@ -467,7 +475,7 @@ class CudaAttention(DeepseekV4Attention):
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
                             self.indexer.topk, self.indexer.weight_scale,
                             workspace_bytes=self.cfg.attention_workspace_bytes,
-                            sort=self._sorted_selection)
+                            sort=self._sorted_selection, hold=self._held_topk_rows)
 
     # ---- fp32-output GEMMs ------------------------------------------------------------
     def _score_gemm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
