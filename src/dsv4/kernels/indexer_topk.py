@@ -415,29 +415,34 @@ if triton_available():
         return digit, need - tl.sum(tl.where(bins == digit, above, 0), axis=0)
 
     @triton.jit
-    def _take_chunk(out, taken, ties, idx, key, m, kth, need):
-        """Append to ``out`` (after ``taken``), in order, the chunk's entries ``idx`` (mask
-        ``m``) whose key is above ``kth``, and those equal to it while fewer than ``need``
-        equal ones (``ties`` so far) were seen; returns the new (taken, ties)."""
+    def _taking(taken, ties, key, m, kth, need):
+        """Which of a chunk's entries (keys ``key``, mask ``m``) to take, in order: those whose
+        key is above ``kth``, and those equal to it while fewer than ``need`` equal ones
+        (``ties`` so far) were seen. Returns (take mask, each taken one's slot after
+        ``taken``, the new taken, the new ties)."""
         eq = m & (key == kth)
         eq_i = eq.to(tl.int32)
         take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
         take_i = take.to(tl.int32)
-        tl.store(out + taken + tl.cumsum(take_i, axis=0) - take_i, idx.to(tl.int64), mask=take)
-        return taken + tl.sum(take_i, axis=0), ties + tl.sum(eq_i, axis=0)
+        return (take, taken + tl.cumsum(take_i, axis=0) - take_i, taken + tl.sum(take_i, axis=0),
+                ties + tl.sum(eq_i, axis=0))
+
+    @triton.jit
+    def _take_chunk(out, taken, ties, idx, key, m, kth, need):
+        """Append to ``out`` (after ``taken``) the chunk's entries ``idx`` :func:`_taking`
+        takes; returns the new (taken, ties)."""
+        take, dst, taken, ties = _taking(taken, ties, key, m, kth, need)
+        tl.store(out + dst, idx.to(tl.int64), mask=take)
+        return taken, ties
 
     @triton.jit
     def _take_candidates(cand, cscore, first, taken, ties, idx, x, key, m, kth, need):
         """:func:`_take_chunk` into a split row's candidate slots from ``first`` on: the entries
         ``idx`` (int32) in ``cand``, their scores ``x`` at the same places in ``cscore``."""
-        eq = m & (key == kth)
-        eq_i = eq.to(tl.int32)
-        take = (m & (key > kth)) | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need))
-        take_i = take.to(tl.int32)
-        dst = first + taken + tl.cumsum(take_i, axis=0) - take_i
-        tl.store(cand + dst, idx, mask=take)
-        tl.store(cscore + dst, x, mask=take)
-        return taken + tl.sum(take_i, axis=0), ties + tl.sum(eq_i, axis=0)
+        take, dst, taken, ties = _taking(taken, ties, key, m, kth, need)
+        tl.store(cand + first + dst, idx, mask=take)
+        tl.store(cscore + first + dst, x, mask=take)
+        return taken, ties
 
     @triton.jit
     def _write_taken(row, out, take_n, K: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr,
@@ -792,8 +797,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
     ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
-    arrival counts, so the step stays two launches. ``sort`` and ``hold``:
-    :func:`topk_entries`'."""
+    arrival counts, so the step stays two launches. ``sort`` and ``hold`` as in
+    :func:`topk_entries`."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
