@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from topk_probe import (  # benchmarks/ is the script's folder: sys.path[0]
     _time,
+    keep_variants,
     load_baseline,
     write_results,
 )
@@ -72,13 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="",
                     help="comma-separated variant names to time (default: every one)")
     args = ap.parse_args(argv)
-    if args.variants:
-        unknown = sorted(set(args.variants.split(",")) - set(VARIANTS) - {"baseline"})
-        if unknown:
-            raise SystemExit(f"unknown --variants {unknown}; known: {sorted(VARIANTS)}")
-        for name in set(VARIANTS) - set(args.variants.split(",")):
-            del VARIANTS[name]
-    impls = {name: indexer_scores for name in VARIANTS}
+    keep_variants(VARIANTS, args.variants)
+    impls = {}
     if args.baseline is not None:
         VARIANTS["baseline"] = {}
         impls["baseline"] = load_baseline(args.baseline, "baseline_indexer_topk").indexer_scores
@@ -102,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_us = t * width * ROW_BYTES / bw * 1e6
             row = {"width": width, "T": t, "floor_us": round(floor_us, 2)}
             for name, kw in VARIANTS.items():
-                fn = impls[name]
+                fn = impls.get(name, indexer_scores)
                 got = fn(*call_args, **kw)
                 if not (torch.equal(torch.isfinite(got), vis)
                         and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):

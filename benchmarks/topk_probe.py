@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -57,8 +58,20 @@ TOPKS = (512, 1024)
 """Flash's and Pro's ``index_topk``."""
 
 
-BASELINE: dict[str, ModuleType] = {}
-"""``--baseline``'s module, loaded under its own name beside the package's."""
+IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
+"""Variant name -> the ``topk_entries`` it calls where not the package's (``baseline``)."""
+
+
+def keep_variants(variants: dict, names: str) -> None:
+    """``--variants``: drop every variant not named in ``names`` (comma-separated; "": keep
+    all); an unknown name is an error that lists the known ones."""
+    if not names:
+        return
+    unknown = sorted(set(names.split(",")) - set(variants))
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; known: {sorted(variants)}")
+    for name in set(variants) - set(names.split(",")):
+        del variants[name]
 
 
 def load_baseline(path: Path, name: str) -> ModuleType:
@@ -135,7 +148,7 @@ def _probe_row(k: int, width: int, t: int, kind: str, n_sm: int) -> dict:
     row = {"k": k, "width": width, "T": t, "scores": kind,
            "choice": _choice(width, k, t, n_sm), "zero": round(_time(arr.zero_), 2)}
     for name, kw in VARIANTS.items():
-        fn = BASELINE["mod"].topk_entries if name == "baseline" else topk_entries
+        fn = IMPLS.get(name, topk_entries)
         got = fn(s, pos, k, **kw)
         # sort=False leaves each row's entries by ascending index: compare the sets
         same = (torch.equal(got, ref) if kw.get("sort", True)
@@ -162,15 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="another commit's indexer_topk.py: its topk_entries as `baseline`")
     args = ap.parse_args(argv)
+    keep_variants(VARIANTS, args.variants)
     if args.baseline is not None:
-        BASELINE["mod"] = load_baseline(args.baseline, "baseline_indexer_topk")
         VARIANTS["baseline"] = {}
-    if args.variants:
-        unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
-        if unknown:
-            raise SystemExit(f"unknown --variants {unknown}; known: {sorted(VARIANTS)}")
-        for name in set(VARIANTS) - set(args.variants.split(",")):
-            del VARIANTS[name]
+        IMPLS["baseline"] = load_baseline(args.baseline, "baseline_indexer_topk").topk_entries
     if not torch.cuda.is_available():
         raise SystemExit("topk_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

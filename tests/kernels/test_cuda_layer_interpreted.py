@@ -166,10 +166,10 @@ def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp
         assert torch.equal(st_on[name], st_off[name]), name
 
 
-def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
-    """``use_sorted_selection(False)``: the decode top-k hands each query's entries by
-    ascending index instead of by score - the same sets in every decode step, the stores
-    bit-equal, the outputs equal up to the attention's fp32 summation order."""
+def _selections(cpu_cuda_layer, monkeypatch, switch: str, keyword: str, default: bool):
+    """For ``switch`` (a ``CudaAttention.use_*`` method) on then off: the layer's outputs and
+    stores after ``_run`` and each decode-step ``indexer_topk`` call's (``keyword`` value,
+    selection)."""
     import dsv4.platforms.cuda as cuda
 
     cfg = DSV4Config.preset("tiny")
@@ -177,17 +177,25 @@ def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
 
     def spy(*args, **kw):
         out = real(*args, **kw)
-        picked.append((kw.get("sort", True), out.clone()))
+        picked.append((kw.get(keyword, default), out.clone()))
         return out
 
     monkeypatch.setattr(cuda, "indexer_topk", spy)
     runs = []
     for on in (True, False):
         layer = cpu_cuda_layer(cfg, 4, True)
-        layer.use_sorted_selection(on)
+        getattr(layer, switch)(on)
         picked.clear()
         runs.append((*_run(layer, cfg.hidden_size), list(picked)))
-    (y_on, st_on, p_on), (y_off, st_off, p_off) = runs
+    return runs
+
+
+def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
+    """``use_sorted_selection(False)``: the decode top-k hands each query's entries by
+    ascending index instead of by score - the same sets in every decode step, the stores
+    bit-equal, the outputs equal up to the attention's fp32 summation order."""
+    (y_on, st_on, p_on), (y_off, st_off, p_off) = _selections(
+        cpu_cuda_layer, monkeypatch, "use_sorted_selection", "sort", True)
     # the 6 batched decode steps (the 130-token prefill takes the prefill kernels, the
     # 20-token one sees 5 entries, index_topk 8: no indexer)
     assert [s for s, _ in p_on] == [True] * 6 and [s for s, _ in p_off] == [False] * 6
@@ -207,24 +215,8 @@ def test_held_topk_rows_change_nothing_but_speed(cpu_cuda_layer, monkeypatch):
     """``use_held_topk_rows(True)``: the decode top-k programs hold their rows in registers -
     the same selections (order included) in every decode step, the same outputs and stores,
     bit for bit."""
-    import dsv4.platforms.cuda as cuda
-
-    cfg = DSV4Config.preset("tiny")
-    real, picked = cuda.indexer_topk, []
-
-    def spy(*args, **kw):
-        out = real(*args, **kw)
-        picked.append((kw.get("hold", False), out.clone()))
-        return out
-
-    monkeypatch.setattr(cuda, "indexer_topk", spy)
-    runs = []
-    for on in (False, True):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        layer.use_held_topk_rows(on)
-        picked.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(picked)))
-    (y_off, st_off, p_off), (y_on, st_on, p_on) = runs
+    (y_on, st_on, p_on), (y_off, st_off, p_off) = _selections(
+        cpu_cuda_layer, monkeypatch, "use_held_topk_rows", "hold", False)
     assert [h for h, _ in p_off] == [False] * 6 and [h for h, _ in p_on] == [True] * 6
     for (_, a), (_, b) in zip(p_off, p_on, strict=True):
         assert torch.equal(a, b)
