@@ -351,9 +351,10 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_hold_pdl
     ;;
 s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
-    # follow-up did not reach (ids in benchmarks/results/h200/session31/gpu_rest_ids.txt, made on the CPU machine from
-    # both logs with pytest_remaining.py), then the 64K M = 16 C4 rows (4-bit digits default
-    # there) with and without the final sort and with the query pair
+    # follow-up did not reach (ids in benchmarks/results/h200/session31/gpu_rest_ids.txt,
+    # made on the CPU machine from both logs with pytest_remaining.py), then the 64K M = 16
+    # C4 rows (4-bit digits default there) with and without the final sort and with the
+    # query pair
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
