@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_session.sh s30      # after checkx: GEMM act8 probe, 512 rows, 64K M = 16
 #   bash benchmarks/h200_session.sh s31      # the GPU tests a cut checkx left, 64K M = 16 rows
 #   bash benchmarks/h200_session.sh s32      # session 31's top-k merge / score scale vs before
+#   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -349,6 +350,20 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
     step decode_8k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode8k" \
         --models flash,pro --layers C4 --ms 1,16 --contexts 8192 --reps 3 \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_hold_pdl
+    ;;
+l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
+    # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
+    # C4 step at 512 and 64K with the L2 scrubbed before each replay, prefetch off and on
+    # (carry .whl)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step pytest_l2 60 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
+    step l2_probe 60 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
+    step decode_512 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --cold-l2 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl,ours_flashmla_act8_l2all_pdl
+    step decode_64k 110 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 --cold-l2 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl
     ;;
 s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
     # follow-up did not reach (ids in benchmarks/results/h200/session31/gpu_rest_ids.txt,

@@ -53,6 +53,17 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
 * ``ours_flashmla_act8_hold_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the top-k
                        programs holding their rows in registers (``use_held_topk_rows``; the
                        same selection, so the same output bit for bit)
+* ``ours_flashmla_act8_l2_pdl``, ``..._l2last_pdl``, ``..._l2all_pdl`` (opt-in):
+                       ``ours_flashmla_act8_pdl`` with ``wo_a``'s and ``wo_b``'s weights
+                       prefetched into L2 after ``wq_b``'s GEMM (``use_l2_prefetch``): half
+                       the L2 without a cache hint, half with ``evict_last``, the whole L2
+                       with ``evict_last``; nothing else changes, so the output must equal
+                       ``ours_flashmla_act8_pdl``'s bit for bit. Time them with ``--cold-l2``
+
+``--cold-l2`` times each replay alone after reading a buffer of twice the L2 size (so the
+step finds none of the last replay's lines in L2, as a model's next layer would not find this
+layer's weights; the default replays 20 times back to back, where a weight line read late in
+one replay can still be in L2 for the next).
 
 Before timing, each strategy's replayed output is checked against its own eager step (bitwise)
 and against the first strategy of the same activation numerics (rel. error <= 2e-2; the caches
@@ -101,7 +112,9 @@ OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_
 PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl")  # opt-in: --strategies
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
-          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl")  # opt-in
+          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl",
+          "ours_flashmla_act8_l2_pdl", "ours_flashmla_act8_l2last_pdl",
+          "ours_flashmla_act8_l2all_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -123,6 +136,8 @@ class Strategy:
     q_pair: bool = False  # CudaAttention.use_query_gemm_pair
     sorted_selection: bool = True  # CudaAttention.use_sorted_selection
     held_rows: bool = False  # CudaAttention.use_held_topk_rows
+    l2_fraction: float = 0.0  # CudaAttention.use_l2_prefetch (0: off)
+    l2_mode: str = "bulk"
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -160,6 +175,11 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                             "fp8_ds_mla", True, True, pdl=True,
                                             held_rows=True),
+    **{f"ours_flashmla_act8_{name}_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                                  "fp8_ds_mla", True, True, pdl=True,
+                                                  l2_fraction=fraction, l2_mode=mode)
+       for name, fraction, mode in (("l2", 0.5, "bulk"), ("l2last", 0.5, "bulk_last"),
+                                    ("l2all", 1.0, "bulk_last"))},
 }
 
 
@@ -179,6 +199,8 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer.use_query_gemm_pair(spec.q_pair)
     layer.use_sorted_selection(spec.sorted_selection)
     layer.use_held_topk_rows(spec.held_rows)
+    if spec.l2_fraction:
+        layer.use_l2_prefetch(True, fraction=spec.l2_fraction, mode=spec.l2_mode)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer
@@ -274,16 +296,51 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
-             ) -> list[dict[str, Any]]:
+             cold_l2: bool = False) -> list[dict[str, Any]]:
     with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
         return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
-                         pooled, strategies, fill)
+                         pooled, strategies, fill, cold_l2)
+
+
+def l2_scrub_buffer(dev: torch.device) -> torch.Tensor:
+    """A buffer of twice the device's L2 size (int32), for :func:`replay_times`."""
+    size = 2 * torch.cuda.get_device_properties(dev).L2_cache_size
+    return torch.ones(max(size // 4, 1 << 20), dtype=torch.int32, device=dev)
+
+
+def replay_times(graph: Any, reps: int, scrub: torch.Tensor | None) -> list[float]:
+    """us per replay of ``graph``: ``reps`` medians-to-be of 20 replays back to back, or with
+    ``scrub`` (:func:`l2_scrub_buffer`) 20 x ``reps`` replays timed one by one, each after a
+    read of the whole buffer (the L2 then holds none of the graph's lines)."""
+    times = []
+    for _ in range(reps):
+        if scrub is None:
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            for _ in range(20):
+                graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / 20)
+            continue
+        events = []
+        for _ in range(20):
+            scrub.sum()
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            graph.replay()
+            e.record()
+            events.append((s, e))
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e) * 1e3 for s, e in events]
+    return times
 
 
 def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
               dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
               profiles: list[str] | None, pooled: bool, strategies: tuple[str, ...], fill: str,
-              ) -> list[dict[str, Any]]:
+              cold_l2: bool = False) -> list[dict[str, Any]]:
+    scrub = l2_scrub_buffer(dev) if cold_l2 else None
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -345,12 +402,13 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         spec = STRATEGY_SPECS[strategy]
         # PDL and the pre-quantised query latent must not change a bit (the query pair and
         # the unsorted selection may: each keeps its own twin)
-        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False),
+        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False,
+                                                    l2_fraction=0.0, l2_mode="bulk"),
                                 (out.clone(), strategy))
         if not torch.equal(out, twin[0]):
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: output "
-                               f"differs from {twin[1]}'s (the same step without PDL or the "
-                               "pre-quantised query latent)")
+                               f"differs from {twin[1]}'s (the same step without PDL, the "
+                               "pre-quantised query latent or the L2 prefetch)")
         act = spec.act_quant
         tol = 2e-2
         if act in bases:
@@ -364,15 +422,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         if err > tol:
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel err "
                                f"{err:.2e} against {base_name}")
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            for _ in range(20):
-                graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / 20)
+        times = replay_times(graph, reps, scrub)
         for c in caches:  # each replay wrote the step's rows again: back to the history
             c.truncate(context)
         us = statistics.median(times)
@@ -390,6 +440,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
                      if layer._fp8_enabled else "off",
                      "caches": "pooled" if pooled else "per-sequence", "fill": fill,
+                     "l2": "cold" if cold_l2 else "replays back to back",
                      "us": us, "bytes": nbytes, "floor_us": floor, "fraction": floor / us,
                      "launches": launches, "rel_err_vs": base_name, "rel_err": err})
         print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} {strategy:>15}: "
@@ -510,6 +561,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
+    ap.add_argument("--cold-l2", action="store_true",
+                    help="time each replay alone after reading a buffer of twice the L2 size "
+                    "(a model's next layer finds none of this layer's weights in L2; default: "
+                    "20 replays back to back)")
     ap.add_argument("--per-sequence", action="store_true",
                     help="a cache pool per sequence (default: the M sequences in one pool, the "
                     "batched decode path)")
@@ -559,7 +614,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 for m in args.ms:
                     rows += run_case(cfg, model, layer_type, m, context, dev, bw, args.reps,
                                      weights, profiles, not args.per_sequence, strategies,
-                                     args.fill)
+                                     args.fill, args.cold_l2)
                     partial = {"rows": rows, "copy_bw": bw}
                     (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
                     if profiles:  # kept as it grows: a run cut short keeps what it measured
@@ -573,7 +628,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "Full-layer decode step, CUDA-graph replay: us (fraction of floor); copy bandwidth "
         f"{bw / 1e12:.2f} TB/s; "
         f"{'a cache pool per sequence' if args.per_sequence else 'one cache pool'}, "
-        f"{args.fill} history\n\n" + "\n".join(lines) + "\n")
+        f"{args.fill} history"
+        f"{'; L2 scrubbed before each replay (--cold-l2)' if args.cold_l2 else ''}\n\n"
+        + "\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, args.out / "fraction_of_floor.png")
     if profiles:

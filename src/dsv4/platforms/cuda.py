@@ -21,6 +21,10 @@
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
   base path. ``_raw_rows`` (the score GEMM's rows plus ape) and ``_keep_ring_rows`` (the rows
   the rings keep, at the end of a step) are one launch per compressor.
+* ``use_l2_prefetch(True)`` (opt-in, not yet timed): in decode-sized steps one launch after
+  ``wq_b``'s GEMM asks the L2 cache for ``wo_a``'s and ``wo_b``'s fp8 weights
+  (:mod:`dsv4.kernels.l2_prefetch`) while the latency-bound kernels before the output
+  projection run.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 * ``_store_rows`` (a step's window rows, compressed entries and indexer keys into their paged
@@ -60,6 +64,8 @@ from dsv4.kernels.compress_entries import (
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
+from dsv4.kernels.l2_prefetch import MODES as L2_MODES
+from dsv4.kernels.l2_prefetch import l2_bytes, prefetch_to_l2, prefetch_usable
 from dsv4.kernels.paged_rows import (
     entry_flat_rows,
     paged_rows_usable,
@@ -145,7 +151,8 @@ class CudaAttention(DeepseekV4Attention):
                "attention_choice", "use_step_kernels", "_elementwise_ready",
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
-               "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows")
+               "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
+               "use_l2_prefetch", "_prefetch_output_weights")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -171,6 +178,8 @@ class CudaAttention(DeepseekV4Attention):
         ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
         self._sorted_selection = True
         self._held_topk_rows = False
+        self._l2_prefetch: tuple[float, str] | None = None
+        """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -220,6 +229,33 @@ class CudaAttention(DeepseekV4Attention):
         instead of once per pass. Off by default until timed on a GPU (the decode-step
         bench's ``ours_flashmla_act8_hold_pdl``)."""
         self._held_topk_rows = enabled
+
+    def use_l2_prefetch(self, enabled: bool, *, fraction: float = 0.5, mode: str = "bulk"
+                        ) -> None:
+        """Decode-sized steps: right after ``wq_b``'s GEMM, one launch asks the L2 cache for
+        ``wo_a``'s fp8 weight, then ``wo_b``'s, up to ``fraction`` of the L2 size
+        (:func:`dsv4.kernels.l2_prefetch.prefetch_to_l2`, ``mode`` one of its modes), so that
+        the fetch overlaps the latency-bound kernels before the output projection. Changes no
+        value (nothing is written); one more launch per step, and only where the fp8 kernels
+        take ``wo_a`` and the device is sm_90 or later. Off by default until timed on a GPU
+        (the decode-step bench's ``ours_flashmla_act8_l2_pdl``, with ``--cold-l2``)."""
+        if mode not in L2_MODES:
+            raise ValueError(f"use_l2_prefetch: mode={mode!r}, expected one of {L2_MODES}")
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"use_l2_prefetch: fraction={fraction} must be in (0, 1]")
+        self._l2_prefetch = (fraction, mode) if enabled else None
+
+    def _prefetch_output_weights(self, x: torch.Tensor) -> None:
+        """The prefetch :meth:`use_l2_prefetch` asks for, in a step whose activations are
+        ``x`` (nothing where it is off or the step is not one the streaming GEMMs take)."""
+        if (self._l2_prefetch is None or x.shape[0] > FP8_GEMM_MAX_TOKENS
+                or not self._fp8_ready("wo_a", x) or not prefetch_usable(x.device)):
+            return
+        fraction, mode = self._l2_prefetch
+        regions = [self.wo_a.weight]
+        if self._fp8_ready("wo_b", x):
+            regions.append(self.wo_b.weight)
+        prefetch_to_l2(regions, int(fraction * l2_bytes(x.device)), mode=mode)
 
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
         """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
@@ -365,7 +401,9 @@ class CudaAttention(DeepseekV4Attention):
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         if self._elementwise_ready(qr):
-            return fused_query_heads(self, self._wq_b_gemm(qr), pos)
+            q = self._wq_b_gemm(qr)
+            self._prefetch_output_weights(qr)
+            return fused_query_heads(self, q, pos)
         return super()._query_heads(qr, pos)
 
     def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
