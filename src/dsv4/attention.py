@@ -592,14 +592,16 @@ class DeepseekV4Attention(nn.Module):
         ``pos - window + 1 .. pos`` of its sequence, oldest first; -1 before position 0 (and
         where a block is no longer held).
 
-        May change: how they are computed. Must keep: the values and their order."""
+        May change: how they are computed; int32 where the platform's own ``forward_mqa``
+        reads them. Must keep: the values and their order."""
         return step.window_rows(self.window)
 
     def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
-        """Flat rows [T, k] of the ``compressed`` store for each query's entry indices
+        """Flat rows [T, k] (int64) of the ``compressed`` store for each query's entry indices
         ``entries`` [T, k] (-1 pads stay -1).
 
-        May change: how they are computed. Must keep: the values."""
+        May change: how they are computed; int32 where the platform's own ``forward_mqa``
+        reads them. Must keep: the values."""
         return step.entry_rows("compressed", entries)
 
     def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:

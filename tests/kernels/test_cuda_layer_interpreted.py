@@ -8,6 +8,8 @@ stand-ins for what the CPU build of PyTorch lacks (CUDA events, an fp32-output m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -279,3 +281,49 @@ def test_l2_prefetch_is_asked_once_per_streamed_step(cpu_cuda_layer, monkeypatch
         with pytest.raises(ValueError, match=next(iter(bad))):
             layer.use_l2_prefetch(True, **bad)
     assert layer._l2_prefetch == (0.25, "bulk_last")  # a refused call changes nothing
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypatch, fmt):
+    """With a kernel attention backend the window and entry rows are written as int32, what the
+    kernels read (no cast launch): the attention kernel gets int32 in every call, the outputs
+    and stores are bit-equal to the same layer handing int64 rows; a subclass with its own
+    ``forward_mqa`` keeps the contract's int64."""
+    import dsv4.kernels.sparse_mqa as smq
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.platforms.cuda_attention import BackendChoice, kernel_format
+
+    cfg = DSV4Config.preset("tiny").replace(kv_cache_dtype=fmt)
+    real, seen = smq.sparse_mqa, []
+
+    def spy(q, win, win_idx, cmp, cmp_idx, *args, **kw):
+        seen.append((win_idx.dtype, None if cmp_idx is None else cmp_idx.dtype))
+        return real(q, win, win_idx, cmp, cmp_idx, *args, **kw)
+
+    monkeypatch.setattr(smq, "sparse_mqa", spy)
+    runs = []
+    for int32 in (True, False):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.attention_choice = lambda pool: BackendChoice(  # the GPU's choice, interpreted
+            "triton", "triton", kernel_format(pool.stores["kv"])[0])
+        if not int32:
+            layer._flat_row_dtype = lambda step: torch.int64
+        seen.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(seen)))
+    (y32, st32, seen32), (y64, st64, seen64) = runs
+    assert seen32 == [(torch.int32, torch.int32)] * 8
+    assert seen64 == [(torch.int64, torch.int64)] * 8
+    assert torch.equal(y32, y64)
+    for name in st64:
+        assert torch.equal(st32[name], st64[name]), name
+
+    class OwnAttention(CudaAttention):
+        def forward_mqa(self, q, step, selection):
+            return super().forward_mqa(q, step, selection)
+
+    layer.__class__ = OwnAttention
+    del layer._flat_row_dtype  # the instance's stand-in: the class's method again
+    step = SimpleNamespace(pool=layer.new_caches(1, 64)[0].pool)
+    assert layer._flat_row_dtype(step) == torch.int64
+    layer.__class__ = CudaAttention
+    assert layer._flat_row_dtype(step) == torch.int32

@@ -40,24 +40,26 @@ def _queries(lengths: list[int], t: int, device: str, seed: int
 
 
 @kernel_runs
+@pytest.mark.parametrize("out", [torch.int64, torch.int32])
 @pytest.mark.parametrize("block,window,t", [(16, 8, 5), (16, 128, 33), (64, 128, 64),
                                             (64, 300, 3), (16, 1, 4)])
-def test_window_rows_match_the_store(block, window, t):
+def test_window_rows_match_the_store(block, window, t, out):
     from dsv4.kernels.paged_rows import window_flat_rows
 
     store, lengths = _store(block)
     pos, slots = _queries(lengths, t, DEV, seed=block + window)
     rows = pos[:, None] - (window - 1) + torch.arange(window, device=DEV)
     want = store.flat_rows(slots[:, None], torch.where(rows >= 0, rows, -1))
-    got = window_flat_rows(store, pos, slots, window)
-    assert got.dtype == torch.long and torch.equal(got, want)
+    got = window_flat_rows(store, pos, slots, window, dtype=out)
+    assert got.dtype == out and torch.equal(got.long(), want)
     assert (got == -1).any()  # positions before 0 and released blocks are covered
 
 
 @kernel_runs
+@pytest.mark.parametrize("out", [torch.int64, torch.int32])
 @pytest.mark.parametrize("dtype", [torch.long, torch.int32])
 @pytest.mark.parametrize("block,k,t", [(16, 7, 6), (64, 512, 16), (16, 300, 2)])
-def test_entry_rows_match_the_store(block, k, t, dtype):
+def test_entry_rows_match_the_store(block, k, t, dtype, out):
     from dsv4.kernels.paged_rows import entry_flat_rows
 
     store, lengths = _store(block, seed=k)
@@ -66,11 +68,26 @@ def test_entry_rows_match_the_store(block, k, t, dtype):
     entries = torch.randint(-1, 10 * block, (t, k), generator=g).to(DEV)
     entries[:, -3:] = -1
     want = store.flat_rows(slots[:, None], entries)
-    got = entry_flat_rows(store, entries.to(dtype), slots)
-    assert torch.equal(got, want)
+    got = entry_flat_rows(store, entries.to(dtype), slots, dtype=out)
+    assert got.dtype == out and torch.equal(got.long(), want)
     # a non-contiguous view (a column slice) reads the same rows
-    assert torch.equal(entry_flat_rows(store, entries[:, ::2].to(dtype), slots),
+    assert torch.equal(entry_flat_rows(store, entries[:, ::2].to(dtype), slots,
+                                       dtype=out).long(),
                        store.flat_rows(slots[:, None], entries[:, ::2]))
+
+
+@kernel_runs
+def test_flat_row_dtypes_are_checked():
+    from dsv4.kernels.paged_rows import entry_flat_rows, window_flat_rows
+
+    store, lengths = _store(16)
+    pos, slots = _queries(lengths, 3, DEV, seed=0)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        window_flat_rows(store, pos, slots, 8, dtype=torch.int16)
+    store.alloc.num_blocks = 1 << 28  # 2^32 rows of 16: past int32 (the check reads the count)
+    with pytest.raises(ValueError, match="do not fit int32"):
+        entry_flat_rows(store, torch.zeros(3, 4, dtype=torch.long, device=DEV), slots,
+                        dtype=torch.int32)
 
 
 @kernel_runs

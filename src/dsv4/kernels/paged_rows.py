@@ -15,8 +15,10 @@ that is ~6 small ops for a given [T, k] row tensor, and ~20 for a step's window 
   (pos + 1) // ratio`` ascending, -1 padded to the step's widest (ratio-128 layers, and C4
   steps whose indexer would take them all) - ~5 small PyTorch ops, here one launch.
 
-Both are exact (integer arithmetic), write int64, never sync with the host, and allocate only
-their output, so a step that calls them can be captured in a CUDA graph.
+Both are exact (integer arithmetic), write int64 - or int32 (``dtype=torch.int32``), what the
+attention kernels (ours and FlashMLA's) read, which saves their cast launch per index tensor
+(stores of at most 2^31 - 1 rows) - never sync with the host, and allocate only their output,
+so a step that calls them can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ if triton_available():
             phys = tl.load(table_ptr + slot * table_stride + logical, mask=m, other=-1)
             phys = phys.to(tl.int64)
             flat = tl.where((row >= 0) & (phys >= 0), phys * B + row % B, -1)
-            tl.store(out_ptr + t.to(tl.int64) * out_stride + offs, flat, mask=m)
+            tl.store(out_ptr + t.to(tl.int64) * out_stride + offs,
+                     flat.to(out_ptr.dtype.element_ty), mask=m)
         let_next_kernel_launch(PDL)
 
 
@@ -109,13 +112,21 @@ def visible_entries(pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
     return out
 
 
+FLAT_ROW_DTYPES = (torch.int64, torch.int32)
+
+
 def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
-            rows: torch.Tensor | None, k: int) -> torch.Tensor:
+            rows: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
     if not paged_rows_usable(pos.device):
         raise RuntimeError("the paged-rows kernel needs Triton and a CUDA device (or "
                            "TRITON_INTERPRET=1); use PagedStore.flat_rows elsewhere")
+    if dtype not in FLAT_ROW_DTYPES:
+        raise ValueError(f"dtype={dtype}: flat rows are int64 or int32")
+    capacity = store.alloc.num_blocks * store.block_size
+    if dtype == torch.int32 and capacity > torch.iinfo(torch.int32).max:
+        raise ValueError(f"{store.name} store: {capacity} rows do not fit int32 flat rows")
     t = slots.shape[0]
-    out = torch.empty(t, k, dtype=torch.long, device=slots.device)
+    out = torch.empty(t, k, dtype=dtype, device=slots.device)
     if t == 0 or k == 0:
         return out
     table = store.table_dev
@@ -131,25 +142,27 @@ def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
     return out
 
 
-def window_flat_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor, window: int
-                     ) -> torch.Tensor:
-    """[T, window] int64 flat rows of positions ``pos - window + 1 .. pos`` (oldest first) of
-    each query's sequence (slot ``slots`` [T], position ``pos`` [T], int64, on the store's
-    device); -1 before position 0 or where the block is not held."""
+def window_flat_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor, window: int,
+                     dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[T, window] flat rows (int64, or ``dtype`` int32) of positions ``pos - window + 1 ..
+    pos`` (oldest first) of each query's sequence (slot ``slots`` [T], position ``pos`` [T],
+    int64, on the store's device); -1 before position 0 or where the block is not held."""
     if pos.shape != slots.shape or pos.dim() != 1:
         raise ValueError(f"pos {tuple(pos.shape)} and slots {tuple(slots.shape)} must be the "
                          "same [T]")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    return _launch(store, pos, slots, None, window)
+    return _launch(store, pos, slots, None, window, dtype)
 
 
-def entry_flat_rows(store: PagedStore, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[T, k] int64 flat rows of row indices ``rows`` [T, k] (any int dtype, -1 pads kept) of
-    each query's sequence (slot ``slots`` [T])."""
+def entry_flat_rows(store: PagedStore, rows: torch.Tensor, slots: torch.Tensor,
+                    dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[T, k] flat rows (int64, or ``dtype`` int32) of row indices ``rows`` [T, k] (any int
+    dtype, -1 pads kept) of each query's sequence (slot ``slots`` [T])."""
     if rows.dim() != 2 or slots.dim() != 1 or rows.shape[0] != slots.shape[0]:
         raise ValueError(f"rows {tuple(rows.shape)} must be [T, k] for slots "
                          f"{tuple(slots.shape)} [T]")
     if rows.shape[1] and rows.stride(1) != 1:
         rows = rows.contiguous()
-    return _launch(store, slots, slots, rows, rows.shape[1])  # no positions read: slots stand in
+    # no positions read: slots stand in
+    return _launch(store, slots, slots, rows, rows.shape[1], dtype)

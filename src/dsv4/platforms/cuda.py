@@ -31,7 +31,8 @@
   stores) is one Triton launch per store: block-table lookup and the format's encode in the
   kernel, the same bytes (:mod:`dsv4.kernels.store_rows`). ``_window_rows`` and
   ``_entry_rows`` (the flat store rows the attention reads) are one launch each
-  (:mod:`dsv4.kernels.paged_rows`).
+  (:mod:`dsv4.kernels.paged_rows`), int32 where the platform's own attention kernels read them
+  (no cast launch per index tensor).
 * The C4 indexer's selection (bf16 queries, an index key format the kernels read) runs in
   Triton over the paged ``idx_keys`` store: decode-sized steps (at most ``KERNEL_MAX_TOKENS``
   queries) in two launches (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of
@@ -152,7 +153,7 @@ class CudaAttention(DeepseekV4Attention):
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
-               "use_l2_prefetch", "_prefetch_output_weights")
+               "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -462,10 +463,22 @@ class CudaAttention(DeepseekV4Attention):
         else:
             super()._store_rows(step, name, slots, rows, values)
 
+    def _flat_row_dtype(self, step: CacheStep) -> torch.dtype:
+        """int32 where this platform's own ``forward_mqa`` hands the flat rows to a kernel
+        backend (ours and FlashMLA's read int32 indices: the rows then need no cast launch, one
+        per index tensor) and every store's rows fit; the contract's int64 otherwise (a
+        subclass with its own ``forward_mqa`` gets int64). Host work only."""
+        if (type(self).forward_mqa is not CudaAttention.forward_mqa
+                or self.attention_choice(step.pool).backend not in ("triton", "flashmla")):
+            return torch.int64
+        fits = all(s.alloc.num_blocks * s.block_size <= torch.iinfo(torch.int32).max
+                   for s in step.pool.stores.values())
+        return torch.int32 if fits else torch.int64
+
     def _window_rows(self, step: CacheStep) -> torch.Tensor:
         if self._paged_kernels_ready(step.pos):
             return window_flat_rows(step.pool.stores["kv"], step.pos, step.tok_slot,
-                                    self.window)
+                                    self.window, self._flat_row_dtype(step))
         return super()._window_rows(step)
 
     def _visible_entries(self, step: CacheStep, ratio: int) -> torch.Tensor:
@@ -475,7 +488,8 @@ class CudaAttention(DeepseekV4Attention):
 
     def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
         if self._paged_kernels_ready(entries):
-            return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot)
+            return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot,
+                                   self._flat_row_dtype(step))
         return super()._entry_rows(step, entries)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
