@@ -382,8 +382,13 @@ def stages() -> bool:
     # compressors' entries in every numerics mode
     t = dict(x_ptr="*bf16", sxt="i32", sxh="i32", o_ptr="*bf16", sot="i32", soh="i32",
              pos_ptr="*i64", freq_ptr="*fp32", H="i32", eps="fp32")
-    for name, c in (("kv rows fp8", dict(BH=1, NORM=False, QPAIRS=224, QBLOCK=32)),
-                    ("query heads", dict(BH=8, NORM=True, QPAIRS=0, QBLOCK=0))):
+    t = {**t, "x2_ptr": "*bf16", "sx2t": "i32", "o2_ptr": "*bf16", "so2t": "i32"}
+    alone = dict(ROW=False, QPAIRS2=0, QBLOCK2=0)
+    for name, c in (("kv rows fp8", dict(BH=1, NORM=False, QPAIRS=224, QBLOCK=32, **alone)),
+                    ("query heads", dict(BH=8, NORM=True, QPAIRS=0, QBLOCK=0, **alone)),
+                    # the query heads with the kv rows in one launch (their fp8 simulation)
+                    ("query heads + kv rows fp8", dict(BH=8, NORM=True, QPAIRS=0, QBLOCK=0,
+                                                       ROW=True, QPAIRS2=224, QBLOCK2=32))):
         ok &= _try(f"rope_heads {name}", rn._rope_heads_kernel, t,
                    dict(D2=256, NOPE2=224, BD2=256, SIGN=1, **c), dict(num_warps=4))
     ok &= _try("rope_hadamard_fp4", rn._rope_hadamard_fp4_kernel,

@@ -246,7 +246,7 @@ def test_l2_prefetch_is_asked_once_per_streamed_step(cpu_cuda_layer, monkeypatch
         order.append("prefetch")
         return max_bytes
 
-    real_heads = cuda.fused_query_heads
+    real_heads = cuda.fused_query_heads_and_kv_rows
 
     def query_heads(*args):
         order.append("heads")
@@ -255,7 +255,7 @@ def test_l2_prefetch_is_asked_once_per_streamed_step(cpu_cuda_layer, monkeypatch
     monkeypatch.setattr(cuda, "prefetch_usable", lambda device: True)
     monkeypatch.setattr(cuda, "l2_bytes", lambda device: 1 << 20)
     monkeypatch.setattr(cuda, "prefetch_to_l2", prefetch)
-    monkeypatch.setattr(cuda, "fused_query_heads", query_heads)
+    monkeypatch.setattr(cuda, "fused_query_heads_and_kv_rows", query_heads)
     runs = []
     for on in (False, True):
         layer = cpu_cuda_layer(cfg, 4, True)
@@ -327,3 +327,55 @@ def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypat
     assert layer._flat_row_dtype(step) == torch.int64
     layer.__class__ = CudaAttention
     assert layer._flat_row_dtype(step) == torch.int32
+
+
+def test_query_heads_and_kv_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
+    """Every step's kv rows are rotated in the query heads' launch and ``_kv_rows`` (still
+    called: the contract's point) hands them back; no launch of their own. The outputs and
+    stores are bit-equal to the layer rotating them in their own launch; a subclass that
+    redefines ``_kv_rows`` gets its own call."""
+    import dsv4.platforms.cuda as cuda
+    from dsv4.platforms.cuda import CudaAttention
+
+    cfg = DSV4Config.preset("tiny").replace(simulate_quant=True)
+    calls: list[str] = []
+    for name in ("fused_query_heads_and_kv_rows", "fused_query_heads", "fused_kv_rows"):
+        real = getattr(cuda, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(cuda, name, spy)
+    orig, asked = CudaAttention._kv_rows, []
+
+    def kv_rows(self, kv, pos):  # the override point, counted
+        asked.append(1)
+        return orig(self, kv, pos)
+
+    runs = []
+    for fused in (True, False):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        if not fused:
+            layer._kv_rows_fusable = lambda kv, q: False
+        calls.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(calls)))
+    (y1, st1, c1), (y2, st2, c2) = runs
+    assert c1 == ["fused_query_heads_and_kv_rows"] * 8
+    assert c2 == ["fused_query_heads", "fused_kv_rows"] * 8
+    assert torch.equal(y1, y2)
+    for name in st2:
+        assert torch.equal(st1[name], st2[name]), name
+    # a subclass's own _kv_rows is called for the rows, and the launch does not rotate them
+    monkeypatch.setattr(CudaAttention, "_kv_rows", kv_rows)
+
+    class OwnRows(CudaAttention):
+        def _kv_rows(self, kv, pos):
+            return super()._kv_rows(kv, pos)
+
+    layer = cpu_cuda_layer(cfg, 4, True)
+    layer.__class__ = OwnRows
+    calls.clear()
+    y3, st3 = _run(layer, cfg.hidden_size)
+    assert calls == ["fused_query_heads", "fused_kv_rows"] * 8 and len(asked) == 8
+    assert torch.equal(y3, y2)

@@ -173,6 +173,24 @@ def test_kv_rows(shape, simulate, ratio):
 
 @kernel_runs
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize("simulate", [True, False])
+@pytest.mark.parametrize("t", [1, 9])
+def test_query_heads_and_kv_rows_in_one_launch(shape, simulate, t):
+    """The query heads and the kv rows in one launch: each output bit-equal to its own
+    launch's (and so to the torch path within the stage tests' bounds)."""
+    lay = stage_layer(small_cfg(**SHAPES[shape], simulate_quant=simulate))
+    q = rand(t, lay.n_heads * lay.head_dim, seed=shape, scale=2.0)
+    kv = rand(t, 2 * lay.head_dim, seed=shape + 1, scale=2.0)[:, ::2]  # strided rows
+    pos = positions(t, seed=shape)
+    heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)
+    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
+    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
+    with pytest.raises(ValueError, match="row must be"):
+        ew.fused_query_heads_and_kv_rows(lay, q, kv[:, :-2], pos)
+
+
+@kernel_runs
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("numerics", [None, "fp8", "hadamard_fp4"])
 def test_indexer_query(shape, numerics):
     if numerics == "fp8" and SHAPES[shape]["index_head_dim"] % 128:
@@ -304,6 +322,9 @@ def test_gpu_model_shapes(model, t, ratio):
     lay._wq_b_gemm = lambda qr: q
     errs["query"] = check(ew.fused_query_heads(lay, q, pos),
                           DeepseekV4Attention._query_heads(lay, None, pos))
+    heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)  # one launch, same bits
+    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
+    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
     o = rand(t, c.num_attention_heads, c.head_dim, seed=5)
     want = lay.rotary.rotate(o, pos, torch.float32, inverse=True)
     errs["inverse"] = check(ew.fused_inverse_rope(lay, o.clone(), pos), want)

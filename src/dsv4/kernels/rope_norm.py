@@ -11,6 +11,8 @@ Entry points (inputs on a CUDA device, or CPU tensors under ``TRITON_INTERPRET=1
   the query heads), inverse (negated sin, the output path), or followed by an E4M3 simulation
   with a power-of-two scale per block of the first ``fp8_dims`` dims (the kv rows' nope dims,
   block 64; the indexer's ``fp8`` numerics, block 128 over the whole head).
+* ``rope_heads_and_row(heads, row, positions, inv_freq, ...)``: the query heads' RMS + RoPE
+  and the kv rows' RoPE + fp8 simulation in one launch (a column of programs for the rows).
 * ``rope_hadamard_fp4(x, positions, inv_freq)``: RoPE, then the indexer's official numerics:
   Walsh-Hadamard rotation of each head (as MMAs against +-1 tiles built in the kernel), FP4
   E2M1 block-32 simulation.
@@ -40,7 +42,7 @@ from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
 from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
 
 __all__ = ["kernels_usable", "latent_norms", "latent_norms_q_fp8", "rope_hadamard_fp4",
-           "rope_heads"]
+           "rope_heads", "rope_heads_and_row"]
 
 FP4_BLOCK = 32
 """Values per FP4 scale of the indexer's Hadamard numerics."""
@@ -159,11 +161,36 @@ if triton_available():
     def _rope_heads_kernel(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H, eps,
                            D2: tl.constexpr, NOPE2: tl.constexpr, BH: tl.constexpr,
                            BD2: tl.constexpr, NORM: tl.constexpr, SIGN: tl.constexpr,
-                           QPAIRS: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           QPAIRS: tl.constexpr, QBLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                           x2_ptr=None, sx2t=0, o2_ptr=None, so2t=0, ROW: tl.constexpr = False,
+                           QPAIRS2: tl.constexpr = 0, QBLOCK2: tl.constexpr = 0):
+        """Program (t, b): heads b * BH .. of token t. With ROW, the grid has one more column:
+        its programs (t, last) rotate row t of the second tensor ``x2`` [T, 2 * D2] instead (no
+        norm, its own fp8 simulation QPAIRS2 / QBLOCK2) - the kv row beside the query heads."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BH + tl.arange(0, BH)
         j = tl.arange(0, BD2)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        if ROW:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == tl.num_programs(1) - 1:
+                _rope_store(x2_ptr, sx2t, 0, o2_ptr, so2t, 0, pos_ptr, freq_ptr, 1, 0.0, t,
+                            tl.arange(0, BH), j, D2, NOPE2, BH, BD2, False, SIGN, QPAIRS2,
+                            QBLOCK2)
+            else:
+                _rope_store(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H, eps, t, h,
+                            j, D2, NOPE2, BH, BD2, NORM, SIGN, QPAIRS, QBLOCK)
+        else:
+            _rope_store(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H, eps, t, h, j,
+                        D2, NOPE2, BH, BD2, NORM, SIGN, QPAIRS, QBLOCK)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _rope_store(x_ptr, sxt, sxh, o_ptr, sot, soh, pos_ptr, freq_ptr, H, eps, t, h, j,
+                    D2: tl.constexpr, NOPE2: tl.constexpr, BH: tl.constexpr,
+                    BD2: tl.constexpr, NORM: tl.constexpr, SIGN: tl.constexpr,
+                    QPAIRS: tl.constexpr, QBLOCK: tl.constexpr):
+        """Heads ``h`` of token t rotated (:func:`_load_rotated`), rounded to the output dtype,
+        the first QPAIRS pairs E4M3-simulated per QBLOCK pairs, stored."""
         ye, yo, m = _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j, D2,
                                   NOPE2, NORM, SIGN, BH, BD2)
         out_dt = o_ptr.dtype.element_ty
@@ -183,7 +210,6 @@ if triton_available():
         d = tl.arange(0, 2 * BD2)
         y = tl.reshape(tl.join(ye, yo), [BH, 2 * BD2])  # pairs back in place: one row each
         tl.store(o_ptr + t * sot + h[:, None] * soh + d[None, :], y.to(out_dt), mask=m)
-        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _hadamard_sign(v):
@@ -355,6 +381,40 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
             QPAIRS=fp8_dims // 2 if fp8_block else 0, QBLOCK=fp8_block // 2, num_warps=4,
             **pdl_args(xh.device))
     return out if out.shape == x.shape else out.view(x.shape)
+
+
+def rope_heads_and_row(heads: torch.Tensor, row: torch.Tensor, positions: torch.Tensor,
+                       inv_freq: torch.Tensor, *, norm_eps: float, fp8_dims: int = 0,
+                       fp8_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """In one launch: ``rope_heads(heads, positions, inv_freq, norm_eps=norm_eps)`` (the query
+    heads [T, H, D]) and ``rope_heads(row, positions, inv_freq, fp8_dims=fp8_dims,
+    fp8_block=fp8_block)`` (the kv rows [T, D], same D) - the same values as the two calls,
+    bit for bit. Returns (heads', row') as new contiguous tensors in the inputs' dtypes."""
+    _require(heads)
+    xh = _heads_view(heads)
+    positions = positions.contiguous()
+    t, n_heads, d = xh.shape
+    if row.dim() != 2 or tuple(row.shape) != (t, d) or row.device != heads.device:
+        raise ValueError(f"row must be [{t}, {d}] on {heads.device} beside heads "
+                         f"{tuple(heads.shape)}, got {tuple(row.shape)} on {row.device}")
+    d2, nope2 = _pair_dims(d, inv_freq)
+    if fp8_block and (fp8_block % 2 or fp8_dims % fp8_block or fp8_dims > d):
+        raise ValueError(f"fp8_dims={fp8_dims} must be a multiple of the even fp8_block="
+                         f"{fp8_block} and at most {d}")
+    xr = row if row.stride(1) == 1 else row.contiguous()
+    out = torch.empty(xh.shape, dtype=heads.dtype, device=heads.device)
+    out_row = torch.empty(xr.shape, dtype=row.dtype, device=row.device)
+    if t and n_heads:
+        bd2 = triton.next_power_of_2(d2)
+        bh = min(triton.next_power_of_2(n_heads), max(1, 2048 // bd2))
+        grid = (t, triton.cdiv(n_heads, bh) + 1)  # + the rows' column
+        _rope_heads_kernel[grid](
+            xh, xh.stride(0), xh.stride(1), out, out.stride(0), out.stride(1), positions,
+            inv_freq, n_heads, norm_eps, D2=d2, NOPE2=nope2, BH=bh, BD2=bd2, NORM=True,
+            SIGN=1, QPAIRS=0, QBLOCK=0, x2_ptr=xr, sx2t=xr.stride(0), o2_ptr=out_row,
+            so2t=out_row.stride(0), ROW=True, QPAIRS2=fp8_dims // 2 if fp8_block else 0,
+            QBLOCK2=fp8_block // 2, num_warps=4, **pdl_args(xh.device))
+    return out.view(heads.shape), out_row
 
 
 def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,

@@ -15,7 +15,9 @@
   (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
 * The small elementwise stages (latent norms, query heads' RMS + RoPE, kv rows' RoPE + fp8
   simulation, indexer queries' RoPE + numerics, the output's inverse RoPE) run as one Triton
-  launch each on bf16 layers (:mod:`dsv4.platforms.cuda_elementwise`).
+  launch each on bf16 layers (:mod:`dsv4.platforms.cuda_elementwise`); the query heads and the
+  kv rows share one: ``_query_heads`` rotates the rows ``_latent_norms`` returned beside the
+  heads and hands them to ``_kv_rows`` of the same rows and positions (identity-matched).
 
 * ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
@@ -91,6 +93,7 @@ from dsv4.platforms.cuda_elementwise import (
     fused_latent_norms,
     fused_latent_norms_q_fp8,
     fused_query_heads,
+    fused_query_heads_and_kv_rows,
 )
 from dsv4.platforms.cuda_linears import (
     FP8_GEMM_MAX_TOKENS,
@@ -153,7 +156,8 @@ class CudaAttention(DeepseekV4Attention):
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
-               "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype")
+               "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype",
+               "_kv_rows_fusable")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -179,6 +183,12 @@ class CudaAttention(DeepseekV4Attention):
         ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
         self._sorted_selection = True
         self._held_topk_rows = False
+        self._kv_from_norms: torch.Tensor | None = None
+        """The kv rows the last ``_latent_norms`` call returned (for ``_query_heads`` to rotate
+        beside the query heads in one launch)."""
+        self._kv_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(kv, pos, the rotated rows) that launch made for ``_kv_rows`` of the same kv and
+        pos (matched by identity, taken once)."""
         self._l2_prefetch: tuple[float, str] | None = None
         """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
@@ -389,7 +399,8 @@ class CudaAttention(DeepseekV4Attention):
         return self._step_kernels_enabled and elementwise_usable(self, x)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._qr_fp8 = self._q_from_pair = None  # a new step: nothing of the last one
+        # a new step: nothing of the last one
+        self._qr_fp8 = self._q_from_pair = self._kv_from_norms = self._kv_rows_made = None
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
@@ -397,17 +408,34 @@ class CudaAttention(DeepseekV4Attention):
                 and self.cfg.q_lora_rank % 128 == 0 and qr_kv.shape[0] <= FP8_GEMM_MAX_TOKENS):
             qr, kv, q8 = fused_latent_norms_q_fp8(self, qr_kv)
             self._qr_fp8 = (qr, q8)
-            return qr, kv
-        return fused_latent_norms(self, qr_kv)
+        else:
+            qr, kv = fused_latent_norms(self, qr_kv)
+        self._kv_from_norms = kv
+        return qr, kv
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        if self._elementwise_ready(qr):
-            q = self._wq_b_gemm(qr)
-            self._prefetch_output_weights(qr)
-            return fused_query_heads(self, q, pos)
-        return super()._query_heads(qr, pos)
+        if not self._elementwise_ready(qr):
+            return super()._query_heads(qr, pos)
+        q = self._wq_b_gemm(qr)
+        self._prefetch_output_weights(qr)
+        kv, self._kv_from_norms = self._kv_from_norms, None
+        if kv is not None and self._kv_rows_fusable(kv, q):
+            heads, rows = fused_query_heads_and_kv_rows(self, q, kv, pos)
+            self._kv_rows_made = (kv, pos, rows)
+            return heads
+        return fused_query_heads(self, q, pos)
+
+    def _kv_rows_fusable(self, kv: torch.Tensor, q: torch.Tensor) -> bool:
+        """Host-side: ``_query_heads`` may rotate ``kv`` (this step's rows from the latent
+        norms) in its own launch - the platform's ``_kv_rows`` will be the one asked for them
+        (a subclass that redefines it keeps its own) and the rows go with q's tokens."""
+        return (type(self)._kv_rows is CudaAttention._kv_rows and self._elementwise_ready(kv)
+                and kv.shape[0] == q.shape[0])
 
     def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        made, self._kv_rows_made = self._kv_rows_made, None
+        if made is not None and made[0] is kv and made[1] is pos:
+            return made[2]
         if self._elementwise_ready(kv):
             return fused_kv_rows(self, kv, pos)
         return super()._kv_rows(kv, pos)

@@ -3,6 +3,8 @@
 The base layer runs the latent norms, the query heads' RMS + RoPE, the kv rows' RoPE (+ fp8
 simulation), the indexer queries' RoPE + numerics and the output path's inverse RoPE as ~100
 small PyTorch kernels per decode step; here each stage is one Triton launch with the same math
+(the query heads and the kv rows one launch together where the platform runs both,
+:func:`fused_query_heads_and_kv_rows`)
 (fp32 statistics and rotation, the layer dtype out). Each function takes the layer and the stage's
 input and returns what the override point returns; :func:`elementwise_usable` is the host-side
 test (no device sync) that the layer and tensor qualify.
@@ -20,6 +22,7 @@ from dsv4.kernels.rope_norm import (
     latent_norms_q_fp8,
     rope_hadamard_fp4,
     rope_heads,
+    rope_heads_and_row,
 )
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK, index_numerics_sim
 
@@ -65,6 +68,18 @@ def fused_kv_rows(layer: DeepseekV4Attention, kv: torch.Tensor, pos: torch.Tenso
     sim = layer.cfg.simulate_quant
     return rope_heads(kv, pos, _inv_freq(layer), fp8_dims=layer.head_dim - layer.rope_dim,
                       fp8_block=KV_FP8_BLOCK if sim else 0)
+
+
+def fused_query_heads_and_kv_rows(layer: DeepseekV4Attention, q: torch.Tensor,
+                                  kv: torch.Tensor, pos: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_query_heads` of q and :func:`fused_kv_rows` of kv in one launch (the same
+    values bit for bit: the same per-row math, one more column of programs for the rows)."""
+    heads = q.unflatten(-1, (layer.n_heads, layer.head_dim))
+    sim = layer.cfg.simulate_quant
+    return rope_heads_and_row(heads, kv, pos, _inv_freq(layer), norm_eps=layer.cfg.rms_norm_eps,
+                              fp8_dims=layer.head_dim - layer.rope_dim,
+                              fp8_block=KV_FP8_BLOCK if sim else 0)
 
 
 def fused_indexer_query(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
