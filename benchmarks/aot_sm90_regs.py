@@ -263,7 +263,15 @@ def steps() -> bool:
              B="i32", MAX_LOGICAL="i32")
     for window in (True, False):
         ok &= _try(f"paged_rows window={window}", pr._flat_rows_kernel, t,
-                   dict(WINDOW=window, BLOCK=128 if window else 256), dict(num_warps=4))
+                   dict(WINDOW=window, BLOCK=128 if window else 256, RATIO=0),
+                   dict(num_warps=4))
+    # the int32 rows the attention kernels read; every visible entry and its rows (RATIO)
+    t32 = {**t, "out_ptr": "*i32"}
+    ok &= _try("paged_rows window=True int32", pr._flat_rows_kernel, t32,
+               dict(WINDOW=True, BLOCK=128, RATIO=0), dict(num_warps=4))
+    for ratio in (4, 128):
+        ok &= _try(f"paged_rows visible ratio={ratio} int32", pr._flat_rows_kernel, t32,
+                   dict(WINDOW=False, BLOCK=128, RATIO=ratio), dict(num_warps=4))
     for ratio in (4, 128):
         ok &= _try(f"visible_entries ratio={ratio}", pr._visible_entries_kernel,
                    dict(pos_ptr="*i64", out_ptr="*i64", out_stride="i32", N="i32"),

@@ -379,3 +379,46 @@ def test_query_heads_and_kv_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     y3, st3 = _run(layer, cfg.hidden_size)
     assert calls == ["fused_query_heads", "fused_kv_rows"] * 8 and len(asked) == 8
     assert torch.equal(y3, y2)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypatch, ratio):
+    """Where the selection is every visible entry (C128; C4 steps that skip the indexer) the
+    selection and its flat rows are one launch, and ``_entry_rows`` of that selection (still
+    called) hands the rows back; a subclass that redefines ``_entry_rows`` gets the two
+    launches. Outputs and stores bit-equal either way."""
+    import dsv4.platforms.cuda as cuda
+    from dsv4.platforms.cuda import CudaAttention
+
+    cfg = DSV4Config.preset("tiny")
+    calls: list[str] = []
+    for name in ("visible_entry_rows", "visible_entries", "entry_flat_rows"):
+        real = getattr(cuda, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(cuda, name, spy)
+
+    class OwnEntryRows(CudaAttention):
+        def _entry_rows(self, step, entries):
+            return super()._entry_rows(step, entries)
+
+    runs = []
+    for own in (False, True):
+        layer = cpu_cuda_layer(cfg, ratio, True)
+        if own:
+            layer.__class__ = OwnEntryRows
+        calls.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(calls)))
+    (y1, st1, c1), (y2, st2, c2) = runs
+    # C128: every step; C4: the 20-token prefill (5 entries, index_topk 8), then the indexer
+    visible = 1 if ratio == 4 else 8
+    assert c1.count("visible_entry_rows") == visible and "visible_entries" not in c1
+    assert c2.count("visible_entries") == visible and "visible_entry_rows" not in c2
+    assert c1.count("entry_flat_rows") == 8 - visible
+    assert c2.count("entry_flat_rows") == 8
+    assert torch.equal(y1, y2)
+    for name in st2:
+        assert torch.equal(st1[name], st2[name]), name

@@ -113,6 +113,33 @@ def test_visible_entries_match_the_torch_path(ratio):
 
 
 @kernel_runs
+@pytest.mark.parametrize("out", [torch.int64, torch.int32])
+@pytest.mark.parametrize("block,ratio", [(16, 4), (64, 4), (16, 128)])
+def test_visible_entry_rows_in_one_launch(block, ratio, out):
+    """The visible entries and their flat rows in one launch: the values of
+    ``visible_entries`` and ``entry_flat_rows`` of them, on slots with released and never-held
+    blocks, rows narrower and wider than the kernel's loop block."""
+    from dsv4.kernels.paged_rows import entry_flat_rows, visible_entries, visible_entry_rows
+
+    store, lengths = _store(block, seed=ratio)
+    pos, slots = _queries(lengths, 9, DEV, seed=block)
+    pos = pos * (ratio // 4 if ratio > 4 else 1)  # C128: positions that see some entries
+    widest = int((pos.max() + 1) // ratio)
+    for n in (widest, widest + 300):
+        entries, rows = visible_entry_rows(store, pos, slots, n, ratio, dtype=out)
+        want = visible_entries(pos, n, ratio)
+        assert entries.dtype == torch.long and torch.equal(entries, want)
+        assert rows.dtype == out and torch.equal(rows, entry_flat_rows(store, want, slots, out))
+    none = torch.zeros(0, dtype=torch.long, device=DEV)
+    e, r = visible_entry_rows(store, none, none, 5, ratio)
+    assert e.shape == r.shape == (0, 5)
+    with pytest.raises(ValueError, match="ratio >= 1"):
+        visible_entry_rows(store, pos, slots, 4, 0)
+    with pytest.raises(ValueError, match="pos"):
+        visible_entry_rows(store, pos, slots[:-1], 4, ratio)
+
+
+@kernel_runs
 def test_empty_steps_and_bad_shapes():
     from dsv4.kernels.paged_rows import entry_flat_rows, window_flat_rows
 

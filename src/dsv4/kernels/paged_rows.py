@@ -13,7 +13,8 @@ that is ~6 small ops for a given [T, k] row tensor, and ~20 for a step's window 
   pads), their flat rows (:meth:`~dsv4.cache.step.CacheStep.entry_rows`);
 * :func:`visible_entries`: the selection of every compressed entry each query sees, ``j <
   (pos + 1) // ratio`` ascending, -1 padded to the step's widest (ratio-128 layers, and C4
-  steps whose indexer would take them all) - ~5 small PyTorch ops, here one launch.
+  steps whose indexer would take them all) - ~5 small PyTorch ops, here one launch;
+  :func:`visible_entry_rows` writes that selection and its flat rows in one launch.
 
 Both are exact (integer arithmetic), write int64 - or int32 (``dtype=torch.int32``), what the
 attention kernels (ours and FlashMLA's) read, which saves their cast launch per index tensor
@@ -28,7 +29,8 @@ import torch
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
-__all__ = ["entry_flat_rows", "paged_rows_usable", "visible_entries", "window_flat_rows"]
+__all__ = ["entry_flat_rows", "paged_rows_usable", "visible_entries", "visible_entry_rows",
+           "window_flat_rows"]
 
 ROWS_PER_ITER = 256
 """Rows a program handles per loop iteration."""
@@ -53,18 +55,26 @@ if triton_available():
     @triton.jit
     def _flat_rows_kernel(pos_ptr, slot_ptr, rows_ptr, rows_stride, table_ptr, table_stride,
                           out_ptr, out_stride, K, B, MAX_LOGICAL,
-                          WINDOW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          WINDOW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                          RATIO: tl.constexpr = 0):
+        """Row t's K flat rows: of the window (WINDOW), of every visible entry (RATIO > 0: j
+        where j < (pos + 1) // RATIO, else -1, also written to ``rows``) or of the given rows."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         # the window's oldest position; given rows read no position
         first = tl.load(pos_ptr + t) - K + 1 if WINDOW else 0
+        if RATIO > 0:
+            seen = (tl.load(pos_ptr + t).to(tl.int64) + 1) // RATIO
         lanes = tl.arange(0, BLOCK)
         for c in range(0, K, BLOCK):
             offs = c + lanes
             m = offs < K
             if WINDOW:
                 row = first + offs
+            elif RATIO > 0:
+                row = tl.where(offs < seen, offs.to(tl.int64), -1)
+                tl.store(rows_ptr + t.to(tl.int64) * rows_stride + offs, row, mask=m)
             else:
                 row = tl.load(rows_ptr + t.to(tl.int64) * rows_stride + offs, mask=m,
                               other=-1).to(tl.int64)
@@ -116,7 +126,8 @@ FLAT_ROW_DTYPES = (torch.int64, torch.int32)
 
 
 def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
-            rows: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
+            rows: torch.Tensor | None, k: int, dtype: torch.dtype, ratio: int = 0
+            ) -> torch.Tensor:
     if not paged_rows_usable(pos.device):
         raise RuntimeError("the paged-rows kernel needs Triton and a CUDA device (or "
                            "TRITON_INTERPRET=1); use PagedStore.flat_rows elsewhere")
@@ -133,12 +144,12 @@ def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
     if table.dtype != torch.int32 or table.stride(1) != 1:
         raise ValueError(f"{store.name} store: the device block table must be int32 with "
                          f"contiguous rows, got {table.dtype} strides {tuple(table.stride())}")
-    rows_arg = rows if rows is not None else out  # not read when WINDOW
+    rows_arg = rows if rows is not None else out  # not read when WINDOW; written with RATIO
     block = min(ROWS_PER_ITER, max(16, 1 << (k - 1).bit_length()))
     _flat_rows_kernel[(t,)](
         pos, slots, rows_arg, rows_arg.stride(0), table, table.stride(0), out, out.stride(0),
         k, store.block_size, store.max_logical, WINDOW=rows is None, BLOCK=block, num_warps=4,
-        **pdl_args(pos.device))
+        RATIO=ratio, **pdl_args(pos.device))
     return out
 
 
@@ -153,6 +164,21 @@ def window_flat_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor, 
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     return _launch(store, pos, slots, None, window, dtype)
+
+
+def visible_entry_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor, n: int,
+                       ratio: int, dtype: torch.dtype = torch.int64
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries, flat rows) in one launch: :func:`visible_entries` ``(pos, n, ratio)`` [T, n]
+    int64 and their :func:`entry_flat_rows` in ``store`` (int64, or ``dtype`` int32) for the
+    queries' sequences (slots ``slots`` [T]) - the same values as the two launches."""
+    if pos.shape != slots.shape or pos.dim() != 1:
+        raise ValueError(f"pos {tuple(pos.shape)} and slots {tuple(slots.shape)} must be the "
+                         "same [T]")
+    if n < 0 or ratio < 1:
+        raise ValueError(f"n >= 0 and ratio >= 1, got n={n}, ratio={ratio}")
+    entries = torch.empty(pos.shape[0], n, dtype=torch.long, device=pos.device)
+    return entries, _launch(store, pos, slots, entries, n, dtype, ratio)
 
 
 def entry_flat_rows(store: PagedStore, rows: torch.Tensor, slots: torch.Tensor,

@@ -34,7 +34,9 @@
   kernel, the same bytes (:mod:`dsv4.kernels.store_rows`). ``_window_rows`` and
   ``_entry_rows`` (the flat store rows the attention reads) are one launch each
   (:mod:`dsv4.kernels.paged_rows`), int32 where the platform's own attention kernels read them
-  (no cast launch per index tensor).
+  (no cast launch per index tensor). Where the selection is every visible entry
+  (``_visible_entries``: C128 layers, C4 steps that skip the indexer) the selection and its
+  flat rows are one launch, handed to ``_entry_rows`` of that selection (identity-matched).
 * The C4 indexer's selection (bf16 queries, an index key format the kernels read) runs in
   Triton over the paged ``idx_keys`` store: decode-sized steps (at most ``KERNEL_MAX_TOKENS``
   queries) in two launches (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of
@@ -73,6 +75,7 @@ from dsv4.kernels.paged_rows import (
     entry_flat_rows,
     paged_rows_usable,
     visible_entries,
+    visible_entry_rows,
     window_flat_rows,
 )
 from dsv4.kernels.store_rows import store_rows, store_rows_problem
@@ -189,6 +192,9 @@ class CudaAttention(DeepseekV4Attention):
         self._kv_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """(kv, pos, the rotated rows) that launch made for ``_kv_rows`` of the same kv and
         pos (matched by identity, taken once)."""
+        self._entry_rows_made: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(entries, their flat rows) that ``_visible_entries`` made in one launch for
+        ``_entry_rows`` of that very selection (identity-matched, taken once)."""
         self._l2_prefetch: tuple[float, str] | None = None
         """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
@@ -401,6 +407,7 @@ class CudaAttention(DeepseekV4Attention):
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # a new step: nothing of the last one
         self._qr_fp8 = self._q_from_pair = self._kv_from_norms = self._kv_rows_made = None
+        self._entry_rows_made = None
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
@@ -510,11 +517,23 @@ class CudaAttention(DeepseekV4Attention):
         return super()._window_rows(step)
 
     def _visible_entries(self, step: CacheStep, ratio: int) -> torch.Tensor:
-        if self._paged_kernels_ready(step.pos):
-            return visible_entries(step.pos, step.max_visible(ratio), ratio)
-        return super()._visible_entries(step, ratio)
+        if not self._paged_kernels_ready(step.pos):
+            return super()._visible_entries(step, ratio)
+        n = step.max_visible(ratio)
+        store = step.pool.stores.get("compressed")
+        if store is not None and type(self)._entry_rows is CudaAttention._entry_rows:
+            # the selection and its flat rows in one launch; _entry_rows of this very
+            # selection hands the rows back
+            entries, rows = visible_entry_rows(store, step.pos, step.tok_slot, n, ratio,
+                                               self._flat_row_dtype(step))
+            self._entry_rows_made = (entries, rows)
+            return entries
+        return visible_entries(step.pos, n, ratio)
 
     def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
+        made, self._entry_rows_made = self._entry_rows_made, None
+        if made is not None and made[0] is entries:
+            return made[1]
         if self._paged_kernels_ready(entries):
             return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot,
                                    self._flat_row_dtype(step))
