@@ -278,9 +278,15 @@ def steps() -> bool:
                    dict(RATIO=ratio, BLOCK=256), dict(num_warps=4))
     t = dict(ks_ptr="*fp32", s_ks="i32", pos_ptr="*i64", ape_ptr="*fp32", out_ptr="*fp32",
              s_out="i32")
+    t = {**t, "ks2_ptr": "*fp32", "s_ks2": "i32", "ape2_ptr": "*fp32", "out2_ptr": "*fp32",
+         "s_out2": "i32"}
     for r, width in ((4, 1024), (128, 512), (4, 256)):
         ok &= _try(f"raw_rows R={r} WIDTH={width}", ce._raw_rows_kernel, t,
-                   dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width)), dict(num_warps=4))
+                   dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width), WIDTH2=0, BLOCK2=0),
+                   dict(num_warps=4))
+    # a C4 layer's main (Flash 2 x 512) and indexer (2 x 128) compressor in one launch
+    ok &= _try("raw_rows pair R=4 WIDTH=1024 WIDTH2=256", ce._raw_rows_kernel, t,
+               dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512), dict(num_warps=4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64")
     for width in (2048, 1024, 512):
         ok &= _try(f"keep_ring_rows WIDTH={width}", ce._keep_rows_kernel, t,

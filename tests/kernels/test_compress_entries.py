@@ -372,6 +372,35 @@ def test_raw_rows_kernel_is_bit_equal(preset, ratio, for_indexer):
 
 
 @kernel_runs
+@pytest.mark.parametrize("preset", ["tiny", "flash"])
+def test_raw_rows_of_both_compressors_in_one_launch(preset):
+    """A C4 layer's main and indexer compressor in one launch: each equal to its own launch's
+    rows (strided score views as the fused score GEMM hands them)."""
+    from dsv4.kernels.compress_entries import raw_rows, raw_rows_pair
+
+    cfg = DSV4Config.preset(preset)
+    comps = [make_compressor(cfg, 4, idx, DEV)[0] for idx in (False, True)]
+    g = torch.Generator().manual_seed(3)
+    for comp in comps:
+        comp.ape.data.copy_(torch.randn(comp.ape.shape, generator=g))
+    t = 7
+    wide = torch.randn(t, sum(c.raw_width for c in comps), generator=g).to(DEV)
+    main, idx = wide[:, :comps[0].raw_width], wide[:, comps[0].raw_width:]
+    pos = torch.randint(0, 10_000, (t,), generator=g).to(DEV)
+    a, b = raw_rows_pair((comps[0], main), (comps[1], idx), pos)
+    assert torch.equal(a, raw_rows(comps[0], main, pos))
+    assert torch.equal(b, raw_rows(comps[1], idx, pos))
+    e1, e2 = raw_rows_pair((comps[0], main[:0]), (comps[1], idx[:0]), pos[:0])
+    assert e1.shape == (0, comps[0].raw_width) and e2.shape == (0, comps[1].raw_width)
+    with pytest.raises(ValueError, match="positions"):
+        raw_rows_pair((comps[0], main), (comps[1], idx[:3]), pos)
+    c128 = make_compressor(cfg, 128, False, DEV)[0]
+    with pytest.raises(ValueError, match="ratios"):
+        raw_rows_pair((comps[0], main), (c128, torch.zeros(t, c128.raw_width, device=DEV)),
+                      pos)
+
+
+@kernel_runs
 @pytest.mark.parametrize("width,k", [(512, 8), (2048, 5), (96, 0)])
 def test_keep_ring_rows_kernel_copies_the_kept_rows(width, k):
     from dsv4.kernels.compress_entries import keep_ring_rows

@@ -422,3 +422,51 @@ def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypat
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name
+
+
+def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
+    """A C4 step's main and indexer compressor raw rows are one launch; ``_raw_rows`` of the
+    indexer's (still called) hands its rows back. Outputs and stores bit-equal to one launch
+    each."""
+    import dsv4.platforms.cuda as cuda
+    from dsv4.platforms.cuda import CudaAttention
+
+    cfg = DSV4Config.preset("tiny")
+    calls: list[str] = []
+    for name in ("raw_rows_pair", "raw_rows"):
+        real = getattr(cuda, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(cuda, name, spy)
+    asked = []
+    orig = CudaAttention._raw_rows
+
+    def counted(self, comp, kv_score, pos):
+        asked.append(comp is self.compressor)
+        return orig(self, comp, kv_score, pos)
+
+    monkeypatch.setattr(CudaAttention, "_raw_rows", counted)
+
+    class Unpaired(CudaAttention):  # the input stage hands no indexer scores to pair
+        def _run_parallel_input_projections(self, x):
+            out = super()._run_parallel_input_projections(x)
+            self._idx_score_from_input = None
+            return out
+
+    runs = []
+    for paired in (True, False):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        if not paired:
+            layer.__class__ = Unpaired
+        calls.clear()
+        asked.clear()
+        runs.append((*_run(layer, cfg.hidden_size), list(calls), list(asked)))
+    (y1, st1, c1, a1), (y2, st2, c2, a2) = runs
+    assert c1 == ["raw_rows_pair"] * 8 and c2 == ["raw_rows"] * 16
+    assert a1 == a2 == [True, False] * 8  # both override calls in every step
+    assert torch.equal(y1, y2)
+    for name in st2:
+        assert torch.equal(st1[name], st2[name]), name

@@ -27,6 +27,10 @@ agree to a few fp32 ulps; a quantiser's rounding can then differ on a value sitt
 of the grid (one grid step), rarely. On a GPU cos / sin are libdevice's (torch's own functions
 for float32); under Triton's CPU interpreter NumPy's.
 
+The raw rows the entries pool (:func:`raw_rows`: the score GEMM's rows plus ``ape``; a C4
+layer's two compressors in one launch with :func:`raw_rows_pair`) and the rows the rings keep
+(:func:`keep_ring_rows`) are one launch each too.
+
 E comes from the host (the jobs' shape), nothing is read back: the launch can be captured in a
 CUDA graph. Triton is imported guarded: this module imports on a machine without it.
 """
@@ -41,7 +45,7 @@ from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
 __all__ = ["compress_entries", "keep_ring_rows", "kernel_unsupported", "launch_constants",
-           "raw_rows", "sim_mode"]
+           "raw_rows", "raw_rows_pair", "raw_rows_problem", "sim_mode"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -226,10 +230,26 @@ if triton_available():
 
     @triton.jit
     def _raw_rows_kernel(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, R: tl.constexpr,
-                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """Row t: [a | s + ape[pos mod R]] from the score GEMM's row [a | s] (fp32)."""
+                         WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                         ks2_ptr=None, s_ks2=0, ape2_ptr=None, out2_ptr=None, s_out2=0,
+                         WIDTH2: tl.constexpr = 0, BLOCK2: tl.constexpr = 0):
+        """Row t: [a | s + ape[pos mod R]] from the score GEMM's row [a | s] (fp32); with
+        WIDTH2 > 0 programs (t, 1) do the same for a second compressor of the same ratio."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
+        if WIDTH2 > 0:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == 1:
+                _raw_row(ks2_ptr, s_ks2, pos_ptr, ape2_ptr, out2_ptr, s_out2, t, R, WIDTH2,
+                         BLOCK2)
+            else:
+                _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R, WIDTH, BLOCK)
+        else:
+            _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R, WIDTH, BLOCK)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R: tl.constexpr,
+                 WIDTH: tl.constexpr, BLOCK: tl.constexpr):
         ape_row = (tl.load(pos_ptr + t) % R) * WIDTH
         lanes = tl.arange(0, BLOCK)
         for c in tl.static_range(0, 2 * WIDTH, BLOCK):
@@ -239,7 +259,6 @@ if triton_available():
             score = col >= WIDTH
             add = tl.load(ape_ptr + ape_row + col - WIDTH, mask=m & score, other=0.0)
             tl.store(out_ptr + t * s_out + col, v + add, mask=m)
-        let_next_kernel_launch(PDL)
 
 
     @triton.jit
@@ -280,21 +299,60 @@ def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tenso
                                 **pdl_args(ring.device))
 
 
+def raw_rows_problem(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor
+                     ) -> str | None:
+    """Why :func:`raw_rows` refuses these arguments (None: it takes them)."""
+    width = comp.coff * comp.dim
+    if kv_score.dtype != torch.float32 or comp.ape.dtype != torch.float32:
+        return (f"raw_rows kernel: fp32 scores and ape only, got {kv_score.dtype} and "
+                f"{comp.ape.dtype}")
+    if kv_score.dim() != 2 or kv_score.shape[1] != 2 * width or kv_score.stride(1) != 1:
+        return (f"raw_rows kernel: kv_score must be [T, {2 * width}] with contiguous "
+                f"columns, got {tuple(kv_score.shape)} strides {kv_score.stride()}")
+    if positions.shape != kv_score.shape[:1]:
+        return (f"positions {tuple(positions.shape)} do not match kv_score's "
+                f"{kv_score.shape[0]} rows")
+    return None
+
+
+def raw_rows_pair(first: tuple[Compressor, torch.Tensor], second: tuple[Compressor, torch.Tensor],
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`raw_rows` of two compressors of the same ratio (a C4 layer's main and indexer
+    compressor), each (compressor, its score GEMM's output), in one launch: the same rows."""
+    outs = []
+    for comp, score in (first, second):
+        why = raw_rows_problem(comp, score, positions)
+        if why is not None:
+            raise ValueError(why)
+        outs.append(torch.empty(score.shape[0], 2 * comp.coff * comp.dim, dtype=torch.float32,
+                                device=score.device))
+    (c1, k1), (c2, k2) = first, second
+    # (both match positions' tokens: raw_rows_problem)
+    if c1.ratio != c2.ratio or k1.device != k2.device:
+        raise ValueError(f"raw_rows_pair: the ratios {c1.ratio} / {c2.ratio} must match, the "
+                         f"scores be on one device ({k1.device} / {k2.device})")
+    t = k1.shape[0]
+    w1, w2 = c1.coff * c1.dim, c2.coff * c2.dim
+    if t:
+        _raw_rows_kernel[(t, 2)](
+            k1, k1.stride(0), positions, c1.ape.contiguous(), outs[0], outs[0].stride(0),
+            R=c1.ratio, WIDTH=w1, BLOCK=min(1024, triton.next_power_of_2(2 * w1)),
+            ks2_ptr=k2, s_ks2=k2.stride(0), ape2_ptr=c2.ape.contiguous(), out2_ptr=outs[1],
+            s_out2=outs[1].stride(0), WIDTH2=w2,
+            BLOCK2=min(1024, triton.next_power_of_2(2 * w2)), num_warps=4,
+            **pdl_args(k1.device))
+    return outs[0], outs[1]
+
+
 def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """:meth:`Compressor.raw_rows` in fp32 as one launch (one program a token): [T, raw_width]
     float32 from the score GEMM's fp32 output ``kv_score`` [T, raw_width] (a row-strided view is
     read as it is) and ``positions`` [T]. The same one fp32 addition per score channel, so the
     rows are bit-equal to the torch path's."""
+    why = raw_rows_problem(comp, kv_score, positions)
+    if why is not None:
+        raise ValueError(why)
     width = comp.coff * comp.dim
-    if kv_score.dtype != torch.float32 or comp.ape.dtype != torch.float32:
-        raise ValueError(f"raw_rows kernel: fp32 scores and ape only, got {kv_score.dtype} and "
-                         f"{comp.ape.dtype}")
-    if kv_score.dim() != 2 or kv_score.shape[1] != 2 * width or kv_score.stride(1) != 1:
-        raise ValueError(f"raw_rows kernel: kv_score must be [T, {2 * width}] with contiguous "
-                         f"columns, got {tuple(kv_score.shape)} strides {kv_score.stride()}")
-    if positions.shape != kv_score.shape[:1]:
-        raise ValueError(f"positions {tuple(positions.shape)} do not match kv_score's "
-                         f"{kv_score.shape[0]} rows")
     t = kv_score.shape[0]
     out = torch.empty(t, 2 * width, dtype=torch.float32, device=kv_score.device)
     if t:

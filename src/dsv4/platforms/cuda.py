@@ -21,8 +21,9 @@
 
 * ``_compress_entries`` builds a step's compressed entries (main and indexer compressor) in one
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
-  base path. ``_raw_rows`` (the score GEMM's rows plus ape) and ``_keep_ring_rows`` (the rows
-  the rings keep, at the end of a step) are one launch per compressor.
+  base path. ``_raw_rows`` (the score GEMM's rows plus ape: a C4 layer's two compressors in one
+  launch, the indexer's handed to its own call by identity) and ``_keep_ring_rows`` (the rows
+  the rings keep, at the end of a step: one launch per compressor).
 * ``use_l2_prefetch(True)`` (opt-in, not yet timed): in decode-sized steps one launch after
   ``wq_b``'s GEMM asks the L2 cache for ``wo_a``'s and ``wo_b``'s fp8 weights
   (:mod:`dsv4.kernels.l2_prefetch`) while the latency-bound kernels before the output
@@ -65,6 +66,8 @@ from dsv4.kernels.compress_entries import (
     keep_ring_rows,
     kernel_unsupported,
     raw_rows,
+    raw_rows_pair,
+    raw_rows_problem,
 )
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
@@ -192,6 +195,11 @@ class CudaAttention(DeepseekV4Attention):
         self._kv_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """(kv, pos, the rotated rows) that launch made for ``_kv_rows`` of the same kv and
         pos (matched by identity, taken once)."""
+        self._idx_score_from_input: torch.Tensor | None = None
+        """The indexer compressor's score rows the last input stage returned."""
+        self._raw_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(its score rows, pos, its raw rows) that ``_raw_rows`` of the main compressor made
+        in the same launch for ``_raw_rows`` of the indexer's (identity-matched, taken once)."""
         self._entry_rows_made: tuple[torch.Tensor, torch.Tensor] | None = None
         """(entries, their flat rows) that ``_visible_entries`` made in one launch for
         ``_entry_rows`` of that very selection (identity-matched, taken once)."""
@@ -323,8 +331,11 @@ class CudaAttention(DeepseekV4Attention):
         stage = self._fused_input_projections_gemm if fused else self._stream_input_projections
         if (x.shape[0] <= self.plan.graph_max_tokens and self.offloader.is_noop
                 and not torch.cuda.is_current_stream_capturing()):
-            return self._graphed(x, stage, fused)
-        return stage(x)
+            out = self._graphed(x, stage, fused)
+        else:
+            out = stage(x)
+        self._idx_score_from_input = out[2]
+        return out
 
     def _graphed(self, x: torch.Tensor, stage: Callable[[torch.Tensor], InputProjections],
                  fused: bool) -> InputProjections:
@@ -407,7 +418,7 @@ class CudaAttention(DeepseekV4Attention):
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # a new step: nothing of the last one
         self._qr_fp8 = self._q_from_pair = self._kv_from_norms = self._kv_rows_made = None
-        self._entry_rows_made = None
+        self._entry_rows_made = self._raw_rows_made = None
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
@@ -460,8 +471,20 @@ class CudaAttention(DeepseekV4Attention):
     # ---- compressed entries (dsv4.kernels.compress_entries) ---------------------------
     def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
                   ) -> torch.Tensor:
-        if (self._paged_kernels_ready(kv_score) and kv_score.dtype == torch.float32
-                and self.acc_dtype == torch.float32 and kv_score.stride(1) == 1):
+        made, self._raw_rows_made = self._raw_rows_made, None
+        if made is not None and made[0] is kv_score and made[1] is pos:
+            return made[2]
+        if (self._paged_kernels_ready(kv_score) and self.acc_dtype == torch.float32
+                and raw_rows_problem(comp, kv_score, pos) is None):
+            idx, self._idx_score_from_input = self._idx_score_from_input, None
+            if (comp is self.compressor and self.indexer is not None and idx is not None
+                    and self.indexer.compressor.ratio == comp.ratio
+                    and raw_rows_problem(self.indexer.compressor, idx, pos) is None):
+                # the indexer compressor's rows in the same launch, for its call (next)
+                rows, idx_rows = raw_rows_pair((comp, kv_score),
+                                               (self.indexer.compressor, idx), pos)
+                self._raw_rows_made = (idx, pos, idx_rows)
+                return rows
             return raw_rows(comp, kv_score, pos)
         return super()._raw_rows(comp, kv_score, pos)
 
