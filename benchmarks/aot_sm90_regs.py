@@ -287,10 +287,16 @@ def steps() -> bool:
     # a C4 layer's main (Flash 2 x 512) and indexer (2 x 128) compressor in one launch
     ok &= _try("raw_rows pair R=4 WIDTH=1024 WIDTH2=256", ce._raw_rows_kernel, t,
                dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512), dict(num_warps=4))
-    t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64")
+    t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64",
+             K1="i32", ring2_ptr="*fp32", rows2_ptr="*fp32", s_rows2="i32", dst2_ptr="*i64",
+             src2_ptr="*i64", K2="i32")
     for width in (2048, 1024, 512):
         ok &= _try(f"keep_ring_rows WIDTH={width}", ce._keep_rows_kernel, t,
-                   dict(WIDTH=width, BLOCK=min(1024, width)), dict(num_warps=4))
+                   dict(WIDTH=width, BLOCK=min(1024, width), WIDTH2=0, BLOCK2=0),
+                   dict(num_warps=4))
+    # both rings of a Flash C4 layer (main 2048 wide, indexer 512) in one launch
+    ok &= _try("keep_ring_rows pair WIDTH=2048 WIDTH2=512", ce._keep_rows_kernel, t,
+               dict(WIDTH=2048, BLOCK=1024, WIDTH2=512, BLOCK2=512), dict(num_warps=4))
     # store_rows: Flash kv rows (512, rope 64) in bf16 / fp8_ds_mla, index keys (128) fp8 / fp4
     base = dict(v_ptr="*i16", sv="i32", slot_ptr="*i64", row_ptr="*i64", tab_ptr="*i32",
                 st_tab="i32", n_seqs="i32", max_logical="i32", B="i32", BLK="i32")

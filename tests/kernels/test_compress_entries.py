@@ -401,6 +401,31 @@ def test_raw_rows_of_both_compressors_in_one_launch(preset):
 
 
 @kernel_runs
+@pytest.mark.parametrize("k1,k2", [(6, 3), (2, 5), (0, 4), (3, 0), (0, 0)])
+def test_both_rings_kept_rows_in_one_launch(k1, k2):
+    """Two rings (a C4 layer's main, 2048 wide, and indexer, 512) in one launch: each as its
+    own launch leaves it, whichever keeps more rows."""
+    from dsv4.kernels.compress_entries import keep_ring_rows, keep_ring_rows_pair
+
+    g = torch.Generator().manual_seed(k1 * 7 + k2)
+    args, wants = [], []
+    for width, k in ((2048, k1), (512, k2)):
+        ring = torch.randn(3, 8, width, generator=g).to(DEV)
+        rows = torch.randn(11, width + 5, generator=g).to(DEV)[:, 5:]
+        dst = torch.randperm(24, generator=g)[:k].to(DEV)
+        src = torch.randint(0, 11, (k,), generator=g).to(DEV)
+        want = ring.clone()
+        keep_ring_rows(want, rows, dst, src)
+        args.append((ring, rows, dst, src))
+        wants.append(want)
+    keep_ring_rows_pair(args[0], args[1])
+    assert torch.equal(args[0][0], wants[0]) and torch.equal(args[1][0], wants[1])
+    ring, rows, dst, src = args[1]
+    with pytest.raises(ValueError, match="float32"):
+        keep_ring_rows_pair(args[0], (ring.double(), rows, dst, src))
+
+
+@kernel_runs
 @pytest.mark.parametrize("width,k", [(512, 8), (2048, 5), (96, 0)])
 def test_keep_ring_rows_kernel_copies_the_kept_rows(width, k):
     from dsv4.kernels.compress_entries import keep_ring_rows

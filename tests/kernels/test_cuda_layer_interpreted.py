@@ -59,6 +59,8 @@ def _run(layer, hidden: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     caches = layer.new_caches(2, 256)
     for store in caches[0].pool.stores.values():
         store.data.zero_()  # rows never written compare equal
+    for _, ring in caches[0].pool.rings.values():
+        ring.zero_()
     x = torch.randn(180, hidden, generator=torch.Generator().manual_seed(0)).bfloat16()
     ys = [layer(x[:130], torch.arange(130), caches[0]),  # prefill: entries, ring, keys
           layer(x[130:150], torch.arange(20), caches[1])]
@@ -69,6 +71,8 @@ def _run(layer, hidden: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     for name, store in caches[0].pool.stores.items():  # every row of the storage, decoded
         stored[name] = store.read(torch.arange(store.data.shape[0] * store.block_size),
                                   torch.float32)
+    for name, (_, ring) in caches[0].pool.rings.items():  # the compressors' ring rows
+        stored[f"ring {name}"] = ring.clone()
     return torch.cat(ys).float(), stored
 
 
@@ -426,14 +430,14 @@ def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypat
 
 def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     """A C4 step's main and indexer compressor raw rows are one launch; ``_raw_rows`` of the
-    indexer's (still called) hands its rows back. Outputs and stores bit-equal to one launch
-    each."""
+    indexer's (still called) hands its rows back; at the step's end both rings keep their rows
+    in one launch too. Outputs, stores and rings bit-equal to one launch each."""
     import dsv4.platforms.cuda as cuda
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny")
     calls: list[str] = []
-    for name in ("raw_rows_pair", "raw_rows"):
+    for name in ("raw_rows_pair", "raw_rows", "keep_ring_rows_pair", "keep_ring_rows"):
         real = getattr(cuda, name)
 
         def spy(*args, _real=real, _name=name):
@@ -465,8 +469,10 @@ def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
         asked.clear()
         runs.append((*_run(layer, cfg.hidden_size), list(calls), list(asked)))
     (y1, st1, c1, a1), (y2, st2, c2, a2) = runs
-    assert c1 == ["raw_rows_pair"] * 8 and c2 == ["raw_rows"] * 16
+    assert c1 == ["raw_rows_pair", "keep_ring_rows_pair"] * 8
+    assert c2 == ["raw_rows", "raw_rows", "keep_ring_rows", "keep_ring_rows"] * 8
     assert a1 == a2 == [True, False] * 8  # both override calls in every step
+    assert any("ring" in name for name in st1)  # the rings themselves compared below
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name

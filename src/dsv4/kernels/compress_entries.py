@@ -29,7 +29,8 @@ for float32); under Triton's CPU interpreter NumPy's.
 
 The raw rows the entries pool (:func:`raw_rows`: the score GEMM's rows plus ``ape``; a C4
 layer's two compressors in one launch with :func:`raw_rows_pair`) and the rows the rings keep
-(:func:`keep_ring_rows`) are one launch each too.
+(:func:`keep_ring_rows`; both rings in one launch with :func:`keep_ring_rows_pair`) are one
+launch each too.
 
 E comes from the host (the jobs' shape), nothing is read back: the launch can be captured in a
 CUDA graph. Triton is imported guarded: this module imports on a machine without it.
@@ -44,8 +45,9 @@ from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["compress_entries", "keep_ring_rows", "kernel_unsupported", "launch_constants",
-           "raw_rows", "raw_rows_pair", "raw_rows_problem", "sim_mode"]
+__all__ = ["compress_entries", "keep_ring_rows", "keep_ring_rows_pair", "keep_ring_rows_problem",
+           "kernel_unsupported", "launch_constants", "raw_rows", "raw_rows_pair",
+           "raw_rows_problem", "sim_mode"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -263,10 +265,28 @@ if triton_available():
 
     @triton.jit
     def _keep_rows_kernel(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, WIDTH: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """Ring row dst[k] (of the [-1, WIDTH] view) = step row src[k]."""
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False, K1=0,
+                          ring2_ptr=None, rows2_ptr=None, s_rows2=0, dst2_ptr=None,
+                          src2_ptr=None, K2=0, WIDTH2: tl.constexpr = 0,
+                          BLOCK2: tl.constexpr = 0):
+        """Ring row dst[k] (of the [-1, WIDTH] view) = step row src[k]; with WIDTH2 > 0,
+        programs (k, 0) do that for k < K1 and programs (k, 1) the second ring's k < K2."""
         wait_for_prior_kernel(PDL)
         k = tl.program_id(0)
+        if WIDTH2 > 0:
+            if tl.program_id(1) == 1:
+                if k < K2:
+                    _keep_row(ring2_ptr, rows2_ptr, s_rows2, dst2_ptr, src2_ptr, k, WIDTH2,
+                              BLOCK2)
+            elif k < K1:
+                _keep_row(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, k, WIDTH, BLOCK)
+        else:
+            _keep_row(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, k, WIDTH, BLOCK)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _keep_row(ring_ptr, rows_ptr, s_rows, dst_ptr, src_ptr, k, WIDTH: tl.constexpr,
+                  BLOCK: tl.constexpr):
         dst = tl.load(dst_ptr + k).to(tl.int64)
         src = tl.load(src_ptr + k).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
@@ -275,23 +295,52 @@ if triton_available():
             m = col < WIDTH
             tl.store(ring_ptr + dst * WIDTH + col, tl.load(rows_ptr + src * s_rows + col, mask=m),
                      mask=m)
-        let_next_kernel_launch(PDL)
+
+
+def keep_ring_rows_problem(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tensor,
+                           keep_src: torch.Tensor) -> str | None:
+    """Why :func:`keep_ring_rows` refuses these arguments (None: it takes them)."""
+    width = ring.shape[-1]
+    if ring.dtype != torch.float32 or rows.dtype != torch.float32 or not ring.is_contiguous():
+        return (f"keep_ring_rows kernel: a contiguous float32 ring and float32 rows, got "
+                f"{ring.dtype} ring, {rows.dtype} rows")
+    if rows.dim() != 2 or rows.shape[1] != width or rows.stride(1) != 1:
+        return (f"keep_ring_rows kernel: rows must be [T, {width}] with contiguous columns, "
+                f"got {tuple(rows.shape)}")
+    if keep_dst.shape != keep_src.shape or keep_dst.dim() != 1:
+        return (f"keep_dst {tuple(keep_dst.shape)} and keep_src {tuple(keep_src.shape)} must "
+                "be the same [K]")
+    return None
+
+
+def keep_ring_rows_pair(first: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                        second: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+                        ) -> None:
+    """:func:`keep_ring_rows` of two rings, each (ring, rows, keep_dst, keep_src) - a C4 layer's
+    main and indexer compressor rings at the end of a step - in one launch."""
+    for args in (first, second):
+        why = keep_ring_rows_problem(*args)
+        if why is not None:
+            raise ValueError(why)
+    (r1, x1, d1, s1), (r2, x2, d2, s2) = first, second
+    k1, k2 = d1.shape[0], d2.shape[0]
+    w1, w2 = r1.shape[-1], r2.shape[-1]
+    if max(k1, k2):
+        _keep_rows_kernel[(max(k1, k2), 2)](
+            r1, x1, x1.stride(0), d1, s1, WIDTH=w1,
+            BLOCK=min(1024, triton.next_power_of_2(w1)), K1=k1, ring2_ptr=r2, rows2_ptr=x2,
+            s_rows2=x2.stride(0), dst2_ptr=d2, src2_ptr=s2, K2=k2, WIDTH2=w2,
+            BLOCK2=min(1024, triton.next_power_of_2(w2)), num_warps=4, **pdl_args(r1.device))
 
 
 def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tensor,
                    keep_src: torch.Tensor) -> None:
     """``ring.view(-1, width)[keep_dst] = rows[keep_src]`` (:meth:`dsv4.cache.step.CacheStep.
     keep_ring_rows`) as one launch: float32 ring and rows, one program a kept row."""
+    why = keep_ring_rows_problem(ring, rows, keep_dst, keep_src)
+    if why is not None:
+        raise ValueError(why)
     width = ring.shape[-1]
-    if ring.dtype != torch.float32 or rows.dtype != torch.float32 or not ring.is_contiguous():
-        raise ValueError(f"keep_ring_rows kernel: a contiguous float32 ring and float32 rows, "
-                         f"got {ring.dtype} ring, {rows.dtype} rows")
-    if rows.dim() != 2 or rows.shape[1] != width or rows.stride(1) != 1:
-        raise ValueError(f"keep_ring_rows kernel: rows must be [T, {width}] with contiguous "
-                         f"columns, got {tuple(rows.shape)}")
-    if keep_dst.shape != keep_src.shape or keep_dst.dim() != 1:
-        raise ValueError(f"keep_dst {tuple(keep_dst.shape)} and keep_src "
-                         f"{tuple(keep_src.shape)} must be the same [K]")
     k = keep_dst.shape[0]
     if k:
         _keep_rows_kernel[(k,)](ring, rows, rows.stride(0), keep_dst, keep_src, WIDTH=width,

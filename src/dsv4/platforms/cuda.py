@@ -23,7 +23,8 @@
   Triton launch (:mod:`dsv4.kernels.compress_entries`) for bf16 layers; other dtypes take the
   base path. ``_raw_rows`` (the score GEMM's rows plus ape: a C4 layer's two compressors in one
   launch, the indexer's handed to its own call by identity) and ``_keep_ring_rows`` (the rows
-  the rings keep, at the end of a step: one launch per compressor).
+  the rings keep, at the end of a step: both rings in one launch at the main ring's call, which
+  the step makes just before the indexer ring's; that call then does nothing).
 * ``use_l2_prefetch(True)`` (opt-in, not yet timed): in decode-sized steps one launch after
   ``wq_b``'s GEMM asks the L2 cache for ``wo_a``'s and ``wo_b``'s fp8 weights
   (:mod:`dsv4.kernels.l2_prefetch`) while the latency-bound kernels before the output
@@ -64,6 +65,8 @@ from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import (
     compress_entries,
     keep_ring_rows,
+    keep_ring_rows_pair,
+    keep_ring_rows_problem,
     kernel_unsupported,
     raw_rows,
     raw_rows_pair,
@@ -200,6 +203,12 @@ class CudaAttention(DeepseekV4Attention):
         self._raw_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """(its score rows, pos, its raw rows) that ``_raw_rows`` of the main compressor made
         in the same launch for ``_raw_rows`` of the indexer's (identity-matched, taken once)."""
+        self._ring_rows_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(main, indexer) raw rows of that launch, for ``_keep_ring_rows`` to keep both
+        rings' rows in one launch at the main ring's call."""
+        self._rings_kept: tuple[CacheStep, torch.Tensor] | None = None
+        """(step, indexer raw rows) whose ring rows that launch kept: the indexer ring's own
+        call (next) does nothing."""
         self._entry_rows_made: tuple[torch.Tensor, torch.Tensor] | None = None
         """(entries, their flat rows) that ``_visible_entries`` made in one launch for
         ``_entry_rows`` of that very selection (identity-matched, taken once)."""
@@ -419,6 +428,7 @@ class CudaAttention(DeepseekV4Attention):
         # a new step: nothing of the last one
         self._qr_fp8 = self._q_from_pair = self._kv_from_norms = self._kv_rows_made = None
         self._entry_rows_made = self._raw_rows_made = None
+        self._ring_rows_pair = self._rings_kept = None
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
@@ -484,18 +494,33 @@ class CudaAttention(DeepseekV4Attention):
                 rows, idx_rows = raw_rows_pair((comp, kv_score),
                                                (self.indexer.compressor, idx), pos)
                 self._raw_rows_made = (idx, pos, idx_rows)
+                self._ring_rows_pair = (rows, idx_rows)
                 return rows
             return raw_rows(comp, kv_score, pos)
         return super()._raw_rows(comp, kv_score, pos)
 
     def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
+        kept, self._rings_kept = self._rings_kept, None
+        if kept is not None and kept[0] is step and kept[1] is rows:
+            return  # kept by the main ring's launch, just before this call
         ring = step.ring(name)
-        if (self._paged_kernels_ready(rows) and rows.dtype == torch.float32
-                and ring.dtype == torch.float32 and rows.stride(1) == 1):
-            job = step.jobs[name]
-            keep_ring_rows(ring, rows, job.keep_dst, job.keep_src)
-        else:
+        job = step.jobs[name]
+        if (not self._paged_kernels_ready(rows)
+                or keep_ring_rows_problem(ring, rows, job.keep_dst, job.keep_src) is not None):
             super()._keep_ring_rows(step, name, rows)
+            return
+        pair, self._ring_rows_pair = self._ring_rows_pair, None
+        if (pair is not None and pair[0] is rows and name == "compressed"
+                and "idx_keys" in step.jobs
+                and type(self)._keep_ring_rows is CudaAttention._keep_ring_rows):
+            # the indexer ring's rows (the step's next and last call) in the same launch
+            idx = (step.ring("idx_keys"), pair[1], step.jobs["idx_keys"].keep_dst,
+                   step.jobs["idx_keys"].keep_src)
+            if keep_ring_rows_problem(*idx) is None:
+                keep_ring_rows_pair((ring, rows, job.keep_dst, job.keep_src), idx)
+                self._rings_kept = (step, pair[1])
+                return
+        keep_ring_rows(ring, rows, job.keep_dst, job.keep_src)
 
     def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
                           rows: torch.Tensor) -> torch.Tensor:
