@@ -457,7 +457,7 @@ def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     class Unpaired(CudaAttention):  # the input stage hands no indexer scores to pair
         def _run_parallel_input_projections(self, x):
             out = super()._run_parallel_input_projections(x)
-            self._idx_score_from_input = None
+            self._handoffs.take("idx_score", ())
             return out
 
     runs = []

@@ -112,6 +112,7 @@ from dsv4.platforms.cuda_linears import (
     fp8_wo_a_wo_b,
     plan_fp8_linears,
 )
+from dsv4.platforms.handoff import StepHandoffs
 
 logger = logging.getLogger(__name__)
 
@@ -183,35 +184,30 @@ class CudaAttention(DeepseekV4Attention):
         self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
         self._step_kernels_enabled = True
         self._qr_fp8_enabled = False
-        self._qr_fp8: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
-        """The last ``_latent_norms`` call's qr and its fp8 form (e4m3, scales), for the two
-        query GEMMs of the same step (matched by identity, so no other tensor takes it)."""
         self._q_pair_enabled = False
-        self._q_from_pair: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(qr, the wq_b product) that ``_indexer_wq_b_gemm``'s pair launch made for
-        ``_wq_b_gemm`` of the same qr (taken once, then dropped)."""
         self._sorted_selection = True
         self._held_topk_rows = False
-        self._kv_from_norms: torch.Tensor | None = None
-        """The kv rows the last ``_latent_norms`` call returned (for ``_query_heads`` to rotate
-        beside the query heads in one launch)."""
-        self._kv_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        """(kv, pos, the rotated rows) that launch made for ``_kv_rows`` of the same kv and
-        pos (matched by identity, taken once)."""
-        self._idx_score_from_input: torch.Tensor | None = None
-        """The indexer compressor's score rows the last input stage returned."""
-        self._raw_rows_made: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        """(its score rows, pos, its raw rows) that ``_raw_rows`` of the main compressor made
-        in the same launch for ``_raw_rows`` of the indexer's (identity-matched, taken once)."""
-        self._ring_rows_pair: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(main, indexer) raw rows of that launch, for ``_keep_ring_rows`` to keep both
-        rings' rows in one launch at the main ring's call."""
-        self._rings_kept: tuple[CacheStep, torch.Tensor] | None = None
-        """(step, indexer raw rows) whose ring rows that launch kept: the indexer ring's own
-        call (next) does nothing."""
-        self._entry_rows_made: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(entries, their flat rows) that ``_visible_entries`` made in one launch for
-        ``_entry_rows`` of that very selection (identity-matched, taken once)."""
+        self._handoffs = StepHandoffs()
+        """What one override point made ahead for a later one of the same step, by name
+        (:mod:`dsv4.platforms.handoff`; cleared as each step's input stage starts):
+
+        * ``qr_fp8``: (qr) -> qr's fp8 form, from ``_latent_norms`` for both query GEMMs
+          (``use_prequantised_query_latent``; peeked, not taken);
+        * ``wq_b``: (qr) -> the wq_b product, from ``_indexer_wq_b_gemm``'s pair launch for
+          ``_wq_b_gemm`` (``use_query_gemm_pair``);
+        * ``kv_norms``: () -> the kv rows ``_latent_norms`` returned, for ``_query_heads``;
+        * ``kv_rows``: (kv, pos) -> those rows rotated beside the query heads, for
+          ``_kv_rows``;
+        * ``idx_score``: () -> the indexer compressor's score rows the input stage returned,
+          for ``_raw_rows`` of the main compressor;
+        * ``idx_raw_rows``: (score, pos) -> the indexer's raw rows made in that launch, for
+          ``_raw_rows`` of the indexer compressor;
+        * ``idx_ring_rows``: (main raw rows) -> the indexer's, for ``_keep_ring_rows`` of the
+          main ring to keep both rings' rows in one launch;
+        * ``idx_ring_kept``: (step, indexer raw rows) -> True: the indexer ring's own call then
+          does nothing;
+        * ``entry_rows``: (entries) -> their flat rows, made with the selection by
+          ``_visible_entries``, for ``_entry_rows``."""
         self._l2_prefetch: tuple[float, str] | None = None
         """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
@@ -234,7 +230,7 @@ class CudaAttention(DeepseekV4Attention):
         launch). Off by default until timed on a GPU (the decode-step bench's
         ``ours_flashmla_act8_qpre_pdl``)."""
         self._qr_fp8_enabled = enabled
-        self._qr_fp8 = None
+        self._handoffs.clear()
 
     def use_query_gemm_pair(self, enabled: bool) -> None:
         """``wq_b`` and the indexer's ``wq_b`` (both multiply qr) in one streaming launch in
@@ -246,7 +242,7 @@ class CudaAttention(DeepseekV4Attention):
         both weights' rows). Off by default until timed on a GPU (the decode-step bench's
         ``ours_flashmla_act8_qpair_pdl``)."""
         self._q_pair_enabled = enabled
-        self._q_from_pair = None
+        self._handoffs.clear()
 
     def use_sorted_selection(self, enabled: bool) -> None:
         """The indexer's decode top-k kernels hand each query's entries ordered by score,
@@ -303,10 +299,9 @@ class CudaAttention(DeepseekV4Attention):
         """The fp8 form of ``qr`` for the streaming GEMM of linear ``name``, where the latent
         norms made one for this very tensor (they do so only under ``act_quant`` and for calls
         the kernel streams) and ``name`` runs through the fp8 kernels."""
-        memo = self._qr_fp8
-        if memo is None or memo[0] is not qr or name not in self.fp8_plan.eligible:
+        if name not in self.fp8_plan.eligible:
             return None
-        return memo[1]
+        return self._handoffs.peek("qr_fp8", (qr,))
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
@@ -336,6 +331,7 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- input stage ------------------------------------------------------------------
     def _run_parallel_input_projections(self, x: torch.Tensor) -> InputProjections:
+        self._handoffs.clear()  # a new step: nothing of the last one
         fused = self._input_pack_usable() and x.shape[0] <= self.plan.fused_max_tokens
         stage = self._fused_input_projections_gemm if fused else self._stream_input_projections
         if (x.shape[0] <= self.plan.graph_max_tokens and self.offloader.is_noop
@@ -343,7 +339,8 @@ class CudaAttention(DeepseekV4Attention):
             out = self._graphed(x, stage, fused)
         else:
             out = stage(x)
-        self._idx_score_from_input = out[2]
+        if out[2] is not None:
+            self._handoffs.put("idx_score", (), out[2])
         return out
 
     def _graphed(self, x: torch.Tensor, stage: Callable[[torch.Tensor], InputProjections],
@@ -391,18 +388,18 @@ class CudaAttention(DeepseekV4Attention):
         return super()._fused_wqa_wkv_gemm(x)
 
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        made, self._q_from_pair = self._q_from_pair, None
-        if made is not None and made[0] is qr:
-            return made[1]
+        made = self._handoffs.take("wq_b", (qr,))
+        if made is not None:
+            return made
         if self._fp8_ready("wq_b", qr):
             return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self._qr_fp8_for("wq_b", qr))
         return super()._wq_b_gemm(qr)
 
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        self._q_from_pair = None
+        self._handoffs.take("wq_b", ())  # nothing of an earlier call
         if self._query_pair_ready(qr):
             q, idx_q = fp8_query_pair(self, qr, self._qr_fp8_for("wq_b", qr))
-            self._q_from_pair = (qr, q)
+            self._handoffs.put("wq_b", (qr,), q)
             return idx_q
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
             return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant,
@@ -425,20 +422,18 @@ class CudaAttention(DeepseekV4Attention):
         return self._step_kernels_enabled and elementwise_usable(self, x)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # a new step: nothing of the last one
-        self._qr_fp8 = self._q_from_pair = self._kv_from_norms = self._kv_rows_made = None
-        self._entry_rows_made = self._raw_rows_made = None
-        self._ring_rows_pair = self._rings_kept = None
+        for name in ("qr_fp8", "wq_b", "kv_norms", "kv_rows"):  # nothing of an earlier call
+            self._handoffs.take(name, ())
         if not self._elementwise_ready(qr_kv):
             return super()._latent_norms(qr_kv)
         takers = {"wq_b", "indexer.wq_b"} & self.fp8_plan.eligible
         if (self._qr_fp8_enabled and self.cfg.act_quant and self._fp8_enabled and takers
                 and self.cfg.q_lora_rank % 128 == 0 and qr_kv.shape[0] <= FP8_GEMM_MAX_TOKENS):
             qr, kv, q8 = fused_latent_norms_q_fp8(self, qr_kv)
-            self._qr_fp8 = (qr, q8)
+            self._handoffs.put("qr_fp8", (qr,), q8)
         else:
             qr, kv = fused_latent_norms(self, qr_kv)
-        self._kv_from_norms = kv
+        self._handoffs.put("kv_norms", (), kv)
         return qr, kv
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -446,10 +441,10 @@ class CudaAttention(DeepseekV4Attention):
             return super()._query_heads(qr, pos)
         q = self._wq_b_gemm(qr)
         self._prefetch_output_weights(qr)
-        kv, self._kv_from_norms = self._kv_from_norms, None
+        kv = self._handoffs.take("kv_norms", ())
         if kv is not None and self._kv_rows_fusable(kv, q):
             heads, rows = fused_query_heads_and_kv_rows(self, q, kv, pos)
-            self._kv_rows_made = (kv, pos, rows)
+            self._handoffs.put("kv_rows", (kv, pos), rows)
             return heads
         return fused_query_heads(self, q, pos)
 
@@ -461,9 +456,9 @@ class CudaAttention(DeepseekV4Attention):
                 and kv.shape[0] == q.shape[0])
 
     def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        made, self._kv_rows_made = self._kv_rows_made, None
-        if made is not None and made[0] is kv and made[1] is pos:
-            return made[2]
+        made = self._handoffs.take("kv_rows", (kv, pos))
+        if made is not None:
+            return made
         if self._elementwise_ready(kv):
             return fused_kv_rows(self, kv, pos)
         return super()._kv_rows(kv, pos)
@@ -481,27 +476,26 @@ class CudaAttention(DeepseekV4Attention):
     # ---- compressed entries (dsv4.kernels.compress_entries) ---------------------------
     def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
                   ) -> torch.Tensor:
-        made, self._raw_rows_made = self._raw_rows_made, None
-        if made is not None and made[0] is kv_score and made[1] is pos:
-            return made[2]
+        made = self._handoffs.take("idx_raw_rows", (kv_score, pos))
+        if made is not None:
+            return made
         if (self._paged_kernels_ready(kv_score) and self.acc_dtype == torch.float32
                 and raw_rows_problem(comp, kv_score, pos) is None):
-            idx, self._idx_score_from_input = self._idx_score_from_input, None
+            idx = self._handoffs.take("idx_score", ())
             if (comp is self.compressor and self.indexer is not None and idx is not None
                     and self.indexer.compressor.ratio == comp.ratio
                     and raw_rows_problem(self.indexer.compressor, idx, pos) is None):
                 # the indexer compressor's rows in the same launch, for its call (next)
                 rows, idx_rows = raw_rows_pair((comp, kv_score),
                                                (self.indexer.compressor, idx), pos)
-                self._raw_rows_made = (idx, pos, idx_rows)
-                self._ring_rows_pair = (rows, idx_rows)
+                self._handoffs.put("idx_raw_rows", (idx, pos), idx_rows)
+                self._handoffs.put("idx_ring_rows", (rows,), idx_rows)
                 return rows
             return raw_rows(comp, kv_score, pos)
         return super()._raw_rows(comp, kv_score, pos)
 
     def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
-        kept, self._rings_kept = self._rings_kept, None
-        if kept is not None and kept[0] is step and kept[1] is rows:
+        if self._handoffs.take("idx_ring_kept", (step, rows)):
             return  # kept by the main ring's launch, just before this call
         ring = step.ring(name)
         job = step.jobs[name]
@@ -509,16 +503,15 @@ class CudaAttention(DeepseekV4Attention):
                 or keep_ring_rows_problem(ring, rows, job.keep_dst, job.keep_src) is not None):
             super()._keep_ring_rows(step, name, rows)
             return
-        pair, self._ring_rows_pair = self._ring_rows_pair, None
-        if (pair is not None and pair[0] is rows and name == "compressed"
-                and "idx_keys" in step.jobs
+        idx_rows = self._handoffs.take("idx_ring_rows", (rows,))
+        if (idx_rows is not None and name == "compressed" and "idx_keys" in step.jobs
                 and type(self)._keep_ring_rows is CudaAttention._keep_ring_rows):
             # the indexer ring's rows (the step's next and last call) in the same launch
-            idx = (step.ring("idx_keys"), pair[1], step.jobs["idx_keys"].keep_dst,
+            idx = (step.ring("idx_keys"), idx_rows, step.jobs["idx_keys"].keep_dst,
                    step.jobs["idx_keys"].keep_src)
             if keep_ring_rows_problem(*idx) is None:
                 keep_ring_rows_pair((ring, rows, job.keep_dst, job.keep_src), idx)
-                self._rings_kept = (step, pair[1])
+                self._handoffs.put("idx_ring_kept", (step, idx_rows), True)
                 return
         keep_ring_rows(ring, rows, job.keep_dst, job.keep_src)
 
@@ -574,14 +567,14 @@ class CudaAttention(DeepseekV4Attention):
             # selection hands the rows back
             entries, rows = visible_entry_rows(store, step.pos, step.tok_slot, n, ratio,
                                                self._flat_row_dtype(step))
-            self._entry_rows_made = (entries, rows)
+            self._handoffs.put("entry_rows", (entries,), rows)
             return entries
         return visible_entries(step.pos, n, ratio)
 
     def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
-        made, self._entry_rows_made = self._entry_rows_made, None
-        if made is not None and made[0] is entries:
-            return made[1]
+        made = self._handoffs.take("entry_rows", (entries,))
+        if made is not None:
+            return made
         if self._paged_kernels_ready(entries):
             return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot,
                                    self._flat_row_dtype(step))
