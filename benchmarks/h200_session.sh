@@ -29,6 +29,7 @@
 #   bash benchmarks/h200_session.sh s30      # after checkx: GEMM act8 probe, 512 rows, 64K M = 16
 #   bash benchmarks/h200_session.sh s31      # the GPU tests a cut checkx left, 64K M = 16 rows
 #   bash benchmarks/h200_session.sh s32      # session 31's top-k merge / score scale vs before
+#   bash benchmarks/h200_session.sh s32b     # session 32's launch cuts vs session 31's tree
 #   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
@@ -350,6 +351,23 @@ s32)  # session 31's kernel changes, timed against the kernels they replace in t
     step decode_8k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode8k" \
         --models flash,pro --layers C4 --ms 1,16 --contexts 8192 --reps 3 \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_hold_pdl
+    ;;
+s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query heads' launch, the
+    # visible entries' rows, both compressors' raw / ring rows: 4-6 launches fewer), timed
+    # against session 31's tree in the same run (carry .whl and .baseline; .baseline/s31 =
+    # `git archive f78d7e8 src | tar -x -C .baseline/s31`), C4 at 512 and 64K, then C128 / SWA
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    ROWS=(--models flash,pro --reps 5 --strategies ours_flashmla_act8_pdl)
+    step decode_512_s31 100 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode512_s31" --layers C4,C128,SWA --ms 1,16,64 \
+        --contexts 512 "${ROWS[@]}"
+    step decode_512 100 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+        --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --profile "${ROWS[@]}"
+    step decode_64k_s31 80 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode64k_s31" --layers C4 --ms 16 --contexts 65536 \
+        "${ROWS[@]}"
+    step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
+        --ms 16 --contexts 65536 "${ROWS[@]}"
     ;;
 l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
     # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
