@@ -390,13 +390,16 @@ def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypat
     """Where the selection is every visible entry (C128; C4 steps that skip the indexer) the
     selection and its flat rows are one launch, and ``_entry_rows`` of that selection (still
     called) hands the rows back; a subclass that redefines ``_entry_rows`` gets the two
-    launches. Outputs and stores bit-equal either way."""
+    launches. The launch making the entry rows makes the window rows too (``_window_rows``,
+    still called, hands them back) unless a subclass redefines ``_window_rows``. Outputs and
+    stores bit-equal in every variant."""
     import dsv4.platforms.cuda as cuda
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny")
     calls: list[str] = []
-    for name in ("visible_entry_rows", "visible_entries", "entry_flat_rows"):
+    for name in ("visible_entry_rows", "visible_entries", "entry_flat_rows",
+                 "entry_and_window_rows", "window_flat_rows"):
         real = getattr(cuda, name)
 
         def spy(*args, _real=real, _name=name):
@@ -409,23 +412,32 @@ def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypat
         def _entry_rows(self, step, entries):
             return super()._entry_rows(step, entries)
 
+    class OwnWindowRows(CudaAttention):
+        def _window_rows(self, step):
+            return super()._window_rows(step)
+
     runs = []
-    for own in (False, True):
+    for cls in (CudaAttention, OwnEntryRows, OwnWindowRows):
         layer = cpu_cuda_layer(cfg, ratio, True)
-        if own:
-            layer.__class__ = OwnEntryRows
+        layer.__class__ = cls
         calls.clear()
         runs.append((*_run(layer, cfg.hidden_size), list(calls)))
-    (y1, st1, c1), (y2, st2, c2) = runs
+    (y1, st1, c1), (y2, st2, c2), (y3, st3, c3) = runs
     # C128: every step; C4: the 20-token prefill (5 entries, index_topk 8), then the indexer
     visible = 1 if ratio == 4 else 8
     assert c1.count("visible_entry_rows") == visible and "visible_entries" not in c1
+    assert c1.count("entry_and_window_rows") == 8 - visible
+    assert "entry_flat_rows" not in c1 and "window_flat_rows" not in c1
+    # a subclass's own _entry_rows: the selection alone, its rows with the window's
     assert c2.count("visible_entries") == visible and "visible_entry_rows" not in c2
-    assert c1.count("entry_flat_rows") == 8 - visible
-    assert c2.count("entry_flat_rows") == 8
-    assert torch.equal(y1, y2)
-    for name in st2:
-        assert torch.equal(st1[name], st2[name]), name
+    assert c2.count("entry_and_window_rows") == 8 and "window_flat_rows" not in c2
+    # a subclass's own _window_rows: a launch of its own
+    assert c3.count("visible_entry_rows") == visible and c3.count("window_flat_rows") == 8
+    assert c3.count("entry_flat_rows") == 8 - visible
+    for y, st in ((y2, st2), (y3, st3)):
+        assert torch.equal(y1, y)
+        for name in st:
+            assert torch.equal(st1[name], st[name]), name
 
 
 def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
@@ -476,3 +488,18 @@ def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name
+    # an instance attribute standing in for _keep_ring_rows (a spy, a patch) sees both calls
+    # do their own work: the rings' rows are not kept ahead of the indexer ring's call
+    layer = cpu_cuda_layer(cfg, 4, True)
+    layer._keep_ring_rows = lambda step, name, rows: counted_keep(layer, step, name, rows)
+    kept: list[str] = []
+
+    def counted_keep(layer, step, name, rows):
+        kept.append(name)
+        return CudaAttention._keep_ring_rows(layer, step, name, rows)
+
+    calls.clear()
+    y3, st3 = _run(layer, cfg.hidden_size)
+    assert kept == ["compressed", "idx_keys"] * 8
+    assert calls.count("keep_ring_rows") == 16 and "keep_ring_rows_pair" not in calls
+    assert torch.equal(y3, y2) and all(torch.equal(st3[n], st2[n]) for n in st2)

@@ -574,6 +574,7 @@ def cuda_layer_shell(cfg: DSV4Config):
     layer.indexer = indexer(cfg)
     layer.use_step_kernels(True)  # the constructor's defaults
     layer.use_sorted_selection(True)
+    layer.use_held_topk_rows(False)
     return layer
 
 

@@ -119,24 +119,57 @@ def test_visible_entry_rows_in_one_launch(block, ratio, out):
     """The visible entries and their flat rows in one launch: the values of
     ``visible_entries`` and ``entry_flat_rows`` of them, on slots with released and never-held
     blocks, rows narrower and wider than the kernel's loop block."""
-    from dsv4.kernels.paged_rows import entry_flat_rows, visible_entries, visible_entry_rows
+    from dsv4.kernels.paged_rows import (
+        entry_flat_rows,
+        visible_entries,
+        visible_entry_rows,
+        window_flat_rows,
+    )
 
     store, lengths = _store(block, seed=ratio)
+    kv, _ = _store(16 if block == 64 else 64, seed=ratio + 1)  # another store, other tables
     pos, slots = _queries(lengths, 9, DEV, seed=block)
     pos = pos * (ratio // 4 if ratio > 4 else 1)  # C128: positions that see some entries
     widest = int((pos.max() + 1) // ratio)
-    for n in (widest, widest + 300):
-        entries, rows = visible_entry_rows(store, pos, slots, n, ratio, dtype=out)
+    for n in (widest, widest + 300, 0):
+        entries, rows, win = visible_entry_rows(store, pos, slots, n, ratio, dtype=out)
         want = visible_entries(pos, n, ratio)
-        assert entries.dtype == torch.long and torch.equal(entries, want)
+        assert entries.dtype == torch.long and torch.equal(entries, want) and win is None
         assert rows.dtype == out and torch.equal(rows, entry_flat_rows(store, want, slots, out))
+        # the kv store's window rows in the same launch (the second column of programs)
+        for w in (128, 7):
+            e2, r2, win = visible_entry_rows(store, pos, slots, n, ratio, out, (kv, w))
+            assert torch.equal(e2, want) and torch.equal(r2, rows)
+            assert win is not None and win.dtype == out
+            assert torch.equal(win, window_flat_rows(kv, pos, slots, w, out))
     none = torch.zeros(0, dtype=torch.long, device=DEV)
-    e, r = visible_entry_rows(store, none, none, 5, ratio)
+    e, r, _ = visible_entry_rows(store, none, none, 5, ratio)
     assert e.shape == r.shape == (0, 5)
     with pytest.raises(ValueError, match="ratio >= 1"):
         visible_entry_rows(store, pos, slots, 4, 0)
     with pytest.raises(ValueError, match="pos"):
         visible_entry_rows(store, pos, slots[:-1], 4, ratio)
+
+
+@kernel_runs
+@pytest.mark.parametrize("out", [torch.int64, torch.int32])
+@pytest.mark.parametrize("k", [512, 7, 0])
+def test_entry_and_window_rows_in_one_launch(k, out):
+    from dsv4.kernels.paged_rows import entry_and_window_rows, entry_flat_rows, window_flat_rows
+
+    store, lengths = _store(64, seed=k)
+    kv, kv_lengths = _store(16, seed=k + 1)
+    pos, slots = _queries(kv_lengths, 12, DEV, seed=k)
+    g = torch.Generator().manual_seed(k)
+    entries = torch.randint(-1, 10 * 64, (12, k), generator=g).to(DEV)
+    rows, win = entry_and_window_rows(store, entries, pos, slots, (kv, 128), out)
+    assert rows.dtype == win.dtype == out
+    assert torch.equal(rows, entry_flat_rows(store, entries, slots, out))
+    assert torch.equal(win, window_flat_rows(kv, pos, slots, 128, out))
+    with pytest.raises(ValueError, match="window must be"):
+        entry_and_window_rows(store, entries, pos, slots, (kv, 0), out)
+    with pytest.raises(ValueError, match="rows"):
+        entry_and_window_rows(store, entries, pos[:-1], slots, (kv, 8), out)
 
 
 @kernel_runs

@@ -38,7 +38,9 @@
   (:mod:`dsv4.kernels.paged_rows`), int32 where the platform's own attention kernels read them
   (no cast launch per index tensor). Where the selection is every visible entry
   (``_visible_entries``: C128 layers, C4 steps that skip the indexer) the selection and its
-  flat rows are one launch, handed to ``_entry_rows`` of that selection (identity-matched).
+  flat rows are one launch, handed to ``_entry_rows`` of that selection (identity-matched);
+  the launch that makes the entry rows also makes the window rows, handed to ``_window_rows``
+  of the step (so a compressed layer's flat rows are one launch).
 * The C4 indexer's selection (bf16 queries, an index key format the kernels read) runs in
   Triton over the paged ``idx_keys`` store: decode-sized steps (at most ``KERNEL_MAX_TOKENS``
   queries) in two launches (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of
@@ -62,6 +64,7 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import CachePool
 from dsv4.cache.step import CacheStep
+from dsv4.cache.store import PagedStore
 from dsv4.kernels.compress_entries import (
     compress_entries,
     keep_ring_rows,
@@ -78,6 +81,7 @@ from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, in
 from dsv4.kernels.l2_prefetch import MODES as L2_MODES
 from dsv4.kernels.l2_prefetch import l2_bytes, prefetch_to_l2, prefetch_usable
 from dsv4.kernels.paged_rows import (
+    entry_and_window_rows,
     entry_flat_rows,
     paged_rows_usable,
     visible_entries,
@@ -167,7 +171,7 @@ class CudaAttention(DeepseekV4Attention):
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
                "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype",
-               "_kv_rows_fusable")
+               "_kv_rows_fusable", "_window_with_entries")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -207,7 +211,9 @@ class CudaAttention(DeepseekV4Attention):
         * ``idx_ring_kept``: (step, indexer raw rows) -> True: the indexer ring's own call then
           does nothing;
         * ``entry_rows``: (entries) -> their flat rows, made with the selection by
-          ``_visible_entries``, for ``_entry_rows``."""
+          ``_visible_entries``, for ``_entry_rows``;
+        * ``window_rows``: (step) -> the step's window rows, made in the entry rows' launch,
+          for ``_window_rows``."""
         self._l2_prefetch: tuple[float, str] | None = None
         """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
@@ -505,8 +511,10 @@ class CudaAttention(DeepseekV4Attention):
             return
         idx_rows = self._handoffs.take("idx_ring_rows", (rows,))
         if (idx_rows is not None and name == "compressed" and "idx_keys" in step.jobs
-                and type(self)._keep_ring_rows is CudaAttention._keep_ring_rows):
-            # the indexer ring's rows (the step's next and last call) in the same launch
+                and type(self)._keep_ring_rows is CudaAttention._keep_ring_rows
+                and "_keep_ring_rows" not in self.__dict__):
+            # the indexer ring's rows (the step's next and last call) in the same launch; not
+            # where a subclass or an instance attribute stands in for the indexer ring's call
             idx = (step.ring("idx_keys"), idx_rows, step.jobs["idx_keys"].keep_dst,
                    step.jobs["idx_keys"].keep_src)
             if keep_ring_rows_problem(*idx) is None:
@@ -551,7 +559,18 @@ class CudaAttention(DeepseekV4Attention):
                    for s in step.pool.stores.values())
         return torch.int32 if fits else torch.int64
 
+    def _window_with_entries(self, step: CacheStep) -> tuple[PagedStore, int] | None:
+        """(kv store, window) for the entry rows' launch to write this step's window rows too
+        (handed to ``_window_rows`` of the step), or None where the platform's own
+        ``_window_rows`` is not the one the step will ask."""
+        if type(self)._window_rows is not CudaAttention._window_rows:
+            return None
+        return step.pool.stores["kv"], self.window
+
     def _window_rows(self, step: CacheStep) -> torch.Tensor:
+        made = self._handoffs.take("window_rows", (step,))
+        if made is not None:
+            return made
         if self._paged_kernels_ready(step.pos):
             return window_flat_rows(step.pool.stores["kv"], step.pos, step.tok_slot,
                                     self.window, self._flat_row_dtype(step))
@@ -565,9 +584,12 @@ class CudaAttention(DeepseekV4Attention):
         if store is not None and type(self)._entry_rows is CudaAttention._entry_rows:
             # the selection and its flat rows in one launch; _entry_rows of this very
             # selection hands the rows back
-            entries, rows = visible_entry_rows(store, step.pos, step.tok_slot, n, ratio,
-                                               self._flat_row_dtype(step))
+            window = self._window_with_entries(step)
+            entries, rows, win = visible_entry_rows(store, step.pos, step.tok_slot, n, ratio,
+                                                    self._flat_row_dtype(step), window)
             self._handoffs.put("entry_rows", (entries,), rows)
+            if win is not None:
+                self._handoffs.put("window_rows", (step,), win)
             return entries
         return visible_entries(step.pos, n, ratio)
 
@@ -576,8 +598,15 @@ class CudaAttention(DeepseekV4Attention):
         if made is not None:
             return made
         if self._paged_kernels_ready(entries):
-            return entry_flat_rows(step.pool.stores["compressed"], entries, step.tok_slot,
-                                   self._flat_row_dtype(step))
+            store, dtype = step.pool.stores["compressed"], self._flat_row_dtype(step)
+            window = self._window_with_entries(step)
+            if window is None:
+                return entry_flat_rows(store, entries, step.tok_slot, dtype)
+            # the window rows in the same launch, for _window_rows of this step
+            rows, win = entry_and_window_rows(store, entries, step.pos, step.tok_slot, window,
+                                              dtype)
+            self._handoffs.put("window_rows", (step,), win)
+            return rows
         return super()._entry_rows(step, entries)
 
     # ---- sparse attention backends (dsv4.platforms.cuda_attention) --------------------
