@@ -261,17 +261,22 @@ def steps() -> bool:
     t = dict(pos_ptr="*i64", slot_ptr="*i64", rows_ptr="*i64", rows_stride="i32",
              table_ptr="*i32", table_stride="i32", out_ptr="*i64", out_stride="i32", K="i32",
              B="i32", MAX_LOGICAL="i32")
+    t = {**t, "table2_ptr": "*i32", "table2_stride": "i32", "out2_ptr": "*i64",
+         "out2_stride": "i32", "K2": "i32", "B2": "i32", "MAX_LOGICAL2": "i32"}
+    alone = dict(WIN2=False, BLOCK2=0)
     for window in (True, False):
         ok &= _try(f"paged_rows window={window}", pr._flat_rows_kernel, t,
-                   dict(WINDOW=window, BLOCK=128 if window else 256, RATIO=0),
+                   dict(WINDOW=window, BLOCK=128 if window else 256, RATIO=0, **alone),
                    dict(num_warps=4))
-    # the int32 rows the attention kernels read; every visible entry and its rows (RATIO)
-    t32 = {**t, "out_ptr": "*i32"}
+    # the int32 rows the attention kernels read; every visible entry and its rows (RATIO);
+    # the entry rows with the kv store's window rows (WIN2)
+    t32 = {**t, "out_ptr": "*i32", "out2_ptr": "*i32"}
     ok &= _try("paged_rows window=True int32", pr._flat_rows_kernel, t32,
-               dict(WINDOW=True, BLOCK=128, RATIO=0), dict(num_warps=4))
-    for ratio in (4, 128):
-        ok &= _try(f"paged_rows visible ratio={ratio} int32", pr._flat_rows_kernel, t32,
-                   dict(WINDOW=False, BLOCK=128, RATIO=ratio), dict(num_warps=4))
+               dict(WINDOW=True, BLOCK=128, RATIO=0, **alone), dict(num_warps=4))
+    for ratio in (0, 4, 128):
+        ok &= _try(f"paged_rows entries ratio={ratio} + window int32", pr._flat_rows_kernel,
+                   t32, dict(WINDOW=False, BLOCK=128 if ratio else 256, RATIO=ratio,
+                             WIN2=True, BLOCK2=128), dict(num_warps=4))
     for ratio in (4, 128):
         ok &= _try(f"visible_entries ratio={ratio}", pr._visible_entries_kernel,
                    dict(pos_ptr="*i64", out_ptr="*i64", out_stride="i32", N="i32"),
