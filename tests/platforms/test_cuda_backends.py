@@ -337,6 +337,38 @@ def test_query_gemm_pair_on_the_gpu(tiny, qr_fp8):
 
 @cuda
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_a_decode_step_runs_the_shared_launches(tiny, ratio):
+    """Session 32's shared launches on the GPU, counted by the profiler in one eager decode
+    step of a compressed layer (triton backend): the query heads and kv rows share a RoPE
+    launch (two in all, with the output's inverse RoPE), the window and entry flat rows are one
+    launch (no visible-entries launch of its own), both compressors' raw rows one launch, both
+    rings' kept rows at most one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer, _ = _cuda_pair(tiny, ratio, "triton")
+    layer.use_cuda_graphs(False)
+    x = random_x(61, tiny.hidden_size).to("cuda", BF16)
+    cache = layer.new_cache(64)
+    layer(x[:60], torch.arange(60), cache)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x[60:], torch.tensor([60]), cache)
+        torch.cuda.synchronize()
+    counts = {e.key: e.count for e in prof.key_averages()
+              if getattr(e, "device_time_total", 0.0) > 0}
+
+    def launched(kernel: str) -> int:
+        return sum(n for name, n in counts.items() if kernel in name)
+
+    assert launched("_rope_heads_kernel") == 2, counts
+    assert launched("_flat_rows_kernel") == 1 and launched("_visible_entries_kernel") == 0, \
+        counts
+    assert launched("_raw_rows_kernel") == 1 and launched("_keep_rows_kernel") <= 1, counts
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
 def test_l2_prefetch_on_the_gpu(tiny):
     """``use_l2_prefetch(True)``: the prefill and every decode step ask for ``wo_a`` and
     ``wo_b`` once (on sm_90 and later) and the outputs are bit-equal to the layer without it;
