@@ -367,7 +367,7 @@ s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query hea
         decode-step --out "$OUT/decode64k_s31" --layers C4 --ms 16 --contexts 65536 \
         "${ROWS[@]}"
     step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
-        --ms 16 --contexts 65536 "${ROWS[@]}"
+        --ms 16 --contexts 65536 --profile "${ROWS[@]}"
     ;;
 l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
     # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
