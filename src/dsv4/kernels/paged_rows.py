@@ -175,19 +175,21 @@ def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
     t = slots.shape[0]
     out = torch.empty(t, k, dtype=dtype, device=slots.device)
     out2 = None
+    if window is not None:
+        if window[1] < 1:
+            raise ValueError(f"window must be >= 1, got {window[1]}")
+        out2 = torch.empty(t, window[1], dtype=dtype, device=slots.device)
+    if t == 0 or (k == 0 and window is None):
+        return out, out2
     extra: dict = {}
     if window is not None:
+        assert out2 is not None
         wstore, w = window
-        if w < 1:
-            raise ValueError(f"window must be >= 1, got {w}")
-        out2 = torch.empty(t, w, dtype=dtype, device=slots.device)
         table2 = _table(wstore, dtype)
         extra = dict(table2_ptr=table2, table2_stride=table2.stride(0), out2_ptr=out2,
                      out2_stride=out2.stride(0), K2=w, B2=wstore.block_size,
                      MAX_LOGICAL2=wstore.max_logical, WIN2=True, BLOCK2=_block(w))
     table = _table(store, dtype)
-    if t == 0 or (k == 0 and window is None):
-        return out, out2
     rows_arg = rows if rows is not None else out  # not read when WINDOW; written with RATIO
     _flat_rows_kernel[(t, 2 if window is not None else 1)](
         pos, slots, rows_arg, rows_arg.stride(0), table, table.stride(0), out, out.stride(0),
