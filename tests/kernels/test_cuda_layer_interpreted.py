@@ -55,6 +55,21 @@ def cpu_cuda_layer(monkeypatch):
     return build
 
 
+def _record_calls(monkeypatch, module, *names: str) -> list[str]:
+    """Wrap ``module``'s functions ``names`` (for the test): each call appends its name to the
+    returned list, then runs the function."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def _run(layer, hidden: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     caches = layer.new_caches(2, 256)
     for store in caches[0].pool.stores.values():
@@ -342,15 +357,8 @@ def test_query_heads_and_kv_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny").replace(simulate_quant=True)
-    calls: list[str] = []
-    for name in ("fused_query_heads_and_kv_rows", "fused_query_heads", "fused_kv_rows"):
-        real = getattr(cuda, name)
-
-        def spy(*args, _real=real, _name=name):
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(cuda, name, spy)
+    calls = _record_calls(monkeypatch, cuda, "fused_query_heads_and_kv_rows", "fused_query_heads",
+                          "fused_kv_rows")
     orig, asked = CudaAttention._kv_rows, []
 
     def kv_rows(self, kv, pos):  # the override point, counted
@@ -397,16 +405,8 @@ def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypat
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny")
-    calls: list[str] = []
-    for name in ("visible_entry_rows", "visible_entries", "entry_flat_rows",
-                 "entry_and_window_rows", "window_flat_rows"):
-        real = getattr(cuda, name)
-
-        def spy(*args, _real=real, _name=name):
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(cuda, name, spy)
+    calls = _record_calls(monkeypatch, cuda, "visible_entry_rows", "visible_entries",
+                          "entry_flat_rows", "entry_and_window_rows", "window_flat_rows")
 
     class OwnEntryRows(CudaAttention):
         def _entry_rows(self, step, entries):
@@ -448,15 +448,8 @@ def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny")
-    calls: list[str] = []
-    for name in ("raw_rows_pair", "raw_rows", "keep_ring_rows_pair", "keep_ring_rows"):
-        real = getattr(cuda, name)
-
-        def spy(*args, _real=real, _name=name):
-            calls.append(_name)
-            return _real(*args)
-
-        monkeypatch.setattr(cuda, name, spy)
+    calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "keep_ring_rows_pair",
+                          "keep_ring_rows")
     asked = []
     orig = CudaAttention._raw_rows
 
