@@ -31,6 +31,8 @@
 #   bash benchmarks/h200_session.sh s32      # session 31's top-k merge / score scale vs before
 #   bash benchmarks/h200_session.sh s32b     # session 32's launch cuts vs session 31's tree
 #   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
+#   bash benchmarks/h200_session.sh s33a     # changed files' GPU tests, verify, 512 vs session 31
+#   bash benchmarks/h200_session.sh s33b     # 64K vs session 31, then the L2 prefetch (tests, probe, rows)
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -368,6 +370,42 @@ s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query hea
         "${ROWS[@]}"
     step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
         --ms 16 --contexts 65536 --profile "${ROWS[@]}"
+    ;;
+s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
+    # (8 workers), verify, then the C4 / C128 / SWA step at 512 against session 31's tree
+    # (carry .whl and .baseline; .baseline/s31 as for s32b) - the suite's other files passed on
+    # GPUs before those sessions and their code did not change
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    step pytest_changed 270 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/kernels/test_paged_rows.py \
+        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
+        tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
+        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
+        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
+        tests/kernels/test_indexer_topk.py
+    verify 85
+    ROWS=(--models flash,pro --reps 5 --strategies ours_flashmla_act8_pdl)
+    step decode_512 95 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+        --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --profile "${ROWS[@]}"
+    step decode_512_s31 85 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode512_s31" --layers C4,C128,SWA --ms 1,16,64 \
+        --contexts 512 "${ROWS[@]}"
+    ;;
+s33b)  # session 33's second call: the 64K C4 M = 16 step against session 31's tree, then the
+    # L2 prefetch (its tests, the probe, cold-L2 rows at 512) (carry .whl and .baseline)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    ROWS=(--models flash,pro --reps 5 --strategies ours_flashmla_act8_pdl)
+    step decode_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
+        --ms 16 --contexts 65536 --profile "${ROWS[@]}"
+    step decode_64k_s31 75 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode64k_s31" --layers C4 --ms 16 --contexts 65536 \
+        "${ROWS[@]}"
+    step pytest_l2 60 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
+    step l2_probe 60 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
+    step decode_512_l2 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512l2" \
+        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --cold-l2 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl,ours_flashmla_act8_l2all_pdl
     ;;
 l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
     # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
