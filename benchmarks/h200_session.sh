@@ -372,37 +372,44 @@ s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query hea
         --ms 16 --contexts 65536 --profile "${ROWS[@]}"
     ;;
 s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
-    # (8 workers), verify, then the C4 / C128 / SWA step at 512 against session 31's tree
-    # (carry .whl and .baseline; .baseline/s31 as for s32b) - the suite's other files passed on
-    # GPUs before those sessions and their code did not change
+    # (8 workers), verify, then the C4 / C128 / SWA step at 512 with FlashMLA and with our
+    # attention kernel (separate runs: each is its own error base), and session 31's tree's C4
+    # rows (carry .whl and .baseline; .baseline/s31 as for s32b) - the suite's other files
+    # passed on GPUs before those sessions and their code did not change
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-    step pytest_changed 270 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/kernels/test_paged_rows.py \
+    step pytest_changed 230 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/kernels/test_paged_rows.py \
         tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
         tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
         tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
         tests/platforms/test_handoff.py tests/test_attention_conformance.py \
         tests/kernels/test_indexer_topk.py
     verify 85
-    ROWS=(--models flash,pro --reps 5 --strategies ours_flashmla_act8_pdl)
-    step decode_512 95 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
-        --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --profile "${ROWS[@]}"
-    step decode_512_s31 85 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
-        decode-step --out "$OUT/decode512_s31" --layers C4,C128,SWA --ms 1,16,64 \
-        --contexts 512 "${ROWS[@]}"
+    ROWS=(--models flash,pro --reps 5)
+    step decode_512 90 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+        --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --profile "${ROWS[@]}" \
+        --strategies ours_flashmla_act8_pdl
+    step decode_512_triton 70 python3 -m dsv4 bench decode-step --out "$OUT/decode512t" \
+        --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --profile "${ROWS[@]}" \
+        --strategies ours_act8_pdl
+    step decode_512_s31 60 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode512_s31" --layers C4 --ms 1,16,64 --contexts 512 \
+        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
     ;;
-s33b)  # session 33's second call: the 64K C4 M = 16 step against session 31's tree, then the
-    # L2 prefetch (its tests, the probe, cold-L2 rows at 512) (carry .whl and .baseline)
+s33b)  # session 33's second call: the 64K C4 M = 16 step (FlashMLA, our kernel) against session
+    # 31's tree, then the L2 prefetch (its tests, the probe, cold-L2 rows at 512) (carry .whl
+    # and .baseline)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    ROWS=(--models flash,pro --reps 5 --strategies ours_flashmla_act8_pdl)
-    step decode_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
-        --ms 16 --contexts 65536 --profile "${ROWS[@]}"
-    step decode_64k_s31 75 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
-        decode-step --out "$OUT/decode64k_s31" --layers C4 --ms 16 --contexts 65536 \
-        "${ROWS[@]}"
-    step pytest_l2 60 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
-    step l2_probe 60 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
+    ROWS=(--models flash,pro --reps 5 --layers C4 --ms 16 --contexts 65536)
+    step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --profile \
+        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
+    step decode_64k_triton 60 python3 -m dsv4 bench decode-step --out "$OUT/decode64kt" \
+        "${ROWS[@]}" --strategies ours_act8_pdl
+    step decode_64k_s31 60 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
+        decode-step --out "$OUT/decode64k_s31" "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
+    step pytest_l2 50 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
+    step l2_probe 50 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
     step decode_512_l2 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512l2" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --cold-l2 \
         --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl,ours_flashmla_act8_l2all_pdl
