@@ -8,6 +8,7 @@ provably running, and a whole decode step captured as one CUDA graph."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -31,11 +32,11 @@ from conftest import assert_decode_graph_equals_eager, random_x, rel_err
 BF16 = torch.bfloat16
 
 
-def _choice(layer, requested, kv_cache_dtype="bf16", kernels=True):
+def _choice(layer, requested, kv_cache_dtype="bf16", kernels=True, triton_max_tokens=0):
     pool = layer.new_cache_pool(1, 64, kv_cache_dtype=kv_cache_dtype)
     return choose_backend(requested, dtype=layer.dtype, heads=layer.n_heads,
                           head_dim=layer.head_dim, stores=pool.stores, device=layer.device,
-                          kernels_available=kernels)
+                          kernels_available=kernels, triton_max_tokens=triton_max_tokens)
 
 
 def test_backend_choice_and_reasons(tiny, make_layer):
@@ -55,6 +56,36 @@ def test_backend_choice_and_reasons(tiny, make_layer):
         _choice(layer, "flashmla")
     with pytest.raises(ValueError, match="attention_backend"):
         _choice(layer, "cudnn")
+
+
+def test_auto_takes_our_kernel_for_the_plans_short_steps(tiny, make_layer):
+    layer = make_layer(tiny, 4)
+    with mock.patch("dsv4.kernels.flashmla_backend.flashmla_supports",
+                    return_value=(True, "")):  # as on an SM90 GPU with the wheel
+        c = _choice(layer, "auto", "fp8_ds_mla", triton_max_tokens=2)
+        assert (c.backend, c.triton_max_tokens) == ("flashmla", 2)
+        assert "<= 2 tokens" in c.reason
+        assert [c.backend_for(t) for t in (1, 2, 3, 64)] == ["triton"] * 2 + ["flashmla"] * 2
+        assert _choice(layer, "auto", "fp8_ds_mla").backend_for(1) == "flashmla"
+        # an explicit request is not second-guessed, and no switch without the triton kernel
+        assert _choice(layer, "flashmla", "fp8_ds_mla", triton_max_tokens=2).backend_for(1) \
+            == "flashmla"
+        c = _choice(layer, "auto", "fp8_ds_mla", kernels=False, triton_max_tokens=2)
+        assert (c.backend_for(1), c.triton_max_tokens) == ("flashmla", 0)
+        # a bf16 cache: triton for every step, whatever the plan says
+        c = _choice(layer, "auto", "bf16", triton_max_tokens=2)
+        assert [c.backend_for(t) for t in (1, 64)] == ["triton", "triton"]
+
+
+def test_plan_reads_the_short_step_rule(tmp_path):
+    from dsv4.platforms.cuda import CudaPlan
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"default": {"fused_max_tokens": 16, "graph_max_tokens": 64}, '
+                    '"4096": {"fused_max_tokens": 8, "graph_max_tokens": 32, '
+                    '"triton_attention_max_tokens": 1}}')
+    assert CudaPlan.load(4096, path) == CudaPlan(8, 32, 1)
+    assert CudaPlan.load(7168, path) == CudaPlan(16, 64, 0)
 
 
 def test_float32_layers_fall_back_to_torch_with_the_reason(tiny, make_layer):
@@ -200,6 +231,48 @@ def test_cuda_backends_against_the_reference(tiny, ratio, backend, fmt, expect):
     with replay_selection(ref, seen):
         y_ref, _ = _prefill_and_decode(ref, x, 150)
     assert rel_err(y, y_ref) < 1e-2
+
+
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_auto_switches_backend_per_step_on_one_cache(tiny):
+    """``auto`` with the plan's short-step rule: 1-token steps run our kernel, 2-token steps
+    FlashMLA's, on the same fp8 cache; both against the reference."""
+    from dsv4.kernels.flashmla_backend import flashmla_supports
+    from dsv4.platforms import cuda as cuda_platform
+
+    if not flashmla_supports(64, 512, "fp8_ds_mla", "cuda")[0]:
+        pytest.skip("FlashMLA is not installed or does not run here")
+    cfg = flashmla_shaped(tiny.replace(kv_cache_dtype="fp8_ds_mla"))
+    layer, ref = _cuda_pair(cfg, 4, "auto")
+    layer.plan = dataclasses.replace(layer.plan, triton_attention_max_tokens=1)
+    x = random_x(40, cfg.hidden_size).to("cuda", BF16)
+    calls = []
+    real = {n: getattr(cuda_platform, n) for n in ("triton_forward_mqa", "flashmla_forward_mqa")}
+
+    def spy(name):
+        def run(lay, q, *a):
+            calls.append((name, q.shape[0]))
+            return real[name](lay, q, *a)
+        return run
+
+    with mock.patch.object(cuda_platform, "triton_forward_mqa", spy("triton_forward_mqa")), \
+            mock.patch.object(cuda_platform, "flashmla_forward_mqa",
+                              spy("flashmla_forward_mqa")), record_selection(layer) as seen:
+        cache = layer.new_cache(40)
+        pos = torch.arange(40)
+        ys = [layer(x[:30], pos[:30], cache)]
+        ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(30, 34)]
+        ys += [layer(x[i:i + 2], pos[i:i + 2], cache) for i in range(34, 40, 2)]
+    assert ("triton_forward_mqa", 1) in calls and ("flashmla_forward_mqa", 2) in calls
+    assert not {c for c in calls if c[1] == 1} - {("triton_forward_mqa", 1)}
+    assert not {c for c in calls if c[1] == 2} - {("flashmla_forward_mqa", 2)}
+    ref_cache = ref.new_cache(40)
+    with replay_selection(ref, seen):
+        y_ref = [ref(x[:30], pos[:30], ref_cache)]
+        y_ref += [ref(x[i:i + 1], pos[i:i + 1], ref_cache) for i in range(30, 34)]
+        y_ref += [ref(x[i:i + 2], pos[i:i + 2], ref_cache) for i in range(34, 40, 2)]
+    assert rel_err(torch.cat(ys), torch.cat(y_ref)) < 1e-2
 
 
 @cuda

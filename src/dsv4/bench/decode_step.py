@@ -195,7 +195,10 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
                     kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
     fused = {"all": 1 << 20, "plan": CudaPlan.load(cfg.hidden_size).fused_max_tokens,
              "none": 0}[spec.fused]
-    plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0)  # the whole step is one graph
+    # the whole step is one graph; "auto" attention takes the plan's per-step choice
+    plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0,
+                    triton_attention_max_tokens=CudaPlan.load(
+                        cfg.hidden_size).triton_attention_max_tokens)
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
     layer.use_step_kernels(spec.step_kernels)

@@ -155,12 +155,16 @@ class CudaPlan:
     """Calls of at most this many tokens use the one-launch fused input projections."""
     graph_max_tokens: int
     """Calls of at most this many tokens replay a captured CUDA graph of the input stage."""
+    triton_attention_max_tokens: int = 0
+    """``attention_backend=auto`` with FlashMLA chosen: steps of at most this many query tokens
+    run our sparse attention kernel instead (where it measured faster; 0: never)."""
 
     @classmethod
     def load(cls, hidden_size: int, path: Path | None = None) -> CudaPlan:
         table = json.loads((path or Path(__file__).with_name("cuda_plan.json")).read_text())
         entry = table.get(str(hidden_size), table["default"])
-        return cls(int(entry["fused_max_tokens"]), int(entry["graph_max_tokens"]))
+        return cls(int(entry["fused_max_tokens"]), int(entry["graph_max_tokens"]),
+                   int(entry.get("triton_attention_max_tokens", 0)))
 
 
 class CudaAttention(DeepseekV4Attention):
@@ -318,7 +322,8 @@ class CudaAttention(DeepseekV4Attention):
             choice = choose_backend(
                 self.cfg.attention_backend, dtype=self.dtype, heads=self.n_heads,
                 head_dim=self.head_dim, stores=pool.stores, device=self.device,
-                kernels_available=triton_available() and self.device.type == "cuda")
+                kernels_available=triton_available() and self.device.type == "cuda",
+                triton_max_tokens=self.plan.triton_attention_max_tokens)
             self._attention_choices[key] = choice
             logger.info("layer %d: %s", self.layer_id, choice.describe())
         return choice
@@ -613,9 +618,10 @@ class CudaAttention(DeepseekV4Attention):
     def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
                     ) -> torch.Tensor:
         choice = self.attention_choice(step.pool)
-        if choice.backend == "triton":
+        backend = choice.backend_for(q.shape[0])
+        if backend == "triton":
             return triton_forward_mqa(self, q, step, selection, choice.fmt)
-        if choice.backend == "flashmla":
+        if backend == "flashmla":
             return flashmla_forward_mqa(self, q, step, selection, choice.fmt)
         return super().forward_mqa(q, step, selection)
 

@@ -10,7 +10,10 @@
   not fast). An error naming the reason where FlashMLA is not installed or the shape is not one
   it supports (64 or 128 heads, head_dim 512, SM90);
 * ``auto``: FlashMLA on an ``fp8_ds_mla`` cache where it supports the shape (its in-place
-  decode kernel), else ``triton``.
+  decode kernel), else ``triton``; with FlashMLA, steps of at most the plan's
+  ``triton_attention_max_tokens`` query tokens run our kernel instead, where it was measured
+  the faster of the two (:attr:`BackendChoice.triton_max_tokens`; both read the same cache and
+  indices, so the choice per step costs nothing).
 
 Where the kernels cannot read the cache (a float32 / float64 layer or store, a head dim that is
 not a power of two >= 128, rope dims other than 64 in ``fp8_ds_mla``, no Triton) ``triton`` and
@@ -49,6 +52,15 @@ class BackendChoice:
     backend: str
     fmt: str = ""
     reason: str = ""
+    triton_max_tokens: int = 0
+    """With ``backend`` flashmla (``auto`` only): steps of at most this many query tokens run
+    the triton kernel on the same stores and indices instead (0: none)."""
+
+    def backend_for(self, tokens: int) -> str:
+        """The backend a step of ``tokens`` query tokens runs."""
+        if self.backend == "flashmla" and tokens <= self.triton_max_tokens:
+            return "triton"
+        return self.backend
 
     def describe(self) -> str:
         why = f" ({self.reason})" if self.reason else ""
@@ -90,11 +102,12 @@ def _triton_problem(dtype: torch.dtype, head_dim: int, device: torch.device,
 
 def choose_backend(requested: str, *, dtype: torch.dtype, heads: int, head_dim: int,
                    stores: dict[str, PagedStore], device: torch.device,
-                   kernels_available: bool) -> BackendChoice:
+                   kernels_available: bool, triton_max_tokens: int = 0) -> BackendChoice:
     """The backend for a layer of ``heads`` x ``head_dim`` in ``dtype`` over ``stores`` (the
     pool's; ``kv`` and, if present, ``compressed``). Host work only. ``kernels_available``:
-    Triton is installed and the device runs it. Raises :class:`AttentionBackendError` when
-    ``flashmla`` is requested and cannot run."""
+    Triton is installed and the device runs it. ``triton_max_tokens``: ``auto``'s short steps
+    that run our kernel where FlashMLA is chosen (the plan's). Raises
+    :class:`AttentionBackendError` when ``flashmla`` is requested and cannot run."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={requested!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     if requested == "torch":
@@ -121,7 +134,13 @@ def choose_backend(requested: str, *, dtype: torch.dtype, heads: int, head_dim: 
                                             f"{flash_why}")
             return BackendChoice(requested, "flashmla", fmt)
         if not flash_why and fmt == "fp8_ds_mla":
-            return BackendChoice(requested, "flashmla", fmt, "FlashMLA's fp8 decode kernel")
+            reason = "FlashMLA's fp8 decode kernel"
+            small = 0
+            if triton_max_tokens > 0 and not _triton_problem(dtype, head_dim, device,
+                                                             kernels_available):
+                small = triton_max_tokens
+                reason += f"; ours for steps of <= {small} tokens"
+            return BackendChoice(requested, "flashmla", fmt, reason, small)
     triton_why = why or _triton_problem(dtype, head_dim, device, kernels_available)
     if triton_why:
         return BackendChoice(requested, "torch", "", triton_why)
