@@ -166,7 +166,8 @@ def mqa() -> None:
     base = dict(q_ptr="*bf16", sqt="i32", sqh="i32", o_ptr="*bf16", sot="i32", soh="i32",
                 sink_ptr="*fp32", ws_acc="*fp32", ws_ml="*fp32", widx_ptr="*i32", swi="i32",
                 w_blk="i32", cidx_ptr="*i32", sci="i32", c_blk="i32", T="i32", H="i32",
-                W="i32", KC="i32", B="i32", chunk="i32", n_split="i32", qk_scale="fp32")
+                W="i32", KC="i32", B="i32", chunk="i32", n_split="i32", qk_scale="fp32",
+                pos_ptr="*i64", freq_ptr="*fp32")
     for fmt in ("fp8_ds_mla", "bf16"):
         st = "*u8" if fmt == "fp8_ds_mla" else "*bf16"
         types = {**base, "win_ptr": st, "cmp_ptr": st}
@@ -174,15 +175,18 @@ def mqa() -> None:
             c = sm.choose_sparse_config(64, H, d, 640, fmt=fmt)
             n = d - 64
             fp8 = fmt == "fp8_ds_mla"
-            for split, pre in ((False, False), (True, False), (True, True)):
+            # the last: no split, the output's inverse RoPE in the store (ROPE_NOPE2)
+            for split, pre, rope in ((False, False, -1), (True, False, -1), (True, True, -1),
+                                     (False, False, n // 2)):
                 consts = dict(D=d, DV=d, BH=c.block_h, BN=c.block_n, SPLIT=split, FP8=fp8, NOPE=n,
                               DR=(n + 128) if fp8 else 0, SR=8 if fp8 else 0,
-                              DOT_DT=tl.bfloat16, DOT_PREC="tf32", PREFETCH=pre)
+                              DOT_DT=tl.bfloat16, DOT_PREC="tf32", PREFETCH=pre,
+                              ROPE_NOPE2=rope)
                 try:
                     r = compile_one(sm._sparse_mqa_kernel, types, consts,
                                     dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} prefetch={pre} {c}: {r}",
-                          flush=True)
+                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} prefetch={pre} "
+                          f"rope_nope2={rope} {c}: {r}", flush=True)
                 except Exception:
                     traceback.print_exc()
                     print(f"FAIL sparse_mqa {fmt} {c}", flush=True)
@@ -193,11 +197,12 @@ def combine() -> bool:
     """The split-KV merge at the tiles ``sparse_mqa`` picks (splits padded to SP, BD columns)."""
     ok = True
     t = dict(ws_acc="*fp32", ws_ml="*fp32", sink_ptr="*fp32", o_ptr="*bf16", sot="i32",
-             soh="i32", T="i32", H="i32", n_split="i32")
+             soh="i32", T="i32", H="i32", n_split="i32", pos_ptr="*i64", freq_ptr="*fp32")
     for d, sp in ((512, 2), (512, 64), (512, sm.MAX_SPLIT), (128, 4)):
         bd = max(16, min(d, sm.COMBINE_TILE // sp))
-        ok &= _try(f"combine d={d} SP={sp} BD={bd}", sm._combine_kernel, t,
-                   dict(D=d, SP=sp, BD=bd), dict(num_warps=4))
+        for rope in (-1, (d - 64) // 2):  # with the output's inverse RoPE in the store
+            ok &= _try(f"combine d={d} SP={sp} BD={bd} rope_nope2={rope}", sm._combine_kernel,
+                       t, dict(D=d, SP=sp, BD=bd, ROPE_NOPE2=rope), dict(num_warps=4))
     return ok
 
 

@@ -384,7 +384,7 @@ s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-
         tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
         tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
         tests/platforms/test_handoff.py tests/test_attention_conformance.py \
-        tests/kernels/test_indexer_topk.py
+        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py
     verify 85
     ROWS=(--models flash,pro --reps 5)
     step decode_512 90 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \

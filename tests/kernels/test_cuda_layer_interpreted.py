@@ -496,3 +496,55 @@ def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
     assert kept == ["compressed", "idx_keys"] * 8
     assert calls.count("keep_ring_rows") == 16 and "keep_ring_rows_pair" not in calls
     assert torch.equal(y3, y2) and all(torch.equal(st3[n], st2[n]) for n in st2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_inverse_rope_in_the_attention_launch(cpu_cuda_layer, monkeypatch, fmt):
+    """With our attention kernel, the launch that writes o applies the output path's inverse
+    RoPE and ``_inverse_rope`` (still called) hands that o back: no launch of its own. Outputs
+    and stores are bit-equal to the layer rotating o in its own launch; a subclass that
+    redefines ``_inverse_rope`` gets the unrotated o and its own call."""
+    import dsv4.kernels.sparse_mqa as smq
+    import dsv4.platforms.cuda as cuda
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.platforms.cuda_attention import BackendChoice, kernel_format
+
+    cfg = DSV4Config.preset("tiny").replace(kv_cache_dtype=fmt)
+    calls = _record_calls(monkeypatch, cuda, "fused_inverse_rope")
+    real, rotating = smq.sparse_mqa, []
+
+    def spy(*args, **kw):
+        rotating.append(kw.get("inverse_rope") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(smq, "sparse_mqa", spy)
+
+    def build(fold: bool, cls=CudaAttention):
+        layer = cpu_cuda_layer(cfg, 4, True)
+        layer.__class__ = cls
+        layer.attention_choice = lambda pool: BackendChoice(  # the GPU's choice, interpreted
+            "triton", "triton", kernel_format(pool.stores["kv"])[0])
+        if not fold:
+            layer._rope_in_attention = lambda q: False
+        calls.clear()
+        rotating.clear()
+        return layer
+
+    y1, st1 = _run(build(True), cfg.hidden_size)
+    assert (calls, rotating) == ([], [True] * 8)
+    y2, st2 = _run(build(False), cfg.hidden_size)
+    assert (calls, rotating) == (["fused_inverse_rope"] * 8, [False] * 8)
+    assert torch.equal(y1, y2)
+    for name in st2:
+        assert torch.equal(st1[name], st2[name]), name
+
+    asked = []
+
+    class OwnRope(CudaAttention):
+        def _inverse_rope(self, o, pos):
+            asked.append(1)
+            return super()._inverse_rope(o, pos)
+
+    y3, _ = _run(build(True, OwnRope), cfg.hidden_size)
+    assert (calls, rotating, len(asked)) == (["fused_inverse_rope"] * 8, [False] * 8, 8)
+    assert torch.equal(y3, y2)

@@ -206,6 +206,56 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
 
 @kernel_runs
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("shape", [(4, 128, 16, 24, 3), (16, 512, 8, 8, 2)])
+def test_inverse_rope_in_the_output_launch(fmt, shape):
+    """``inverse_rope``: the launch that writes o (the main kernel, or the combine kernel of a
+    split) rotates its rope dims back as the output path's own launch would - the same values
+    (bit for bit under the interpreter) - in every configuration that writes o differently."""
+    from dsv4.kernels.rope_norm import rope_heads
+
+    H, d, W, K, T = shape
+    case = build_case(T, H, d, W, K, fmt, seed=3 + H, device=DEV)
+    g = torch.Generator().manual_seed(9)
+    pos = torch.tensor([0, 17, 999_983][:T] + [5] * max(0, T - 3)).to(DEV)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)).to(DEV)
+    inv_freq = inv_freq * (1 + 0.01 * torch.rand(32, generator=g)).to(DEV)
+    for cfg in (None, SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4),
+                SparseMqaConfig(block_h=16, block_n=16, split=3, num_warps=4),
+                SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4, block_dv=64),
+                SparseMqaConfig(block_h=16, block_n=16, split=2, num_warps=4, block_dv=64)):
+        plain = sparse_mqa(*case, config=cfg)
+        tail = plain[..., d - 64:]
+        want = plain.clone()
+        want[..., d - 64:] = rope_heads(tail, pos, inv_freq, inverse=True)
+        got = sparse_mqa(*case, config=cfg, inverse_rope=(pos, inv_freq))
+        assert torch.equal(got[..., :d - 64], plain[..., :d - 64]), cfg  # nope dims untouched
+        if _INTERPRET:
+            assert torch.equal(got, want), cfg
+        else:  # fp32 cos / sin and contractions may differ by an ulp between the kernels
+            assert rel(got, want) < 1e-3, cfg
+    with pytest.raises(ValueError, match="positions"):
+        sparse_mqa(*case, inverse_rope=(pos[:1].float(), inv_freq))
+    with pytest.raises(ValueError, match="inv_freq"):
+        sparse_mqa(*case, inverse_rope=(pos, inv_freq.double()))
+
+
+def test_inverse_rope_off_the_kernels_matches_the_rotary():
+    """The CPU fallback (no kernel) applies the same rotation as the torch layers."""
+    from dsv4.kernels.sparse_mqa import _inverse_rope_reference
+    from dsv4.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(2)
+    o = torch.randn(3, 4, 128, generator=g).to(torch.bfloat16)
+    rot = RotaryEmbedding(64, 10000.0, None)
+    pos = torch.tensor([0, 7, 70_000])
+    want = rot.rotate(o, pos, torch.float32, inverse=True)
+    got = o.clone()
+    _inverse_rope_reference(got, pos, rot.inv_freq)
+    assert rel(got, want) < 1e-3 and torch.equal(got[..., :64], o[..., :64])
+
+
+@kernel_runs
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_many_chunks_some_empty(fmt):
     """A split far above the chunk count (clamped to one chunk per tile of rows: 15 chunks, a
     padded combine tile of 16), query 0's compressed chunks all masked: the combine kernel's

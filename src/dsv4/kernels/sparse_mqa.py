@@ -202,8 +202,9 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from dsv4.kernels._float_bits import ue8m0
+    from dsv4.kernels._float_bits import rounded, ue8m0
     from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
+    from dsv4.kernels.rope_norm import rope_cos_sin
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
@@ -326,6 +327,23 @@ if triton_available():
                                              DOT_PREC)
         return m_i, l_i, acc
 
+    @triton.jit
+    def _inverse_rope_tile(o, t, c0, pos_ptr, freq_ptr, R: tl.constexpr, W: tl.constexpr,
+                           NOPE2: tl.constexpr, OUT_DT: tl.constexpr):
+        """o [R, W] fp32 (columns c0 .. c0 + W of R output rows of query t) as the output
+        path's inverse RoPE makes them from the stored bf16 output: rounded to OUT_DT as the
+        store would, pairs (2i, 2i + 1) from pair NOPE2 on rotated by the negated angle in fp32
+        (:func:`dsv4.kernels.rope_norm.rope_cos_sin`, as the ``rope_heads`` kernel), rounded
+        again - its values bit for bit; nope pairs unchanged."""
+        x = o.to(OUT_DT).to(tl.float32)
+        xe, xo = tl.split(tl.reshape(x, [R, W // 2, 2]))
+        jr = c0 // 2 + tl.arange(0, W // 2) - NOPE2
+        freq = tl.load(freq_ptr + jr, mask=jr >= 0, other=0.0)
+        c, s = rope_cos_sin(tl.load(pos_ptr + t), freq, -1)
+        ye = rounded(xe * c[None, :] - xo * s[None, :], OUT_DT)
+        yo = rounded(xe * s[None, :] + xo * c[None, :], OUT_DT)
+        return tl.reshape(tl.join(ye, yo), [R, W])
+
     @triton.jit(do_not_specialize=["T", "W", "KC", "chunk", "n_split"])
     def _sparse_mqa_kernel(
         q_ptr, sqt, sqh, o_ptr, sot, soh, sink_ptr, ws_acc, ws_ml,
@@ -336,6 +354,7 @@ if triton_available():
         SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
         PREFETCH: tl.constexpr = False,
         PDL: tl.constexpr = False,
+        pos_ptr=None, freq_ptr=None, ROPE_NOPE2: tl.constexpr = -1,
     ):
         wait_for_prior_kernel(PDL)
         pid = tl.program_id(0)
@@ -378,6 +397,9 @@ if triton_available():
             fac = tl.exp2(m_i - m_f)
             den = l_i * fac + tl.exp2(s2 - m_f)
             o = acc * (fac / den)[:, None]
+            if ROPE_NOPE2 >= 0:  # the output path's inverse RoPE, in this store
+                o = _inverse_rope_tile(o, t, c0, pos_ptr, freq_ptr, BH, DV, ROPE_NOPE2,
+                                       o_ptr.dtype.element_ty)
             tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
         let_next_kernel_launch(PDL)
@@ -385,7 +407,8 @@ if triton_available():
     @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
                         n_split, D: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, pos_ptr=None, freq_ptr=None,
+                        ROPE_NOPE2: tl.constexpr = -1):
         """One program per (query, head, BD output columns): every split's partial of that
         slice at once ([SP, BD] tile, SP = n_split padded), weighted by 2^(m_s - m) and summed
         over the splits in one reduction (no loop over splits: a decode step of one query has
@@ -410,8 +433,25 @@ if triton_available():
         acc = tl.load(ws_acc + row[:, None] * D + cols[None, :], mask=s_mask[:, None],
                       other=0.0)
         o = tl.sum(acc * f[:, None], 0) / den
+        if ROPE_NOPE2 >= 0:  # the output path's inverse RoPE, in this store
+            o = tl.reshape(_inverse_rope_tile(tl.reshape(o, [1, BD]), t, db * BD, pos_ptr,
+                                              freq_ptr, 1, BD, ROPE_NOPE2,
+                                              o_ptr.dtype.element_ty), [BD])
         tl.store(o_ptr + t.to(tl.int64) * sot + h * soh + cols, o.to(o_ptr.dtype.element_ty))
         let_next_kernel_launch(PDL)
+
+
+def _inverse_rope_reference(o: torch.Tensor, positions: torch.Tensor,
+                            inv_freq: torch.Tensor) -> None:
+    """The torch path's inverse RoPE of o's last 2 * len(inv_freq) dims, in place (pairs
+    (2i, 2i + 1), fp32 angle fp32(position) * inv_freq, fp32 math, one rounding)."""
+    r = 2 * inv_freq.numel()
+    angle = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    cos, sin = angle.cos()[:, None, :], -angle.sin()[:, None, :]
+    tail = o[..., o.shape[-1] - r:].float().unflatten(-1, (r // 2, 2))
+    a, b = tail[..., 0], tail[..., 1]
+    o[..., o.shape[-1] - r:] = torch.stack((a * cos - b * sin, a * sin + b * cos),
+                                           dim=-1).flatten(-2).to(o.dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -439,17 +479,33 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
                cmp_store: torch.Tensor | None, cmp_idx: torch.Tensor | None,
                sink: torch.Tensor, scale: float, fmt: str, rows_per_block: int, *,
                out: torch.Tensor | None = None,
-               config: SparseMqaConfig | None = None) -> torch.Tensor:
+               config: SparseMqaConfig | None = None,
+               inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """o [T, H, d] bf16 (see the module docstring for shapes, layouts and numerics).
 
     ``win_idx`` [T, W], ``cmp_idx`` [T, K] int32 (rows contiguous); both stores share ``fmt``
     and ``rows_per_block``. ``out``: optional [T, H, d] with a contiguous last dim. The split-KV
     workspace is allocated per call (a graph-captured caller should pass ``config`` with
     ``split=1`` or capture after a warm-up; the allocation is from the caching allocator).
+    ``inverse_rope`` = (positions [T] int on q's device, inv_freq [r / 2] float32): the output
+    path's inverse RoPE of o's last r dims applied as o is written (the launch that writes o
+    rotates it; the values of ``rope_heads(o[..., -r:], positions, inv_freq, inverse=True)``
+    on the unrotated output, bit for bit under the interpreter), instead of its own launch.
     """
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     T, H, d = q.shape
+    if inverse_rope is not None:
+        positions, inv_freq = inverse_rope
+        if (positions.shape != (T,) or positions.dtype.is_floating_point
+                or positions.device != q.device):
+            raise ValueError(f"inverse_rope positions must be [{T}] integers on {q.device}, got "
+                             f"{positions.dtype} {tuple(positions.shape)} on {positions.device}")
+        if (inv_freq.dim() != 1 or inv_freq.dtype != torch.float32 or inv_freq.device != q.device
+                or not 0 < 2 * inv_freq.numel() <= d):
+            raise ValueError(f"inverse_rope inv_freq must be [1 .. {d // 2}] float32 on "
+                             f"{q.device}, got {inv_freq.dtype} {tuple(inv_freq.shape)} on "
+                             f"{inv_freq.device}")
     if d & (d - 1) or d < 128:
         raise ValueError(f"head dim must be a power of two >= 128, got {d}")
     if win_idx.dim() != 2 or win_idx.shape[0] != T or win_idx.shape[1] == 0:
@@ -463,6 +519,8 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if not (triton_available() and (q.device.type == "cuda" or _INTERPRET)):
         o.copy_(sparse_mqa_reference(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale,
                                      fmt, rows_per_block, out_dtype=o.dtype))
+        if inverse_rope is not None:
+            _inverse_rope_reference(o, *inverse_rope)
         return o
     if q.dtype != torch.bfloat16:
         raise ValueError(f"q must be bf16 for the kernel, got {q.dtype}")
@@ -498,6 +556,11 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         raise ValueError(f"prefetch needs whole rows per program (block_dv 0), got block_dv="
                          f"{cfg.block_dv}")
     sink_f = sink.to(torch.float32).contiguous()
+    rope_args: dict[str, object] = {}
+    if inverse_rope is not None:  # in whichever launch writes o
+        rope_args = {"pos_ptr": inverse_rope[0].contiguous(),
+                     "freq_ptr": inverse_rope[1].contiguous(),
+                     "ROPE_NOPE2": (d - 2 * inverse_rope[1].numel()) // 2}
     if split > 1:
         ws_acc = torch.empty(split * T * H * d, device=q.device, dtype=torch.float32)
         ws_ml = torch.empty(split * T * H * 2, device=q.device, dtype=torch.float32)
@@ -514,11 +577,12 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, PREFETCH=cfg.prefetch, **pdl_args(q.device),
+        **({} if split > 1 else rope_args),
     )
     if split > 1:
         sp = triton.next_power_of_2(split)
         bd = max(16, min(d, COMBINE_TILE // sp))  # [sp, bd] fp32 partials per program
         _combine_kernel[(T * H * (d // bd),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
                                               T, H, split, D=d, SP=sp, BD=bd, num_warps=4,
-                                              **pdl_args(ws_acc.device))
+                                              **pdl_args(ws_acc.device), **rope_args)
     return o

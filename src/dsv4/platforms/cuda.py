@@ -175,7 +175,7 @@ class CudaAttention(DeepseekV4Attention):
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
                "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype",
-               "_kv_rows_fusable", "_window_with_entries")
+               "_kv_rows_fusable", "_window_with_entries", "_rope_in_attention")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -217,7 +217,10 @@ class CudaAttention(DeepseekV4Attention):
         * ``entry_rows``: (entries) -> their flat rows, made with the selection by
           ``_visible_entries``, for ``_entry_rows``;
         * ``window_rows``: (step) -> the step's window rows, made in the entry rows' launch,
-          for ``_window_rows``."""
+          for ``_window_rows``;
+        * ``o_rotated``: (o, pos) -> True: our attention kernel wrote o with the output path's
+          inverse RoPE already applied (``forward_mqa``), so ``_inverse_rope`` of this very o
+          returns it as is."""
         self._l2_prefetch: tuple[float, str] | None = None
         """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
@@ -480,6 +483,8 @@ class CudaAttention(DeepseekV4Attention):
         return super()._indexer_query(qr, pos)
 
     def _inverse_rope(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if self._handoffs.take("o_rotated", (o, pos)):
+            return o  # rotated by the attention launch that wrote it (forward_mqa)
         if self._elementwise_ready(o):
             return fused_inverse_rope(self, o, pos)
         return self.rotary.rotate(o, pos, self.acc_dtype, inverse=True)
@@ -564,6 +569,19 @@ class CudaAttention(DeepseekV4Attention):
                    for s in step.pool.stores.values())
         return torch.int32 if fits else torch.int64
 
+    def _rope_in_attention(self, q: torch.Tensor) -> bool:
+        """Our attention kernel may apply the output path's inverse RoPE as it writes o: where
+        the step hands o straight to this platform's own ``_o_proj`` and ``_inverse_rope``
+        (which would run the same rotation as its own launch) and nothing stands between
+        (no subclass or instance attribute redefines any of the three). Host work only."""
+        own = CudaAttention
+        return (type(self).forward_mqa is own.forward_mqa
+                and type(self)._o_proj is own._o_proj
+                and type(self)._inverse_rope is own._inverse_rope
+                and not {"forward_mqa", "_o_proj", "_inverse_rope"} & self.__dict__.keys()
+                and self.rotary.inv_freq.dtype == torch.float32
+                and self._elementwise_ready(q))
+
     def _window_with_entries(self, step: CacheStep) -> tuple[PagedStore, int] | None:
         """(kv store, window) for the entry rows' launch to write this step's window rows too
         (handed to ``_window_rows`` of the step), or None where the platform's own
@@ -620,7 +638,16 @@ class CudaAttention(DeepseekV4Attention):
         choice = self.attention_choice(step.pool)
         backend = choice.backend_for(q.shape[0])
         if backend == "triton":
-            return triton_forward_mqa(self, q, step, selection, choice.fmt)
+            if not self._rope_in_attention(q):
+                return triton_forward_mqa(self, q, step, selection, choice.fmt)
+            # the output path's inverse RoPE in the launch that writes o (one launch fewer);
+            # _inverse_rope of this very o then returns it
+            inv_freq = self.rotary.inv_freq
+            assert isinstance(inv_freq, torch.Tensor)
+            o = triton_forward_mqa(self, q, step, selection, choice.fmt,
+                                   inverse_rope=(step.pos, inv_freq))
+            self._handoffs.put("o_rotated", (o, step.pos), True)
+            return o
         if backend == "flashmla":
             return flashmla_forward_mqa(self, q, step, selection, choice.fmt)
         return super().forward_mqa(q, step, selection)

@@ -176,14 +176,17 @@ def _operands(layer: DeepseekV4Attention, step: CacheStep, selection: torch.Tens
 
 
 def triton_forward_mqa(layer: DeepseekV4Attention, q: torch.Tensor, step: CacheStep,
-                       selection: torch.Tensor | None, fmt: str) -> torch.Tensor:
+                       selection: torch.Tensor | None, fmt: str,
+                       inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> torch.Tensor:
     """``forward_mqa`` through :func:`dsv4.kernels.sparse_mqa.sparse_mqa` (its torch reference
-    off CUDA without Triton's interpreter)."""
+    off CUDA without Triton's interpreter); ``inverse_rope`` (positions, inv_freq) as there."""
     from dsv4.kernels.sparse_mqa import sparse_mqa
 
     win, win_rows, cmp, block = _operands(layer, step, selection, fmt)
     return sparse_mqa(q, win, win_rows, cmp, selection if cmp is not None else None,
-                      layer.attn_sink, layer.cfg.softmax_scale, fmt, block)
+                      layer.attn_sink, layer.cfg.softmax_scale, fmt, block,
+                      inverse_rope=inverse_rope)
 
 
 def flashmla_forward_mqa(layer: DeepseekV4Attention, q: torch.Tensor, step: CacheStep,
