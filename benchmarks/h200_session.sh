@@ -32,7 +32,7 @@
 #   bash benchmarks/h200_session.sh s32b     # session 32's launch cuts vs session 31's tree
 #   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
 #   bash benchmarks/h200_session.sh s33a     # changed files' GPU tests, verify, 512 vs session 31
-#   bash benchmarks/h200_session.sh s33b     # 64K vs session 31, then the L2 prefetch (tests, probe, rows)
+#   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, the L2 prefetch, 64K profiled
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -397,22 +397,31 @@ s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-
         decode-step --out "$OUT/decode512_s31" --layers C4 --ms 1,16,64 --contexts 512 \
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
     ;;
-s33b)  # session 33's second call: the 64K C4 M = 16 step (FlashMLA, our kernel) against session
-    # 31's tree, then the L2 prefetch (its tests, the probe, cold-L2 rows at 512) (carry .whl
-    # and .baseline)
+s33b)  # session 33's second call: the changed files' GPU tests call 1 did not reach (its log
+    # travels in the tree), the L2 prefetch's probe and cold-L2 rows at 512, the 64K C4 M = 16
+    # step profiled (carry .whl)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    ROWS=(--models flash,pro --reps 5 --layers C4 --ms 16 --contexts 65536)
-    step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --profile \
-        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
-    step decode_64k_triton 60 python3 -m dsv4 bench decode-step --out "$OUT/decode64kt" \
-        "${ROWS[@]}" --strategies ours_act8_pdl
-    step decode_64k_s31 60 env PYTHONPATH=.baseline/s31/src:/tmp/fm python3 -m dsv4 bench \
-        decode-step --out "$OUT/decode64k_s31" "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
-    step pytest_l2 50 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
-    step l2_probe 50 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
-    step decode_512_l2 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512l2" \
-        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --cold-l2 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl,ours_flashmla_act8_l2all_pdl
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    python3 benchmarks/pytest_remaining.py \
+        benchmarks/results/h200/session33/call1_s33a/pytest_changed.txt \
+        tests/kernels/test_paged_rows.py tests/kernels/test_compress_entries.py \
+        tests/kernels/test_rope_norm.py tests/kernels/test_l2_prefetch.py \
+        tests/kernels/test_launch.py tests/platforms/test_cuda_platform.py \
+        tests/platforms/test_cuda_backends.py tests/platforms/test_handoff.py \
+        tests/test_attention_conformance.py tests/kernels/test_sparse_mqa.py \
+        tests/kernels/test_indexer_topk.py >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+    mapfile -t REST </tmp/rest.txt
+    step pytest_rest 170 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf \
+        tests/platforms/test_cuda_backends.py::test_auto_switches_backend_per_step_on_one_cache \
+        "${REST[@]}"
+    step l2_probe 45 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
+    step decode_512_l2 100 python3 -m dsv4 bench decode-step --out "$OUT/decode512l2" \
+        --models flash,pro --layers C4 --ms 1,16 --contexts 512 --reps 3 --cold-l2 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl
+    step decode_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --profile \
+        --models flash,pro --reps 5 --layers C4 --ms 16 --contexts 65536 \
+        --strategies ours_flashmla_act8_pdl
     ;;
 l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
     # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the

@@ -251,9 +251,9 @@ def test_auto_switches_backend_per_step_on_one_cache(tiny):
     real = {n: getattr(cuda_platform, n) for n in ("triton_forward_mqa", "flashmla_forward_mqa")}
 
     def spy(name):
-        def run(lay, q, *a):
+        def run(lay, q, *a, **kw):
             calls.append((name, q.shape[0]))
-            return real[name](lay, q, *a)
+            return real[name](lay, q, *a, **kw)
         return run
 
     with mock.patch.object(cuda_platform, "triton_forward_mqa", spy("triton_forward_mqa")), \
