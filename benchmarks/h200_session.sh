@@ -33,6 +33,7 @@
 #   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
 #   bash benchmarks/h200_session.sh s33a     # changed files' GPU tests, verify, 512 vs session 31
 #   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, the L2 prefetch, 64K profiled
+#   bash benchmarks/h200_session.sh s33c     # call 2's failures after their fixes, with tracebacks
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -422,6 +423,16 @@ s33b)  # session 33's second call: the changed files' GPU tests call 1 did not r
     step decode_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --profile \
         --models flash,pro --reps 5 --layers C4 --ms 16 --contexts 65536 \
         --strategies ours_flashmla_act8_pdl
+    ;;
+s33c)  # session 33's last call (~200 s of budget): call 2's failures after their test fixes,
+    # with tracebacks (-rf, short)
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 3)
+    step pytest_fails 75 "${PYTEST[@]}" "${XDIST[@]}" -rf --tb=short \
+        "tests/kernels/test_indexer_topk.py::test_fp8_scores_equal_those_of_the_same_keys_in_bf16" \
+        "tests/platforms/test_cuda_backends.py::test_a_decode_step_runs_the_shared_launches" \
+        "tests/platforms/test_cuda_backends.py::test_l2_prefetch_on_the_gpu"
+    grep -E "^(FAILED|ERROR|E )|passed|failed" "$OUT/pytest_fails.txt" | cut -c1-300 | tail -40
     ;;
 l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
     # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
