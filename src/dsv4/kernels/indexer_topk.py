@@ -8,8 +8,7 @@ without Triton's interpreter):
 1. **Scores** (``_score_kernel``, one program per query and run of tiles of ``SCORE_BLOCK``
    entries, a few programs per SM over all queries: ``choose_score_programs``):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
-   table of the query's sequence), dequantised in registers (fp8 keys of one 128-block: their
-   row's power-of-two scale multiplies the score instead, the same bits), and
+   table of the query's sequence), dequantised in registers, and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
    query's visible entries only write -inf.
@@ -286,20 +285,14 @@ if triton_available():
                      DT: tl.constexpr, PREC: tl.constexpr):
         """[BN] fp32 scores of entries ``j`` for one query (``q`` [HP, D], head weights ``w``
         [HP] times the weight scale): sum over heads of w * relu(q . K[j]); -inf from
-        ``visible`` on. fp8 keys of one 128-block (D = 128: Flash's and Pro's) have one
-        power-of-two scale a row, so it multiplies the row's score instead of each key value:
-        the same bits (a power-of-two factor commutes with every fp32 rounding), D multiplies
-        fewer per entry."""
-        if FMT == 1 and D == 128:
-            p, off, valid = _index_key_places(tab_ptr, slot, stab, j, visible, max_logical, B)
-            e, sc = _fp8_index_rows(keys_ptr, p, off, valid, blk_stride, B, D, BN)
-            logits = tl.dot(q, tl.trans(e.to(DT)), input_precision=PREC)  # [HP, BN] fp32
-            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0) * tl.reshape(sc, (BN,))
-        else:
-            k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
-                                 blk_stride, B, D, FMT, BN, DT)
-            logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        ``visible`` on. Every format's keys reach the MMA as the same dequantised values (fp8:
+        e4m3 x its block's scale, exact in bf16), so an fp8 store scores exactly as a bf16
+        store of those keys. (Session 31 applied an fp8 row's power-of-two scale to its score
+        instead: bit-equal under the interpreter, not on an H100 - session 33 - so withdrawn.)"""
+        k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                             blk_stride, B, D, FMT, BN, DT)
+        logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         return tl.where(j < visible, s, float("-inf"))
 
     @triton.jit(do_not_specialize=["width", "tiles"])
