@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_session.sh s33a     # changed files' GPU tests, verify, 512 vs session 31
 #   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, the L2 prefetch, 64K profiled
 #   bash benchmarks/h200_session.sh s33c     # call 2's failures after their fixes, with tracebacks
+#   bash benchmarks/h200_session.sh s34      # tests session 33 left, auto vs FlashMLA at 512, top-k merge
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -371,6 +372,29 @@ s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query hea
         "${ROWS[@]}"
     step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
         --ms 16 --contexts 65536 --profile "${ROWS[@]}"
+    ;;
+s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's calls did not
+    # reach or that were fixed after them (both logs travel in the tree), the library's default
+    # choice (auto) in a step beside FlashMLA's, then the split top-k's merge against session
+    # 30's kernel (carry .whl and .baseline; .baseline/indexer_topk_s30.py as for s32)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    S33=benchmarks/results/h200/session33
+    cat $S33/call1_s33a/pytest_changed.txt $S33/call2_s33b/pytest_rest.txt \
+        | grep -v "FAILED" >/tmp/s33.txt
+    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels tests/platforms \
+        tests/test_attention_conformance.py >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+    mapfile -t REST </tmp/rest.txt
+    step pytest_rest 250 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
+    ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 1,16,64 --contexts 512)
+    step decode_512 75 python3 -m dsv4 bench decode-step --out "$OUT/decode512" "${ROWS[@]}" \
+        --strategies ours_flashmla_act8_pdl
+    step decode_512_auto 75 python3 -m dsv4 bench decode-step --out "$OUT/decode512auto" \
+        "${ROWS[@]}" --strategies ours_auto_act8_pdl
+    step topk_merge 80 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
+        --widths 16384,65536 --variants "auto,auto hold" \
+        --baseline .baseline/indexer_topk_s30.py
     ;;
 s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
     # (8 workers), verify, then the C4 / C128 / SWA step at 512 with FlashMLA and with our

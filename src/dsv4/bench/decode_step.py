@@ -34,7 +34,9 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        ``ours_flashmla`` / ``ours_flashmla_act8`` / ``ours_act8`` with our
                        kernels launched with programmatic dependent launch
                        (:mod:`dsv4.kernels.launch`); each output must equal its twin's
-                       without PDL bit for bit where that row ran. Every other
+                       without PDL bit for bit where that row ran. ``ours_auto_act8_pdl``:
+                       the same with ``attention_backend=auto`` (FlashMLA where installed,
+                       our kernel for the plan's short steps - what the library runs). Every other
                        strategy runs with PDL off, so rows compare across sessions (the
                        library itself launches with PDL by default since session 27)
 * ``ours_flashmla_act8_1s``, ``..._1s_pdl`` (opt-in): ``ours_flashmla_act8`` (with PDL) with
@@ -111,7 +113,8 @@ UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
         "ours_flashmla", "ours_act8", "ours_flashmla_act8")
 # opt-in: --strategies
-PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_act8_pdl")
+PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_act8_pdl",
+       "ours_auto_act8_pdl")
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
           "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl",
@@ -163,6 +166,10 @@ STRATEGY_SPECS = {
                                        True, True, pdl=True),
     "ours_act8_pdl": Strategy(1024, "plan", _BOTH, True, "triton", "fp8_ds_mla", True, True,
                               pdl=True),
+    # the library's default choice per step (attention_backend=auto: FlashMLA, our kernel for
+    # the plan's short steps)
+    "ours_auto_act8_pdl": Strategy(1024, "plan", _BOTH, True, "auto", "fp8_ds_mla", True, True,
+                                   pdl=True),
     # every kernel on one stream (no side streams for the indexer and compressors)
     "ours_flashmla_act8_1s": Strategy(0, "plan", _BOTH, True, "flashmla", "fp8_ds_mla", True,
                                       True),
