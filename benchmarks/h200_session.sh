@@ -383,8 +383,13 @@ s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's
     S33=benchmarks/results/h200/session33
     cat $S33/call1_s33a/pytest_changed.txt $S33/call2_s33b/pytest_rest.txt \
         | grep -v "FAILED" >/tmp/s33.txt
-    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels tests/platforms \
-        tests/test_attention_conformance.py >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
+        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
+        tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
+        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
+        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
+        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
+        >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
     mapfile -t REST </tmp/rest.txt
     step pytest_rest 250 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
     ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 1,16,64 --contexts 512)
