@@ -6,8 +6,8 @@ configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) a
 ``gemm``: the fp8 weight-streaming GEMM's configurations and the one-pass dequantisation;
 
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
-indexer's scoring and top-k at decode and prefill, the split-KV combine, the L2 prefetch in
-each mode) at Flash / Pro shapes;
+indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro
+shapes;
 ``stages``: the RoPE /
 norm / quantisation kernels and the compressed entries; ``fused``: the one-launch input kernel
 at Flash / Pro C4 decode configurations, with and without ``act_quant``; ``pdl``: all of them
@@ -43,7 +43,6 @@ from dsv4.kernels import fp8_linear as fl
 from dsv4.kernels import fused_input_proj as fip
 from dsv4.kernels import indexer_prefill as ip
 from dsv4.kernels import indexer_topk as it
-from dsv4.kernels import l2_prefetch as lp
 from dsv4.kernels import paged_rows as pr
 from dsv4.kernels import rope_norm as rn
 from dsv4.kernels import sparse_mqa as sm
@@ -392,14 +391,6 @@ def steps() -> bool:
                         DT=tl.bfloat16, PREC="tf32"),
                    dict(num_warps=ip.NUM_WARPS, num_stages=ip.NUM_STAGES))
     ok &= combine()
-    # the L2 weight prefetch (inline PTX: ptxas checks each mode's instruction)
-    t = dict(sink_ptr="*i32", **{f"{a}{i}": "i64" for i in range(lp.MAX_REGIONS)
-                                 for a in ("a", "n")}, total="i64")
-    for mode in lp.MODES:
-        chunk = lp.LINE if mode == "lines" else lp.DEFAULT_CHUNK
-        ok &= _try(f"l2 prefetch {mode}", lp._l2_prefetch_kernel, t,
-                   dict(CHUNK=chunk, LANES=lp.LANES, MODE=lp.MODES.index(mode)),
-                   dict(num_warps=4))
     return ok
 
 

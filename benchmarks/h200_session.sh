@@ -30,9 +30,8 @@
 #   bash benchmarks/h200_session.sh s31      # the GPU tests a cut checkx left, 64K M = 16 rows
 #   bash benchmarks/h200_session.sh s32      # session 31's top-k merge / score scale vs before
 #   bash benchmarks/h200_session.sh s32b     # session 32's launch cuts vs session 31's tree
-#   bash benchmarks/h200_session.sh l2       # session 32's L2 weight prefetch: tests, probe, rows
 #   bash benchmarks/h200_session.sh s33a     # changed files' GPU tests, verify, 512 vs session 31
-#   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, the L2 prefetch, 64K profiled
+#   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, 64K profiled
 #   bash benchmarks/h200_session.sh s33c     # call 2's failures after their fixes, with tracebacks
 #   bash benchmarks/h200_session.sh s34      # tests session 33 left, auto vs FlashMLA at 512, top-k merge
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
@@ -385,7 +384,7 @@ s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's
         | grep -v "FAILED" >/tmp/s33.txt
     python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
         tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
-        tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
+        tests/kernels/test_launch.py \
         tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
         tests/platforms/test_handoff.py tests/test_attention_conformance.py \
         tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
@@ -411,7 +410,7 @@ s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     step pytest_changed 230 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/kernels/test_paged_rows.py \
         tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
-        tests/kernels/test_l2_prefetch.py tests/kernels/test_launch.py \
+        tests/kernels/test_launch.py \
         tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
         tests/platforms/test_handoff.py tests/test_attention_conformance.py \
         tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py
@@ -428,16 +427,15 @@ s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
     ;;
 s33b)  # session 33's second call: the changed files' GPU tests call 1 did not reach (its log
-    # travels in the tree), the L2 prefetch's probe and cold-L2 rows at 512, the 64K C4 M = 16
-    # step profiled (carry .whl)
+    # travels in the tree), the 64K C4 M = 16 step profiled (carry .whl)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     python3 benchmarks/pytest_remaining.py \
         benchmarks/results/h200/session33/call1_s33a/pytest_changed.txt \
         tests/kernels/test_paged_rows.py tests/kernels/test_compress_entries.py \
-        tests/kernels/test_rope_norm.py tests/kernels/test_l2_prefetch.py \
-        tests/kernels/test_launch.py tests/platforms/test_cuda_platform.py \
+        tests/kernels/test_rope_norm.py tests/kernels/test_launch.py \
+        tests/platforms/test_cuda_platform.py \
         tests/platforms/test_cuda_backends.py tests/platforms/test_handoff.py \
         tests/test_attention_conformance.py tests/kernels/test_sparse_mqa.py \
         tests/kernels/test_indexer_topk.py >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
@@ -445,10 +443,8 @@ s33b)  # session 33's second call: the changed files' GPU tests call 1 did not r
     step pytest_rest 170 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf \
         tests/platforms/test_cuda_backends.py::test_auto_switches_backend_per_step_on_one_cache \
         "${REST[@]}"
-    step l2_probe 45 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
-    step decode_512_l2 100 python3 -m dsv4 bench decode-step --out "$OUT/decode512l2" \
-        --models flash,pro --layers C4 --ms 1,16 --contexts 512 --reps 3 --cold-l2 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl
+    # (at 403cb16 the L2 prefetch's probe and cold-L2 rows ran here; the prefetch lost and
+    # was removed)
     step decode_64k 70 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --profile \
         --models flash,pro --reps 5 --layers C4 --ms 16 --contexts 65536 \
         --strategies ours_flashmla_act8_pdl
@@ -459,23 +455,8 @@ s33c)  # session 33's last call (~200 s of budget): call 2's failures after thei
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 3)
     step pytest_fails 75 "${PYTEST[@]}" "${XDIST[@]}" -rf --tb=short \
         "tests/kernels/test_indexer_topk.py::test_fp8_scores_equal_those_of_the_same_keys_in_bf16" \
-        "tests/platforms/test_cuda_backends.py::test_a_decode_step_runs_the_shared_launches" \
-        "tests/platforms/test_cuda_backends.py::test_l2_prefetch_on_the_gpu"
+        "tests/platforms/test_cuda_backends.py::test_a_decode_step_runs_the_shared_launches"
     grep -E "^(FAILED|ERROR|E )|passed|failed" "$OUT/pytest_fails.txt" | cut -c1-300 | tail -40
-    ;;
-l2)  # session 32's L2 prefetch (dsv4.kernels.l2_prefetch, CudaAttention.use_l2_prefetch): its
-    # tests, the isolated probe (one GEMM cold / after each mode's prefetch / hot), then the
-    # C4 step at 512 and 64K with the L2 scrubbed before each replay, prefetch off and on
-    # (carry .whl)
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    step pytest_l2 60 "${PYTEST[@]}" -rf tests/kernels/test_l2_prefetch.py
-    step l2_probe 60 python3 benchmarks/l2_probe.py --out "$OUT/l2probe"
-    step decode_512 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
-        --models flash,pro --layers C4 --ms 1,16,64 --contexts 512 --reps 3 --cold-l2 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl,ours_flashmla_act8_l2all_pdl
-    step decode_64k 110 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
-        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 --cold-l2 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_l2_pdl,ours_flashmla_act8_l2last_pdl
     ;;
 s31)  # session 31's last call (cold, ~330 s of command): the GPU tests checkx and the
     # follow-up did not reach (ids in benchmarks/results/h200/session31/gpu_rest_ids.txt,

@@ -246,62 +246,6 @@ def test_held_topk_rows_change_nothing_but_speed(cpu_cuda_layer, monkeypatch):
         assert torch.equal(st_on[name], st_off[name]), name
 
 
-def test_l2_prefetch_is_asked_once_per_streamed_step(cpu_cuda_layer, monkeypatch):
-    """``use_l2_prefetch``: every step the streaming GEMMs take (the 20-token prefill and the
-    6 decode steps; not the 130-token prefill) asks once, after ``wq_b``'s GEMM, for
-    ``wo_a``'s then ``wo_b``'s fp8 weight up to the fraction of the L2 size, in the mode
-    given; off, never. Nothing else changes (the outputs and stores bit-equal). The prefetch
-    itself is inline PTX the interpreter cannot run: stood in for here, run on a GPU in
-    tests/kernels/test_l2_prefetch.py."""
-    import dsv4.platforms.cuda as cuda
-    import dsv4.platforms.cuda_linears as cl
-
-    cfg = DSV4Config.preset("tiny")
-    asked: list[tuple[list[torch.Tensor], int, str]] = []
-    order: list[str] = []
-
-    def prefetch(regions, max_bytes, *, mode):
-        asked.append((list(regions), max_bytes, mode))
-        order.append("prefetch")
-        return max_bytes
-
-    real_heads = cuda.fused_query_heads_and_kv_rows
-
-    def query_heads(*args):
-        order.append("heads")
-        return real_heads(*args)
-
-    monkeypatch.setattr(cuda, "prefetch_usable", lambda device: True)
-    monkeypatch.setattr(cuda, "l2_bytes", lambda device: 1 << 20)
-    monkeypatch.setattr(cuda, "prefetch_to_l2", prefetch)
-    monkeypatch.setattr(cuda, "fused_query_heads_and_kv_rows", query_heads)
-    runs = []
-    for on in (False, True):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        layer.fp8_plan = cl.plan_fp8_linears(layer, True)  # the streaming GEMMs, interpreted
-        assert {"wo_a", "wo_b"} <= layer.fp8_plan.eligible
-        layer.use_l2_prefetch(on, fraction=0.25, mode="bulk_last")
-        asked.clear()
-        order.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(asked), list(order)))
-    (y_off, st_off, a_off, _), (y_on, st_on, a_on, o_on) = runs
-    assert a_off == [] and len(a_on) == 7
-    for regions, max_bytes, mode in a_on:
-        assert [r is w for r, w in zip(regions, (layer.wo_a.weight, layer.wo_b.weight),
-                                       strict=True)] == [True, True]
-        assert max_bytes == 1 << 18 and mode == "bulk_last"
-    # each after its step's wq_b GEMM, before the query heads' RoPE (the 130-token prefill
-    # runs its heads without a prefetch)
-    assert o_on == ["heads"] + ["prefetch", "heads"] * 7
-    assert torch.equal(y_on, y_off)
-    for name in st_off:
-        assert torch.equal(st_on[name], st_off[name]), name
-    for bad in (dict(mode="nearest"), dict(fraction=0.0), dict(fraction=1.5)):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            layer.use_l2_prefetch(True, **bad)
-    assert layer._l2_prefetch == (0.25, "bulk_last")  # a refused call changes nothing
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypatch, fmt):
     """With a kernel attention backend the window and entry rows are written as int32, what the

@@ -56,12 +56,6 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
 * ``ours_flashmla_act8_hold_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the top-k
                        programs holding their rows in registers (``use_held_topk_rows``; the
                        same selection, so the same output bit for bit)
-* ``ours_flashmla_act8_l2_pdl``, ``..._l2last_pdl``, ``..._l2all_pdl`` (opt-in):
-                       ``ours_flashmla_act8_pdl`` with ``wo_a``'s and ``wo_b``'s weights
-                       prefetched into L2 after ``wq_b``'s GEMM (``use_l2_prefetch``): half
-                       the L2 without a cache hint, half with ``evict_last``, the whole L2
-                       with ``evict_last``; nothing else changes, so the output must equal
-                       ``ours_flashmla_act8_pdl``'s bit for bit. Time them with ``--cold-l2``
 
 ``--cold-l2`` times each replay alone after reading a buffer of twice the L2 size (so the
 step finds none of the last replay's lines in L2, as a model's next layer would not find this
@@ -117,9 +111,7 @@ PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_act8_pdl
        "ours_auto_act8_pdl")
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
-          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl",
-          "ours_flashmla_act8_l2_pdl", "ours_flashmla_act8_l2last_pdl",
-          "ours_flashmla_act8_l2all_pdl")  # opt-in
+          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -141,8 +133,6 @@ class Strategy:
     q_pair: bool = False  # CudaAttention.use_query_gemm_pair
     sorted_selection: bool = True  # CudaAttention.use_sorted_selection
     held_rows: bool = False  # CudaAttention.use_held_topk_rows
-    l2_fraction: float = 0.0  # CudaAttention.use_l2_prefetch (0: off)
-    l2_mode: str = "bulk"
 
 
 _BOTH = ("compressor_fusion", "fuse_input_projections")
@@ -186,11 +176,6 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                             "fp8_ds_mla", True, True, pdl=True,
                                             held_rows=True),
-    **{f"ours_flashmla_act8_{name}_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
-                                                  "fp8_ds_mla", True, True, pdl=True,
-                                                  l2_fraction=fraction, l2_mode=mode)
-       for name, fraction, mode in (("l2", 0.5, "bulk"), ("l2last", 0.5, "bulk_last"),
-                                    ("l2all", 1.0, "bulk_last"))},
 }
 
 
@@ -213,8 +198,6 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer.use_query_gemm_pair(spec.q_pair)
     layer.use_sorted_selection(spec.sorted_selection)
     layer.use_held_topk_rows(spec.held_rows)
-    if spec.l2_fraction:
-        layer.use_l2_prefetch(True, fraction=spec.l2_fraction, mode=spec.l2_mode)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))
     return layer
@@ -416,13 +399,12 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         spec = STRATEGY_SPECS[strategy]
         # PDL and the pre-quantised query latent must not change a bit (the query pair and
         # the unsorted selection may: each keeps its own twin)
-        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False,
-                                                    l2_fraction=0.0, l2_mode="bulk"),
+        twin = twins.setdefault(dataclasses.replace(spec, pdl=False, qr_fp8=False),
                                 (out.clone(), strategy))
         if not torch.equal(out, twin[0]):
             raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: output "
                                f"differs from {twin[1]}'s (the same step without PDL, the "
-                               "pre-quantised query latent or the L2 prefetch)")
+                               "pre-quantised query latent)")
         act = spec.act_quant
         tol = 2e-2
         if act in bases:

@@ -25,10 +25,6 @@
   launch, the indexer's handed to its own call by identity) and ``_keep_ring_rows`` (the rows
   the rings keep, at the end of a step: both rings in one launch at the main ring's call, which
   the step makes just before the indexer ring's; that call then does nothing).
-* ``use_l2_prefetch(True)`` (opt-in, not yet timed): in decode-sized steps one launch after
-  ``wq_b``'s GEMM asks the L2 cache for ``wo_a``'s and ``wo_b``'s fp8 weights
-  (:mod:`dsv4.kernels.l2_prefetch`) while the latency-bound kernels before the output
-  projection run.
 * ``forward_mqa`` runs the backend that ``cfg.attention_backend`` names (torch, triton, flashmla,
   auto; :mod:`dsv4.platforms.cuda_attention`).
 * ``_store_rows`` (a step's window rows, compressed entries and indexer keys into their paged
@@ -78,8 +74,6 @@ from dsv4.kernels.compress_entries import (
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
-from dsv4.kernels.l2_prefetch import MODES as L2_MODES
-from dsv4.kernels.l2_prefetch import l2_bytes, prefetch_to_l2, prefetch_usable
 from dsv4.kernels.paged_rows import (
     entry_and_window_rows,
     entry_flat_rows,
@@ -174,8 +168,8 @@ class CudaAttention(DeepseekV4Attention):
                "_inverse_rope", "_indexer_kernel_format", "_paged_kernels_ready",
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
-               "use_l2_prefetch", "_prefetch_output_weights", "_flat_row_dtype",
-               "_kv_rows_fusable", "_window_with_entries", "_rope_in_attention")
+               "_flat_row_dtype", "_kv_rows_fusable", "_window_with_entries",
+               "_rope_in_attention")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -221,8 +215,6 @@ class CudaAttention(DeepseekV4Attention):
         * ``o_rotated``: (o, pos) -> True: our attention kernel wrote o with the output path's
           inverse RoPE already applied (``forward_mqa``), so ``_inverse_rope`` of this very o
           returns it as is."""
-        self._l2_prefetch: tuple[float, str] | None = None
-        """(fraction of the L2 cache, prefetch mode) for ``use_l2_prefetch``; None: off."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -272,33 +264,6 @@ class CudaAttention(DeepseekV4Attention):
         instead of once per pass. Off by default until timed on a GPU (the decode-step
         bench's ``ours_flashmla_act8_hold_pdl``)."""
         self._held_topk_rows = enabled
-
-    def use_l2_prefetch(self, enabled: bool, *, fraction: float = 0.5, mode: str = "bulk"
-                        ) -> None:
-        """Decode-sized steps: right after ``wq_b``'s GEMM, one launch asks the L2 cache for
-        ``wo_a``'s fp8 weight, then ``wo_b``'s, up to ``fraction`` of the L2 size
-        (:func:`dsv4.kernels.l2_prefetch.prefetch_to_l2`, ``mode`` one of its modes), so that
-        the fetch overlaps the latency-bound kernels before the output projection. Changes no
-        value (nothing is written); one more launch per step, and only where the fp8 kernels
-        take ``wo_a`` and the device is sm_90 or later. Off by default until timed on a GPU
-        (the decode-step bench's ``ours_flashmla_act8_l2_pdl``, with ``--cold-l2``)."""
-        if mode not in L2_MODES:
-            raise ValueError(f"use_l2_prefetch: mode={mode!r}, expected one of {L2_MODES}")
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"use_l2_prefetch: fraction={fraction} must be in (0, 1]")
-        self._l2_prefetch = (fraction, mode) if enabled else None
-
-    def _prefetch_output_weights(self, x: torch.Tensor) -> None:
-        """The prefetch :meth:`use_l2_prefetch` asks for, in a step whose activations are
-        ``x`` (nothing where it is off or the step is not one the streaming GEMMs take)."""
-        if (self._l2_prefetch is None or x.shape[0] > FP8_GEMM_MAX_TOKENS
-                or not self._fp8_ready("wo_a", x) or not prefetch_usable(x.device)):
-            return
-        fraction, mode = self._l2_prefetch
-        regions = [self.wo_a.weight]
-        if self._fp8_ready("wo_b", x):
-            regions.append(self.wo_b.weight)
-        prefetch_to_l2(regions, int(fraction * l2_bytes(x.device)), mode=mode)
 
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
         """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
@@ -454,7 +419,6 @@ class CudaAttention(DeepseekV4Attention):
         if not self._elementwise_ready(qr):
             return super()._query_heads(qr, pos)
         q = self._wq_b_gemm(qr)
-        self._prefetch_output_weights(qr)
         kv = self._handoffs.take("kv_norms", ())
         if kv is not None and self._kv_rows_fusable(kv, q):
             heads, rows = fused_query_heads_and_kv_rows(self, q, kv, pos)
