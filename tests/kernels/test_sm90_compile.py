@@ -30,7 +30,8 @@ def test_step_kernels_compile_for_sm90_without_spills(capsys):
     assert aot.steps(), "a kernel failed to compile (its traceback is printed above)"
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "REG:" in ln]
     assert len(lines) >= 20
-    spilled = [ln for ln in lines if "STACK:0 " not in ln and not _split_topk_within(ln)]
+    spilled = [ln for ln in lines if "STACK:0 " not in ln and not _split_topk_within(ln)
+               and not _rope_frame_within(ln)]
     assert not spilled, spilled
 
 
@@ -47,6 +48,19 @@ def _split_topk_within(line: str) -> bool:
         return False
     stack = int(line.split("STACK:")[1].split()[0])
     return stack <= SPLIT_TOPK_STACK_BYTES
+
+
+# A build that rotates by RoPE angles (the split-KV combine with the output's inverse RoPE)
+# calls libdevice's sinf / cosf, whose slow argument reduction keeps a 32-byte local array:
+# the frame is reserved but that path never runs (the angle is reduced to [-pi, pi] in fp64
+# first: dsv4.kernels.rope_norm.rope_cos_sin). Every RoPE kernel has it; allowed there only.
+ROPE_FRAME_BYTES = 32
+
+
+def _rope_frame_within(line: str) -> bool:
+    if "rope_nope2=" not in line or "rope_nope2=-1" in line:
+        return False
+    return int(line.split("STACK:")[1].split()[0]) <= ROPE_FRAME_BYTES
 
 
 @COMPILER
