@@ -169,7 +169,7 @@ class CudaAttention(DeepseekV4Attention):
                "use_prequantised_query_latent", "_qr_fp8_for", "use_query_gemm_pair",
                "_query_pair_ready", "use_sorted_selection", "use_held_topk_rows",
                "_flat_row_dtype", "_kv_rows_fusable", "_window_with_entries",
-               "_rope_in_attention")
+               "_rope_in_attention", "_own")
 
     def __init__(self, *args: Any, aux_streams: Any = None, plan: CudaPlan | None = None,
                  **kwargs: Any) -> None:
@@ -265,10 +265,16 @@ class CudaAttention(DeepseekV4Attention):
         bench's ``ours_flashmla_act8_hold_pdl``)."""
         self._held_topk_rows = enabled
 
+    def _own(self, *names: str) -> bool:
+        """Host-side: none of the override points ``names`` is redefined - by a subclass or by
+        an instance attribute (a spy, a patch) - so this platform's own code answers each of
+        them: the condition for doing one's work early in another's launch and handing it on."""
+        return all(getattr(type(self), n) is getattr(CudaAttention, n)
+                   and n not in self.__dict__ for n in names)
+
     def _query_pair_ready(self, qr: torch.Tensor) -> bool:
         """Host-side: this call of ``_indexer_wq_b_gemm`` may run the pair launch."""
-        return (self._q_pair_enabled and self.indexer is not None
-                and type(self)._wq_b_gemm is CudaAttention._wq_b_gemm
+        return (self._q_pair_enabled and self.indexer is not None and self._own("_wq_b_gemm")
                 and qr.shape[0] <= FP8_GEMM_MAX_TOKENS
                 and self._fp8_ready("wq_b", qr) and self._fp8_ready("indexer.wq_b", qr))
 
@@ -430,7 +436,7 @@ class CudaAttention(DeepseekV4Attention):
         """Host-side: ``_query_heads`` may rotate ``kv`` (this step's rows from the latent
         norms) in its own launch - the platform's ``_kv_rows`` will be the one asked for them
         (a subclass that redefines it keeps its own) and the rows go with q's tokens."""
-        return (type(self)._kv_rows is CudaAttention._kv_rows and self._elementwise_ready(kv)
+        return (self._own("_kv_rows") and self._elementwise_ready(kv)
                 and kv.shape[0] == q.shape[0])
 
     def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -485,8 +491,7 @@ class CudaAttention(DeepseekV4Attention):
             return
         idx_rows = self._handoffs.take("idx_ring_rows", (rows,))
         if (idx_rows is not None and name == "compressed" and "idx_keys" in step.jobs
-                and type(self)._keep_ring_rows is CudaAttention._keep_ring_rows
-                and "_keep_ring_rows" not in self.__dict__):
+                and self._own("_keep_ring_rows")):
             # the indexer ring's rows (the step's next and last call) in the same launch; not
             # where a subclass or an instance attribute stands in for the indexer ring's call
             idx = (step.ring("idx_keys"), idx_rows, step.jobs["idx_keys"].keep_dst,
@@ -526,7 +531,7 @@ class CudaAttention(DeepseekV4Attention):
         backend (ours and FlashMLA's read int32 indices: the rows then need no cast launch, one
         per index tensor) and every store's rows fit; the contract's int64 otherwise (a
         subclass with its own ``forward_mqa`` gets int64). Host work only."""
-        if (type(self).forward_mqa is not CudaAttention.forward_mqa
+        if (not self._own("forward_mqa")
                 or self.attention_choice(step.pool).backend not in ("triton", "flashmla")):
             return torch.int64
         fits = all(s.alloc.num_blocks * s.block_size <= torch.iinfo(torch.int32).max
@@ -538,11 +543,7 @@ class CudaAttention(DeepseekV4Attention):
         the step hands o straight to this platform's own ``_o_proj`` and ``_inverse_rope``
         (which would run the same rotation as its own launch) and nothing stands between
         (no subclass or instance attribute redefines any of the three). Host work only."""
-        own = CudaAttention
-        return (type(self).forward_mqa is own.forward_mqa
-                and type(self)._o_proj is own._o_proj
-                and type(self)._inverse_rope is own._inverse_rope
-                and not {"forward_mqa", "_o_proj", "_inverse_rope"} & self.__dict__.keys()
+        return (self._own("forward_mqa", "_o_proj", "_inverse_rope")
                 and self.rotary.inv_freq.dtype == torch.float32
                 and self._elementwise_ready(q))
 
@@ -550,7 +551,7 @@ class CudaAttention(DeepseekV4Attention):
         """(kv store, window) for the entry rows' launch to write this step's window rows too
         (handed to ``_window_rows`` of the step), or None where the platform's own
         ``_window_rows`` is not the one the step will ask."""
-        if type(self)._window_rows is not CudaAttention._window_rows:
+        if not self._own("_window_rows"):
             return None
         return step.pool.stores["kv"], self.window
 
@@ -568,7 +569,7 @@ class CudaAttention(DeepseekV4Attention):
             return super()._visible_entries(step, ratio)
         n = step.max_visible(ratio)
         store = step.pool.stores.get("compressed")
-        if store is not None and type(self)._entry_rows is CudaAttention._entry_rows:
+        if store is not None and self._own("_entry_rows"):
             # the selection and its flat rows in one launch; _entry_rows of this very
             # selection hands the rows back
             window = self._window_with_entries(step)
