@@ -220,45 +220,31 @@ if triton_available():
         patch_interpreter_index()
 
     @triton.jit
-    def _index_key_places(tab_ptr, slot, stab, j, limit, max_logical, B):
-        """Physical block ``p`` (int64), offset in it and validity of entries ``j`` [BN] of the
-        sequence in ``slot`` (its block-table row): invalid for entries >= ``limit``, beyond
-        the table or in an unheld block (``p`` 0 there)."""
-        logical = j // B
-        seen = (j < limit) & (logical < max_logical)
-        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-        valid = seen & (phys >= 0)
-        return tl.where(valid, phys, 0).to(tl.int64), j - logical * B, valid
-
-    @triton.jit
-    def _fp8_index_rows(st_ptr, p, off, valid, blk_stride, B, D: tl.constexpr,
-                        BN: tl.constexpr):
-        """The fp8 store's rows at (block ``p``, offset ``off``): [BN, D] e4m3 values, not
-        scaled, and their [BN, D // 128] float32 scales; zeros where not ``valid``."""
-        base = p * blk_stride
-        cols = tl.arange(0, D)
-        e = tl.load(st_ptr + (base + off * D)[:, None] + cols[None, :], mask=valid[:, None],
-                    other=0)
-        NS: tl.constexpr = D // 128
-        sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
-        sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
-        return e.to(tl.float8e4nv, bitcast=True), sc
-
-    @triton.jit
     def _load_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical, blk_stride, B,
                          D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
                          DT: tl.constexpr):
         """[BN, D] keys in DT of entries ``j`` [BN] of the sequence in ``slot``, found through its
         block-table row; zeros for entries >= ``limit``, beyond the table or in an unheld
         block. FMT: 0 bf16, 1 fp8, 2 fp4."""
-        p, off, valid = _index_key_places(tab_ptr, slot, stab, j, limit, max_logical, B)
+        logical = j // B
+        seen = (j < limit) & (logical < max_logical)
+        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
+        valid = seen & (phys >= 0)
+        off = j % B
+        cols = tl.arange(0, D)
+        p = tl.where(valid, phys, 0).to(tl.int64)
         if FMT == 0:
             k = _load_rows(st_ptr, p * B + off, valid, blk_stride, B, D, False, 0, 0, 0, BN, DT)
         elif FMT == 1:
-            e, sc = _fp8_index_rows(st_ptr, p, off, valid, blk_stride, B, D, BN)
+            base = p * blk_stride
+            e = tl.load(st_ptr + (base + off * D)[:, None] + cols[None, :], mask=valid[:, None],
+                        other=0)
+            e = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             NS: tl.constexpr = D // 128
+            sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D))
-            k = (e.to(tl.float32) * sc).to(DT)
+            k = (e * sc).to(DT)
         else:
             base = p * blk_stride
             HALF: tl.constexpr = D // 2
