@@ -36,3 +36,25 @@ def test_peek_keeps_and_clear_drops():
     h.put("a", (qr,), 1)
     h.put("a", (qr,), 2)  # replaced
     assert h.take("a", (qr,)) == 2
+
+
+def test_own_override_points_step_aside_for_subclasses_and_instance_attributes(tiny,
+                                                                              monkeypatch):
+    """``CudaAttention._own``: the gate every shared launch checks - true only where neither a
+    subclass nor an instance attribute redefines any of the named override points."""
+    from dsv4.platforms.cuda import CudaAttention
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: None)  # the CPU build has none
+    layer = CudaAttention(tiny, tiny.layer_of_ratio(4), device="cpu", dtype=torch.bfloat16,
+                          aux_streams=[])
+    assert layer._own("_kv_rows", "_window_rows", "forward_mqa")
+    layer._kv_rows = lambda kv, pos: kv  # a spy or a patch on the instance
+    assert not layer._own("_kv_rows") and layer._own("_window_rows")
+    del layer._kv_rows
+
+    class OwnRows(CudaAttention):
+        def _window_rows(self, step):
+            return super()._window_rows(step)
+
+    layer.__class__ = OwnRows
+    assert not layer._own("_kv_rows", "_window_rows") and layer._own("_kv_rows")
