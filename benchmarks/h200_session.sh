@@ -34,6 +34,7 @@
 #   bash benchmarks/h200_session.sh s33b     # call 1's unreached tests, 64K profiled
 #   bash benchmarks/h200_session.sh s33c     # call 2's failures after their fixes, with tracebacks
 #   bash benchmarks/h200_session.sh s34      # tests session 33 left, auto vs FlashMLA at 512, top-k merge
+#   bash benchmarks/h200_session.sh s34b     # 64K top-k variants in the step, auto at 2-8 tokens
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -399,6 +400,20 @@ s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's
     step topk_merge 80 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
         --widths 16384,65536 --variants "auto,auto hold" \
         --baseline .baseline/indexer_topk_s30.py
+    ;;
+s34b)  # session 34's second call: the 64K C4 step with the top-k's opt-in variants (no final
+    # sort, rows held in registers, both) beside the default, and auto's range at 512: our
+    # attention kernel against FlashMLA's at 2, 4 and 8 tokens (separate runs: each its own
+    # error base under act_quant; carry .whl)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step decode_64k 200 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl,ours_flashmla_act8_hold_pdl,ours_flashmla_act8_nosort_hold_pdl
+    ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 2,4,8 --contexts 512)
+    step decode_512_fm 80 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
+        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
+    step decode_512_ours 80 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
+        "${ROWS[@]}" --strategies ours_act8_pdl
     ;;
 s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
     # (8 workers), verify, then the C4 / C128 / SWA step at 512 with FlashMLA and with our

@@ -56,6 +56,7 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
 * ``ours_flashmla_act8_hold_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the top-k
                        programs holding their rows in registers (``use_held_topk_rows``; the
                        same selection, so the same output bit for bit)
+* ``ours_flashmla_act8_nosort_hold_pdl`` (opt-in): both of the last two
 
 ``--cold-l2`` times each replay alone after reading a buffer of twice the L2 size (so the
 step finds none of the last replay's lines in L2, as a model's next layer would not find this
@@ -111,7 +112,8 @@ PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_act8_pdl
        "ours_auto_act8_pdl")
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
-          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl")  # opt-in
+          "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl",
+          "ours_flashmla_act8_nosort_hold_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -176,6 +178,9 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                             "fp8_ds_mla", True, True, pdl=True,
                                             held_rows=True),
+    "ours_flashmla_act8_nosort_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                                   "fp8_ds_mla", True, True, pdl=True,
+                                                   sorted_selection=False, held_rows=True),
 }
 
 
