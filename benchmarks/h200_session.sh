@@ -373,8 +373,8 @@ s32b)  # session 32's launch cuts (int32 flat rows, the kv rows in the query hea
     step decode_64k 80 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" --layers C4 \
         --ms 16 --contexts 65536 --profile "${ROWS[@]}"
     ;;
-s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's calls did not
-    # reach or that were fixed after them (both logs travel in the tree), the library's default
+s34)  # the next session's first call (cold, ~9 minutes): verify, the tests session 33's calls
+    # did not reach or that were fixed after them (both logs travel in the tree), the library's default
     # choice (auto) in a step beside FlashMLA's, then the split top-k's merge against session
     # 30's kernel (carry .whl and .baseline; .baseline/indexer_topk_s30.py as for s32)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
@@ -391,13 +391,14 @@ s34)  # the next session's first call (cold, ~9 minutes): the tests session 33's
         tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
         >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
     mapfile -t REST </tmp/rest.txt
-    step pytest_rest 250 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
+    verify 85  # first: the tree's verify on whichever card came (session 33's was an H100)
+    step pytest_rest 220 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
     ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 1,16,64 --contexts 512)
-    step decode_512 75 python3 -m dsv4 bench decode-step --out "$OUT/decode512" "${ROWS[@]}" \
+    step decode_512 70 python3 -m dsv4 bench decode-step --out "$OUT/decode512" "${ROWS[@]}" \
         --strategies ours_flashmla_act8_pdl
-    step decode_512_auto 75 python3 -m dsv4 bench decode-step --out "$OUT/decode512auto" \
+    step decode_512_auto 70 python3 -m dsv4 bench decode-step --out "$OUT/decode512auto" \
         "${ROWS[@]}" --strategies ours_auto_act8_pdl
-    step topk_merge 80 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
+    step topk_merge 75 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
         --widths 16384,65536 --variants "auto,auto hold" \
         --baseline .baseline/indexer_topk_s30.py
     ;;
