@@ -35,6 +35,7 @@
 #   bash benchmarks/h200_session.sh s33c     # call 2's failures after their fixes, with tracebacks
 #   bash benchmarks/h200_session.sh s34      # tests session 33 left, auto vs FlashMLA at 512, top-k merge
 #   bash benchmarks/h200_session.sh s34b     # 64K top-k variants in the step, auto at 2-8 tokens
+#   bash benchmarks/h200_session.sh s34c     # s34 and s34b cut to fit one call
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -415,6 +416,38 @@ s34b)  # session 34's second call: the 64K C4 step with the top-k's opt-in varia
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
     step decode_512_ours 80 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
         "${ROWS[@]}" --strategies ours_act8_pdl
+    ;;
+s34c)  # s34 and s34b in one call, for a session with device time for one (carry .whl and
+    # .baseline): verify, the tests session 33 left, the 64K C4 step (M = 16) with the top-k's
+    # opt-in variants, auto's range at 512 (C4: ours against FlashMLA at 2-16 tokens), the
+    # split top-k's merge against session 30's kernel
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    S33=benchmarks/results/h200/session33
+    cat $S33/call1_s33a/pytest_changed.txt $S33/call2_s33b/pytest_rest.txt \
+        | grep -v "FAILED" >/tmp/s33.txt
+    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
+        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
+        tests/kernels/test_launch.py \
+        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
+        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
+        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
+        >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+    mapfile -t REST </tmp/rest.txt
+    verify 80
+    step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
+    step decode_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+        --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 \
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl,ours_flashmla_act8_hold_pdl,ours_flashmla_act8_nosort_hold_pdl
+    ROWS=(--models flash,pro --reps 5 --layers C4 --ms 1,2,4,8,16 --contexts 512)
+    step decode_512_fm 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
+        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
+    step decode_512_ours 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
+        "${ROWS[@]}" --strategies ours_act8_pdl
+    step topk_merge 55 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
+        --widths 16384,65536 --variants "auto,auto hold" \
+        --baseline .baseline/indexer_topk_s30.py
     ;;
 s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
     # (8 workers), verify, then the C4 / C128 / SWA step at 512 with FlashMLA and with our
