@@ -403,14 +403,14 @@ s34)  # the next session's first call (cold, ~9 minutes): verify, the tests sess
         --widths 16384,65536 --variants "auto,auto hold" \
         --baseline .baseline/indexer_topk_s30.py
     ;;
-s34b)  # session 34's second call: the 64K C4 step with the top-k's opt-in variants (no final
-    # sort, rows held in registers, both) beside the default, and auto's range at 512: our
+s34b)  # session 34's second call: the 64K C4 step with the top-k's final sort (off by default
+    # since session 34) and held rows beside the default, and auto's range at 512: our
     # attention kernel against FlashMLA's at 2, 4 and 8 tokens (separate runs: each its own
     # error base under act_quant; carry .whl)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     step decode_64k 200 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 1,16 --contexts 65536 --reps 3 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl,ours_flashmla_act8_hold_pdl,ours_flashmla_act8_nosort_hold_pdl
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_sort_pdl,ours_flashmla_act8_hold_pdl
     ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 2,4,8 --contexts 512)
     step decode_512_fm 80 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
@@ -418,8 +418,9 @@ s34b)  # session 34's second call: the 64K C4 step with the top-k's opt-in varia
         "${ROWS[@]}" --strategies ours_act8_pdl
     ;;
 s34c)  # s34 and s34b in one call, for a session with device time for one (carry .whl and
-    # .baseline): verify, the tests session 33 left, the 64K C4 step (M = 16) with the top-k's
-    # opt-in variants, auto's range at 512 (C4: ours against FlashMLA at 2-16 tokens), the
+    # .baseline): verify, the tests session 33 left (+ the unsorted selection's, the default
+    # since session 34), the 64K C4 step (M = 16) with the top-k's sort and held rows against
+    # the default, auto's range at 512 (C4: ours against FlashMLA at 2-16 tokens), the
     # split top-k's merge against session 30's kernel
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     XDIST=()
@@ -435,11 +436,12 @@ s34c)  # s34 and s34b in one call, for a session with device time for one (carry
         tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
         >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
     mapfile -t REST </tmp/rest.txt
+    REST+=(tests/platforms/test_cuda_backends.py::test_unsorted_selection_on_the_gpu)
     verify 80
     step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
     step decode_64k 90 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 16 --contexts 65536 --reps 3 \
-        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_nosort_pdl,ours_flashmla_act8_hold_pdl,ours_flashmla_act8_nosort_hold_pdl
+        --strategies ours_flashmla_act8_pdl,ours_flashmla_act8_sort_pdl,ours_flashmla_act8_hold_pdl
     ROWS=(--models flash,pro --reps 5 --layers C4 --ms 1,2,4,8,16 --contexts 512)
     step decode_512_fm 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl

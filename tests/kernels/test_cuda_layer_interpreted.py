@@ -215,6 +215,8 @@ def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
     """``use_sorted_selection(False)``: the decode top-k hands each query's entries by
     ascending index instead of by score - the same sets in every decode step, the stores
     bit-equal, the outputs equal up to the attention's fp32 summation order."""
+    # the default since session 34 (the sort is time spent for the same sets)
+    assert cpu_cuda_layer(DSV4Config.preset("tiny"), 4, True)._sorted_selection is False
     (y_on, st_on, p_on), (y_off, st_off, p_off) = _selections(
         cpu_cuda_layer, monkeypatch, "use_sorted_selection", "sort", True)
     # the 6 batched decode steps (the 130-token prefill takes the prefill kernels, the

@@ -573,7 +573,7 @@ def cuda_layer_shell(cfg: DSV4Config):
     layer.acc_dtype = torch.float32
     layer.indexer = indexer(cfg)
     layer.use_step_kernels(True)  # the constructor's defaults
-    layer.use_sorted_selection(True)
+    layer.use_sorted_selection(False)
     layer.use_held_topk_rows(False)
     return layer
 
@@ -591,8 +591,13 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
     assert layer._indexer_kernel_format(step, q) == ""
     layer.use_step_kernels(True)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
-    assert_matches_torch_path(layer._indexer_select(step, q, w), torch_path(cfg, step, q, w),
-                              s64, tol, 8)
+    want = torch_path(cfg, step, q, w)
+    unsorted = layer._indexer_select(step, q, w)  # the default: by ascending entry index
+    kept = torch.where(unsorted >= 0, unsorted, torch.iinfo(unsorted.dtype).max)
+    assert torch.equal(kept, kept.sort(dim=1).values)
+    layer.use_sorted_selection(True)  # by score, as the torch path
+    assert_matches_torch_path(layer._indexer_select(step, q, w), want, s64, tol, 8)
+    assert torch.equal(unsorted.sort(dim=1).values, want.sort(dim=1).values)
     assert layer._indexer_kernel_format(step, q.float()) == ""  # a float32 layer's queries
     # prefill-sized: the tiled kernel (dsv4.kernels.indexer_prefill), the same selection
     big = make_step(cfg, "bf16", [0], [KERNEL_MAX_TOKENS + 1], seed=11)

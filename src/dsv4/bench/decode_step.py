@@ -51,8 +51,10 @@ one launch per elementwise stage, the indexer's scoring + top-k, the compressed 
                        only)
 * ``ours_flashmla_act8_nosort_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the indexer's
                        top-k leaving each query's entries by index, not sorted by score
-                       (``use_sorted_selection(False)``; the same sets, checked against the
-                       act_quant base)
+                       (``use_sorted_selection(False)``, the library's default since session
+                       34; the same sets, checked against the act_quant base)
+* ``ours_flashmla_act8_sort_pdl`` (opt-in): the same with the top-k's final sort by score
+                       (``use_sorted_selection(True)``, the default before session 34)
 * ``ours_flashmla_act8_hold_pdl`` (opt-in): ``ours_flashmla_act8_pdl`` with the top-k
                        programs holding their rows in registers (``use_held_topk_rows``; the
                        same selection, so the same output bit for bit)
@@ -113,7 +115,7 @@ PDL = ("ours_pdl", "ours_flashmla_pdl", "ours_flashmla_act8_pdl", "ours_act8_pdl
 ONE_STREAM = ("ours_flashmla_act8_1s", "ours_flashmla_act8_1s_pdl")  # opt-in: --strategies
 PROBES = ("ours_flashmla_act8_qpre_pdl", "ours_flashmla_act8_qpair_pdl",
           "ours_flashmla_act8_nosort_pdl", "ours_flashmla_act8_hold_pdl",
-          "ours_flashmla_act8_nosort_hold_pdl")  # opt-in
+          "ours_flashmla_act8_nosort_hold_pdl", "ours_flashmla_act8_sort_pdl")  # opt-in
 STRATEGIES = UPSTREAM + OURS  # the default set
 ALL_STRATEGIES = STRATEGIES + PDL + ONE_STREAM + PROBES
 NEW_PATH = ("ours_unfused", "ours_triton", "ours_triton_fp8", "ours_flashmla", "ours_act8",
@@ -133,7 +135,8 @@ class Strategy:
     pdl: bool = False  # programmatic dependent launch for our kernels (dsv4.kernels.launch)
     qr_fp8: bool = False  # CudaAttention.use_prequantised_query_latent (with act_quant)
     q_pair: bool = False  # CudaAttention.use_query_gemm_pair
-    sorted_selection: bool = True  # CudaAttention.use_sorted_selection
+    # CudaAttention.use_sorted_selection (None: the library's default)
+    sorted_selection: bool | None = None
     held_rows: bool = False  # CudaAttention.use_held_topk_rows
 
 
@@ -181,6 +184,9 @@ STRATEGY_SPECS = {
     "ours_flashmla_act8_nosort_hold_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
                                                    "fp8_ds_mla", True, True, pdl=True,
                                                    sorted_selection=False, held_rows=True),
+    "ours_flashmla_act8_sort_pdl": Strategy(1024, "plan", _BOTH, True, "flashmla",
+                                            "fp8_ds_mla", True, True, pdl=True,
+                                            sorted_selection=True),
 }
 
 
@@ -201,7 +207,8 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     layer.use_step_kernels(spec.step_kernels)
     layer.use_prequantised_query_latent(spec.qr_fp8)
     layer.use_query_gemm_pair(spec.q_pair)
-    layer.use_sorted_selection(spec.sorted_selection)
+    if spec.sorted_selection is not None:
+        layer.use_sorted_selection(spec.sorted_selection)
     layer.use_held_topk_rows(spec.held_rows)
     layer.load_weights(weights.items())
     process_weights_after_loading(layer, passes=list(spec.passes))

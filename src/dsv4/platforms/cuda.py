@@ -187,7 +187,7 @@ class CudaAttention(DeepseekV4Attention):
         self._step_kernels_enabled = True
         self._qr_fp8_enabled = False
         self._q_pair_enabled = False
-        self._sorted_selection = True
+        self._sorted_selection = False
         self._held_topk_rows = False
         self._handoffs = StepHandoffs()
         """What one override point made ahead for a later one of the same step, by name
@@ -250,12 +250,14 @@ class CudaAttention(DeepseekV4Attention):
         self._handoffs.clear()
 
     def use_sorted_selection(self, enabled: bool) -> None:
-        """The indexer's decode top-k kernels hand each query's entries ordered by score,
-        highest first (the default: torch.topk's order, which the reference path gives), or,
-        off, by ascending entry index, skipping the kernel's final sort. The same entry
-        sets either way; the attention reads them in any order (only its fp32 sums' rounding
-        can change). Off is a probe until timed on a GPU (the decode-step bench's
-        ``ours_flashmla_act8_nosort_pdl``)."""
+        """The indexer's decode top-k kernels hand each query's entries by ascending entry
+        index, skipping the kernel's final sort (the default), or, on, ordered by score,
+        highest first (torch.topk's order, which the reference path and the prefill kernels
+        give). The same entry sets either way; the attention reads them in any order (only
+        its fp32 sums' rounding can change). Off by default since session 34: the sort is
+        time the step spends for no change in what it computes (Pro, context 64K, 16 tokens,
+        one H200: 345.9 -> 323.9 us without it, session 31; the decode-step bench's
+        ``ours_flashmla_act8_sort_pdl`` times it on)."""
         self._sorted_selection = enabled
 
     def use_held_topk_rows(self, enabled: bool) -> None:
