@@ -36,6 +36,7 @@
 #   bash benchmarks/h200_session.sh s34      # tests session 33 left, auto vs FlashMLA at 512, top-k merge
 #   bash benchmarks/h200_session.sh s34b     # 64K top-k variants in the step, auto at 2-8 tokens
 #   bash benchmarks/h200_session.sh s34c     # s34 and s34b cut to fit one call
+#   bash benchmarks/h200_session.sh s34v     # verify + the fixed / new GPU tests (~3 minutes)
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -450,6 +451,18 @@ s34c)  # s34 and s34b in one call, for a session with device time for one (carry
     step topk_merge 55 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
         --widths 16384,65536 --variants "auto,auto hold" \
         --baseline .baseline/indexer_topk_s30.py
+    ;;
+s34v)  # the last minutes of a session's device time: verify, then the fixed / new GPU tests
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    verify 80
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    step pytest_fixed 100 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf \
+        tests/platforms/test_cuda_backends.py::test_a_decode_step_runs_the_shared_launches \
+        tests/platforms/test_cuda_backends.py::test_unsorted_selection_on_the_gpu \
+        tests/kernels/test_indexer_topk.py::test_fp8_scores_equal_those_of_the_same_keys_in_bf16 \
+        tests/kernels/test_indexer_topk.py::test_cuda_layer_decode_selects_like_the_reference \
+        tests/platforms/test_handoff.py
     ;;
 s33a)  # session 33's first call (cold): the GPU tests of the files sessions 31-32 changed
     # (8 workers), verify, then the C4 / C128 / SWA step at 512 with FlashMLA and with our
