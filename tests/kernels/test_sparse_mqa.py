@@ -240,18 +240,19 @@ def test_inverse_rope_in_the_output_launch(fmt, shape):
 
 
 def test_inverse_rope_off_the_kernels_matches_the_rotary():
-    """The CPU fallback (no kernel) applies the same rotation as the torch layers."""
-    from dsv4.kernels.sparse_mqa import _inverse_rope_reference
+    """``sparse_mqa(..., inverse_rope=)`` where no kernel runs (the CPU fallback; the kernels
+    where Triton's interpreter or a GPU runs them): the same rotation as the torch layers'
+    rotary applies to the plain output, the nope dims untouched."""
     from dsv4.layers.rotary import RotaryEmbedding
 
-    g = torch.Generator().manual_seed(2)
-    o = torch.randn(3, 4, 128, generator=g).to(torch.bfloat16)
+    case = build_case(3, 4, 128, 8, 6, "bf16", seed=2)
     rot = RotaryEmbedding(64, 10000.0, None)
     pos = torch.tensor([0, 7, 70_000])
-    want = rot.rotate(o, pos, torch.float32, inverse=True)
-    got = o.clone()
-    _inverse_rope_reference(got, pos, rot.inv_freq)
-    assert rel(got, want) < 1e-3 and torch.equal(got[..., :64], o[..., :64])
+    plain = sparse_mqa(*case)
+    want = rot.rotate(plain, pos, torch.float32, inverse=True)
+    got = sparse_mqa(*case, inverse_rope=(pos, rot.inv_freq))
+    assert rel(got, want) < 1e-3 and torch.equal(got[..., :64], plain[..., :64])
+    assert not torch.equal(got, plain)  # the rope dims did turn
 
 
 @kernel_runs

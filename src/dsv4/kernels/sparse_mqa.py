@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
+from dsv4.layers.rotary import rotate_rope_dims
 
 __all__ = [
     "SparseMqaConfig",
@@ -441,19 +442,6 @@ if triton_available():
         let_next_kernel_launch(PDL)
 
 
-def _inverse_rope_reference(o: torch.Tensor, positions: torch.Tensor,
-                            inv_freq: torch.Tensor) -> None:
-    """The torch path's inverse RoPE of o's last 2 * len(inv_freq) dims, in place (pairs
-    (2i, 2i + 1), fp32 angle fp32(position) * inv_freq, fp32 math, one rounding)."""
-    r = 2 * inv_freq.numel()
-    angle = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    cos, sin = angle.cos()[:, None, :], -angle.sin()[:, None, :]
-    tail = o[..., o.shape[-1] - r:].float().unflatten(-1, (r // 2, 2))
-    a, b = tail[..., 0], tail[..., 1]
-    o[..., o.shape[-1] - r:] = torch.stack((a * cos - b * sin, a * sin + b * cos),
-                                           dim=-1).flatten(-2).to(o.dtype)
-
-
 @functools.lru_cache(maxsize=8)
 def _n_sm(idx: int) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
@@ -519,8 +507,8 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if not (triton_available() and (q.device.type == "cuda" or _INTERPRET)):
         o.copy_(sparse_mqa_reference(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale,
                                      fmt, rows_per_block, out_dtype=o.dtype))
-        if inverse_rope is not None:
-            _inverse_rope_reference(o, *inverse_rope)
+        if inverse_rope is not None:  # the torch layers' own rotation
+            o.copy_(rotate_rope_dims(o, *inverse_rope, torch.float32, inverse=True))
         return o
     if q.dtype != torch.bfloat16:
         raise ValueError(f"q must be bf16 for the kernel, got {q.dtype}")

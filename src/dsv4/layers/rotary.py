@@ -60,9 +60,7 @@ class RotaryEmbedding(nn.Module):
                 acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [*positions.shape, rope_dim // 2] in ``acc_dtype``."""
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
-        angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
-        angle = angle.to(acc_dtype)
-        return torch.cos(angle), torch.sin(angle)
+        return rope_cos_sin(positions, inv_freq, acc_dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, acc_dtype: torch.dtype,
                inverse: bool = False) -> torch.Tensor:
@@ -70,16 +68,35 @@ class RotaryEmbedding(nn.Module):
 
         Returns a new tensor of x's dtype; the rotation itself runs in ``acc_dtype``.
         """
-        cos, sin = self.cos_sin(positions, acc_dtype)
-        for _ in range(x.dim() - 2):
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if inverse:
-            sin = -sin
-        d = x.shape[-1]
-        rope = x[..., d - self.rope_dim:].to(acc_dtype).unflatten(-1, (self.rope_dim // 2, 2))
-        a, b = rope[..., 0], rope[..., 1]
-        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        return torch.cat((x[..., : d - self.rope_dim], rotated.to(x.dtype)), dim=-1)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        return rotate_rope_dims(x, positions, inv_freq, acc_dtype, inverse)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*positions.shape, len(inv_freq)] in ``acc_dtype`` of the fp32 angles
+    fp32(position) * inv_freq."""
+    angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    angle = angle.to(acc_dtype)
+    return torch.cos(angle), torch.sin(angle)
+
+
+def rotate_rope_dims(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                     acc_dtype: torch.dtype, inverse: bool = False) -> torch.Tensor:
+    """:meth:`RotaryEmbedding.rotate` for the frequencies ``inv_freq`` (the last
+    2 * len(inv_freq) dims of ``x`` [T, ..., d], pairs (2i, 2i + 1)): a new tensor of x's dtype,
+    the rotation in ``acc_dtype``."""
+    rope_dim = 2 * inv_freq.numel()
+    cos, sin = rope_cos_sin(positions, inv_freq, acc_dtype)
+    for _ in range(x.dim() - 2):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if inverse:
+        sin = -sin
+    d = x.shape[-1]
+    rope = x[..., d - rope_dim:].to(acc_dtype).unflatten(-1, (rope_dim // 2, 2))
+    a, b = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)
 
     def extra_repr(self) -> str:
         return f"rope_dim={self.rope_dim}, base={self.base}, yarn={self.yarn is not None}"
