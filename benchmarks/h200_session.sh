@@ -86,6 +86,27 @@ gemm_probes() {
     step gemm_probes "$1" python3 -m dsv4.bench.attention_kernels --out "$OUT/gemm" \
         --only gemm --quick
 }
+session33_left() {  # XDIST and REST: the ids of the files sessions 31-33 changed that neither
+    # of session 33's logs shows passing (both travel in the tree)
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    local s33=benchmarks/results/h200/session33
+    cat $s33/call1_s33a/pytest_changed.txt $s33/call2_s33b/pytest_rest.txt \
+        | grep -v "FAILED" >/tmp/s33.txt
+    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
+        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
+        tests/kernels/test_launch.py \
+        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
+        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
+        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
+        >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
+    mapfile -t REST </tmp/rest.txt
+}
+topk_merge() {  # the split top-k's merge against session 30's kernel (.baseline carried)
+    step topk_merge "$1" python3 benchmarks/topk_probe.py --out "$OUT/topk" \
+        --widths 16384,65536 --variants "auto,auto hold" \
+        --baseline .baseline/indexer_topk_s30.py
+}
 attention_decode() {
     step attention_decode "$1" python3 -m dsv4.bench.attention_kernels --out "$OUT/ak" \
         --only attention --quick
@@ -380,19 +401,7 @@ s34)  # the next session's first call (cold, ~9 minutes): verify, the tests sess
     # choice (auto) in a step beside FlashMLA's, then the split top-k's merge against session
     # 30's kernel (carry .whl and .baseline; .baseline/indexer_topk_s30.py as for s32)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    XDIST=()
-    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-    S33=benchmarks/results/h200/session33
-    cat $S33/call1_s33a/pytest_changed.txt $S33/call2_s33b/pytest_rest.txt \
-        | grep -v "FAILED" >/tmp/s33.txt
-    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
-        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
-        tests/kernels/test_launch.py \
-        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
-        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
-        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
-        >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
-    mapfile -t REST </tmp/rest.txt
+    session33_left
     verify 85  # first: the tree's verify on whichever card came (session 33's was an H100)
     step pytest_rest 220 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
     ROWS=(--models flash,pro --reps 5 --layers C4,C128,SWA --ms 1,16,64 --contexts 512)
@@ -400,9 +409,7 @@ s34)  # the next session's first call (cold, ~9 minutes): verify, the tests sess
         --strategies ours_flashmla_act8_pdl
     step decode_512_auto 70 python3 -m dsv4 bench decode-step --out "$OUT/decode512auto" \
         "${ROWS[@]}" --strategies ours_auto_act8_pdl
-    step topk_merge 75 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
-        --widths 16384,65536 --variants "auto,auto hold" \
-        --baseline .baseline/indexer_topk_s30.py
+    topk_merge 75
     ;;
 s34b)  # session 34's second call: the 64K C4 step with the top-k's final sort (off by default
     # since session 34) and held rows beside the default, and auto's range at 512: our
@@ -424,19 +431,7 @@ s34c)  # s34 and s34b in one call, for a session with device time for one (carry
     # the default, auto's range at 512 (C4: ours against FlashMLA at 2-16 tokens), the
     # split top-k's merge against session 30's kernel
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    XDIST=()
-    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
-    S33=benchmarks/results/h200/session33
-    cat $S33/call1_s33a/pytest_changed.txt $S33/call2_s33b/pytest_rest.txt \
-        | grep -v "FAILED" >/tmp/s33.txt
-    python3 benchmarks/pytest_remaining.py /tmp/s33.txt tests/kernels/test_paged_rows.py \
-        tests/kernels/test_compress_entries.py tests/kernels/test_rope_norm.py \
-        tests/kernels/test_launch.py \
-        tests/platforms/test_cuda_platform.py tests/platforms/test_cuda_backends.py \
-        tests/platforms/test_handoff.py tests/test_attention_conformance.py \
-        tests/kernels/test_sparse_mqa.py tests/kernels/test_indexer_topk.py \
-        >/tmp/rest.txt 2>"$OUT/rest_ids.txt"
-    mapfile -t REST </tmp/rest.txt
+    session33_left
     REST+=(tests/platforms/test_cuda_backends.py::test_unsorted_selection_on_the_gpu)
     verify 80
     step pytest_rest 200 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${REST[@]}"
@@ -448,9 +443,7 @@ s34c)  # s34 and s34b in one call, for a session with device time for one (carry
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
     step decode_512_ours 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
         "${ROWS[@]}" --strategies ours_act8_pdl
-    step topk_merge 55 python3 benchmarks/topk_probe.py --out "$OUT/topk" \
-        --widths 16384,65536 --variants "auto,auto hold" \
-        --baseline .baseline/indexer_topk_s30.py
+    topk_merge 55
     ;;
 s34v)  # the last minutes of a session's device time: verify, then the fixed / new GPU tests
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
