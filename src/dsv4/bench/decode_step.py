@@ -196,12 +196,10 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     c = cfg.replace(multi_stream_token_threshold=spec.threshold,
                     attention_backend=spec.attention_backend,
                     kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
-    fused = {"all": 1 << 20, "plan": CudaPlan.load(cfg.hidden_size).fused_max_tokens,
-             "none": 0}[spec.fused]
+    recorded = CudaPlan.load(cfg.hidden_size)
+    fused = {"all": 1 << 20, "plan": recorded.fused_max_tokens, "none": 0}[spec.fused]
     # the whole step is one graph; "auto" attention takes the plan's per-step choice
-    plan = CudaPlan(fused_max_tokens=fused, graph_max_tokens=0,
-                    triton_attention_max_tokens=CudaPlan.load(
-                        cfg.hidden_size).triton_attention_max_tokens)
+    plan = dataclasses.replace(recorded, fused_max_tokens=fused, graph_max_tokens=0)
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
     layer.use_step_kernels(spec.step_kernels)
