@@ -247,32 +247,33 @@ def test_auto_switches_backend_per_step_on_one_cache(tiny):
     layer, ref = _cuda_pair(cfg, 4, "auto")
     layer.plan = dataclasses.replace(layer.plan, triton_attention_max_tokens=1)
     x = random_x(40, cfg.hidden_size).to("cuda", BF16)
+    pos = torch.arange(40)
+    # a 30-token prefill, four 1-token steps, three 2-token steps
+    spans = [(0, 30)] + [(i, i + 1) for i in range(30, 34)] + [(i, i + 2) for i in range(34, 40, 2)]
+
+    def run(model):
+        cache = model.new_cache(40)
+        return torch.cat([model(x[a:b], pos[a:b], cache) for a, b in spans])
+
     calls = []
     real = {n: getattr(cuda_platform, n) for n in ("triton_forward_mqa", "flashmla_forward_mqa")}
 
     def spy(name):
-        def run(lay, q, *a, **kw):
+        def wrapped(lay, q, *a, **kw):
             calls.append((name, q.shape[0]))
             return real[name](lay, q, *a, **kw)
-        return run
+        return wrapped
 
     with mock.patch.object(cuda_platform, "triton_forward_mqa", spy("triton_forward_mqa")), \
             mock.patch.object(cuda_platform, "flashmla_forward_mqa",
                               spy("flashmla_forward_mqa")), record_selection(layer) as seen:
-        cache = layer.new_cache(40)
-        pos = torch.arange(40)
-        ys = [layer(x[:30], pos[:30], cache)]
-        ys += [layer(x[i:i + 1], pos[i:i + 1], cache) for i in range(30, 34)]
-        ys += [layer(x[i:i + 2], pos[i:i + 2], cache) for i in range(34, 40, 2)]
+        ys = run(layer)
     assert ("triton_forward_mqa", 1) in calls and ("flashmla_forward_mqa", 2) in calls
     assert not {c for c in calls if c[1] == 1} - {("triton_forward_mqa", 1)}
     assert not {c for c in calls if c[1] == 2} - {("flashmla_forward_mqa", 2)}
-    ref_cache = ref.new_cache(40)
     with replay_selection(ref, seen):
-        y_ref = [ref(x[:30], pos[:30], ref_cache)]
-        y_ref += [ref(x[i:i + 1], pos[i:i + 1], ref_cache) for i in range(30, 34)]
-        y_ref += [ref(x[i:i + 2], pos[i:i + 2], ref_cache) for i in range(34, 40, 2)]
-    assert rel_err(torch.cat(ys), torch.cat(y_ref)) < 1e-2
+        y_ref = run(ref)
+    assert rel_err(ys, y_ref) < 1e-2
 
 
 @cuda
