@@ -157,14 +157,22 @@ def assert_valid_selection(got: torch.Tensor, scores: torch.Tensor, tol: torch.T
 
 
 def assert_matches_torch_path(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
-                              tol: torch.Tensor, k: int) -> None:
+                              tol: torch.Tensor, k: int, ordered: bool = True) -> None:
     """The torch path's sets, in score order. Under the interpreter both sum in fp32 alike
     enough to give its order too; on a GPU the kernel's MMA sums in another order than cuBLAS,
-    so two scores within rounding of each other may come in either order."""
+    so two scores within rounding of each other may come in either order. ``ordered=False``
+    (the top-k without its final sort): the same sets by ascending entry, then -1."""
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
-    assert_valid_selection(got, scores, tol, k)
-    if DEV == "cpu":
-        assert torch.equal(got, want)
+    if ordered:
+        assert_valid_selection(got, scores, tol, k)
+        if DEV == "cpu":
+            assert torch.equal(got, want)
+        return
+    kept = torch.where(got >= 0, got, torch.iinfo(got.dtype).max)
+    assert torch.equal(kept, kept.sort(dim=1).values)
+    by_score = scores.gather(1, got.clamp(min=0)).masked_fill(got < 0, float("-inf"))
+    order = by_score.argsort(dim=1, descending=True, stable=True)
+    assert_valid_selection(got.gather(1, order), scores, tol, k)
 
 
 # ---------------------------------------------------------------------------- small shapes
@@ -731,10 +739,12 @@ def test_cuda_layer_decode_selects_like_the_reference():
     step = make_step(cfg, "fp8", [300, 41], [1, 1], block_size=64, seed=12, device="cuda")
     q, w = queries(cfg, 2, seed=13, device="cuda")
     assert layer._indexer_kernel_format(step, q) == "fp8"
-    got = layer._indexer_select(step, q, w)
     want = DeepseekV4Attention._indexer_select(layer, step, q, w)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
-    assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
+    for ordered in (False, True):  # the default first: the top-k without its final sort
+        layer.use_sorted_selection(ordered)
+        got = layer._indexer_select(step, q, w)
+        assert_matches_torch_path(got, want, s64, tol, cfg.index_topk, ordered=ordered)
 
 
 def test_the_score_grid_rule():
