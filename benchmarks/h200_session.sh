@@ -37,6 +37,7 @@
 #   bash benchmarks/h200_session.sh s34b     # 64K top-k variants in the step, auto at 2-8 tokens
 #   bash benchmarks/h200_session.sh s34c     # s34 and s34b cut to fit one call
 #   bash benchmarks/h200_session.sh s34v     # verify + the fixed / new GPU tests (~3 minutes)
+#   bash benchmarks/h200_session.sh s35      # verify, session 35's left ids, Flash C128 / SWA auto range
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -444,6 +445,21 @@ s34c)  # s34 and s34b in one call, for a session with device time for one (carry
     step decode_512_ours 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
         "${ROWS[@]}" --strategies ours_act8_pdl
     topk_merge 55
+    ;;
+s35)  # session 35's second call: verify, the GPU tests no log has shown passing since session
+    # 33 (benchmarks/results/h200/session35/left_ids.txt, from call 1's cut run), then auto's
+    # range for Flash's C128 / SWA layers: our attention kernel against FlashMLA's at 1-8 tokens
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    verify 150
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    mapfile -t LEFT < benchmarks/results/h200/session35/left_ids.txt
+    step pytest_left 260 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${LEFT[@]}"
+    ROWS=(--models flash --reps 5 --layers C128,SWA --ms 1,2,4,8 --contexts 512)
+    step decode_512_fm 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
+        "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
+    step decode_512_ours 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512ours" \
+        "${ROWS[@]}" --strategies ours_act8_pdl
     ;;
 s34v)  # the last minutes of a session's device time: verify, then the fixed / new GPU tests
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
