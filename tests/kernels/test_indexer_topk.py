@@ -228,9 +228,12 @@ def test_scores_match_float64_and_mask_the_invisible(fmt):
 @pytest.mark.parametrize("kw", [dict(), dict(stages=2), dict(block=128)], ids=["loop", "pipe2",
                                                                             "bn128"])
 def test_fp8_scores_equal_those_of_the_same_keys_in_bf16(kw):
-    """An fp8 store scores bit for bit as a bf16 store of its dequantised keys (exact in bf16)
-    with the same block tables: the score kernel hands the MMA the same values for both (on an
-    H100, session 33, applying the fp8 row scale to the score instead broke this)."""
+    """An fp8 store scores as a bf16 store of its dequantised keys (exact in bf16) with the
+    same block tables: the score kernel hands the MMA the same values for both. Bit for bit
+    under the interpreter; on a GPU the two loads may compile to different MMA paths (the bf16
+    rows straight from memory, the fp8 ones dequantised in registers), whose fp32 sums differ
+    in their last bits (sessions 33 and 35 on an H100: not bit-equal, equal to 4 digits), so
+    there both must lie within the fp32 rounding bound of the float64 scores of those keys."""
     cfg = tiny_cfg(8)
     steps = [make_step(cfg, fmt, [90, 0, 333, 1000], [1, 2, 1, 1], seed=2)
              for fmt in ("fp8", "bf16")]
@@ -246,7 +249,11 @@ def test_fp8_scores_equal_those_of_the_same_keys_in_bf16(kw):
                           **kw)
            for st, step in zip((st8, st16), steps, strict=True)]
     assert torch.isfinite(got[0]).sum() > 300
-    assert torch.equal(got[0], got[1])
+    if DEV == "cpu":
+        assert torch.equal(got[0], got[1])
+    want, tol = scores_f64(cfg, steps[0], q * 4, w, width)
+    for s in got:
+        assert_scores_match(s, want, tol)
 
 
 @kernel_runs
