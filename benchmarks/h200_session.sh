@@ -450,11 +450,11 @@ s35)  # session 35's second call: verify, the GPU tests no log has shown passing
     # 33 (benchmarks/results/h200/session35/left_ids.txt, from call 1's cut run), then auto's
     # range for Flash's C128 / SWA layers: our attention kernel against FlashMLA's at 1-8 tokens
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    verify 150
+    [ -n "${SKIP_VERIFY:-}" ] || verify 150  # SKIP_VERIFY=1: src unchanged since a PASS
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     mapfile -t LEFT < benchmarks/results/h200/session35/left_ids.txt
-    step pytest_left 260 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${LEFT[@]}"
+    step pytest_left 240 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${LEFT[@]}"
     ROWS=(--models flash --reps 5 --layers C128,SWA --ms 1,2,4,8 --contexts 512)
     step decode_512_fm 45 python3 -m dsv4 bench decode-step --out "$OUT/decode512fm" \
         "${ROWS[@]}" --strategies ours_flashmla_act8_pdl
