@@ -74,6 +74,16 @@ def _attn_variants() -> dict:
     tiles.update({f"dsv4_h{h}_n{n}_s1_pf": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
                                                           num_stages=1, prefetch=True)
                   for h, n in ((16, 32), (32, 16), (64, 16))})
+    # the few-query tile with fewer KV chunks than the rule's (about one program per SM, at
+    # most one chunk per 32-row tile: one Flash query at context 512 takes 20 chunks here, 8
+    # in a step, and a combine launch): one chunk and no combine launch - whole rows per
+    # program, or the output columns split over 2 / 4 programs that each recompute the
+    # logits - or 2 / 4 / 8 chunks
+    tiles.update({f"dsv4_h16_n32_s1_sp1{f'_dv{dv}' if dv else ''}": SparseMqaConfig(
+        block_h=16, block_n=32, num_warps=8, num_stages=1, split=1, block_dv=dv)
+        for dv in (0, 256, 128)})
+    tiles.update({f"dsv4_h16_n32_s1_sp{sp}": SparseMqaConfig(
+        block_h=16, block_n=32, num_warps=8, num_stages=1, split=sp) for sp in (2, 4, 8)})
     return tiles
 
 
