@@ -86,6 +86,28 @@ def test_plan_reads_the_short_step_rule(tmp_path):
                     '"triton_attention_max_tokens": 1}}')
     assert CudaPlan.load(4096, path) == CudaPlan(8, 32, 1)
     assert CudaPlan.load(7168, path) == CudaPlan(16, 64, 0)
+    # the shipped table: every entry loads
+    for hidden in (4096, 7168, 1):
+        assert CudaPlan.load(hidden).fused_max_tokens > 0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "not valid JSON"),
+    ('{"4096": {"fused_max_tokens": 8, "graph_max_tokens": 32}}', "no entry for hidden size 7168"),
+    ('{"default": {"fused_max_tokens": 8}}', "lacks 'graph_max_tokens'"),
+    ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": -1}}', "graph_max_tokens must be"),
+    ('{"default": {"fused_max_tokens": "8", "graph_max_tokens": 1}}', "fused_max_tokens must be"),
+    ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '
+     '"triton_attention_max_tokens": 1.5}}', "triton_attention_max_tokens must be"),
+])
+def test_plan_refuses_a_malformed_table_naming_the_file(tmp_path, text, match):
+    from dsv4.platforms.cuda import CudaPlan
+
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        CudaPlan.load(7168, path)
+    assert str(path) in str(err.value)
 
 
 def test_float32_layers_fall_back_to_torch_with_the_reason(tiny, make_layer):

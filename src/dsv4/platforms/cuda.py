@@ -155,10 +155,30 @@ class CudaPlan:
 
     @classmethod
     def load(cls, hidden_size: int, path: Path | None = None) -> CudaPlan:
-        table = json.loads((path or Path(__file__).with_name("cuda_plan.json")).read_text())
-        entry = table.get(str(hidden_size), table["default"])
-        return cls(int(entry["fused_max_tokens"]), int(entry["graph_max_tokens"]),
-                   int(entry.get("triton_attention_max_tokens", 0)))
+        """The entry of ``hidden_size`` (else ``"default"``) of the plan table at ``path``
+        (default: the shipped ``cuda_plan.json``). Raises ValueError naming the file and the
+        entry where the table lacks it or a field is not an integer >= 0."""
+        path = path or Path(__file__).with_name("cuda_plan.json")
+        try:
+            table = json.loads(path.read_text())
+        except json.JSONDecodeError as ex:
+            raise ValueError(f"cuda plan {path}: not valid JSON ({ex})") from None
+        key = str(hidden_size) if str(hidden_size) in table else "default"
+        entry = table.get(key)
+        if not isinstance(entry, dict):
+            raise ValueError(f"cuda plan {path}: no entry for hidden size {hidden_size} and no "
+                             f"'default' entry")
+        values = []
+        for field, required in (("fused_max_tokens", True), ("graph_max_tokens", True),
+                                ("triton_attention_max_tokens", False)):
+            if field not in entry and required:
+                raise ValueError(f"cuda plan {path}: entry {key!r} lacks {field!r}")
+            v = entry.get(field, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"cuda plan {path}: entry {key!r}: {field} must be an integer "
+                                 f">= 0, got {v!r}")
+            values.append(v)
+        return cls(*values)
 
 
 class CudaAttention(DeepseekV4Attention):
