@@ -95,6 +95,7 @@ def test_plan_reads_the_short_step_rule(tmp_path):
     ("{not json", "not valid JSON"),
     ('{"4096": {"fused_max_tokens": 8, "graph_max_tokens": 32}}', "no entry for hidden size 7168"),
     ('{"default": {"fused_max_tokens": 8}}', "lacks 'graph_max_tokens'"),
+    ('{"7168": [16, 64]}', "entry '7168' must be an object"),
     ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": -1}}', "graph_max_tokens must be"),
     ('{"default": {"fused_max_tokens": "8", "graph_max_tokens": 1}}', "fused_max_tokens must be"),
     ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '

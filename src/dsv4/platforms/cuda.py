@@ -165,9 +165,12 @@ class CudaPlan:
             raise ValueError(f"cuda plan {path}: not valid JSON ({ex})") from None
         key = str(hidden_size) if str(hidden_size) in table else "default"
         entry = table.get(key)
-        if not isinstance(entry, dict):
+        if entry is None:
             raise ValueError(f"cuda plan {path}: no entry for hidden size {hidden_size} and no "
                              f"'default' entry")
+        if not isinstance(entry, dict):
+            raise ValueError(f"cuda plan {path}: entry {key!r} must be an object, got "
+                             f"{type(entry).__name__}")
         values = []
         for field, required in (("fused_max_tokens", True), ("graph_max_tokens", True),
                                 ("triton_attention_max_tokens", False)):
