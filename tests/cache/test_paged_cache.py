@@ -101,6 +101,25 @@ def test_running_out_of_blocks_is_an_error_before_any_write(tiny, make_layer):
         pool.add_sequence(), pool.add_sequence()
 
 
+def test_blocks_needed_each_is_blocks_needed_per_pair(tiny, make_layer):
+    """The plan's batched block count (one call per store) against the per-pair one, on slots
+    holding none, some and released blocks."""
+    layer = make_layer(tiny, 4)
+    pool = layer.new_cache_pool(3, 1024)
+    caches = [pool.add_sequence() for _ in range(3)]
+    x = random_x(300, tiny.hidden_size, seed=6).bfloat16()
+    layer(x[:300], torch.arange(300), caches[0])  # the kv window's early blocks released
+    layer(x[:20], torch.arange(20), caches[1])
+    slots = [c.slot for c in caches] * 4
+    rows = [0, 1, 63, 64, 65, 300, 301, 640, 1000, 20, 21, 129]
+    for store in pool.stores.values():
+        assert store.blocks_needed_each(slots, rows) == [
+            store.blocks_needed(s, n) for s, n in zip(slots, rows, strict=True)]
+        assert sum(store.blocks_needed_each(slots, rows)) > 0
+    with pytest.raises(ValueError):
+        pool.stores["kv"].blocks_needed_each(slots, rows[:-1])
+
+
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_a_long_call_runs_in_steps_all_or_nothing(tiny_exact, make_layer, ratio):
     cfg = tiny_exact.replace(max_step_tokens=40)

@@ -46,6 +46,13 @@ class PagedStore:
         """New blocks slot needs to hold rows 0 .. rows - 1 (the released ones stay released)."""
         return max(0, ceil_div(rows, self.block_size) - len(self._blocks[slot]))
 
+    def blocks_needed_each(self, slots: list[int], rows: list[int]) -> list[int]:
+        """:meth:`blocks_needed` of each (slot, rows) pair, in one call: a step's plan asks it
+        for every sequence of every store (192 calls a step at 64 sequences, ~40 % of the
+        plan's host time as separate calls)."""
+        b, held = self.block_size, self._blocks
+        return [max(0, -(-n // b) - len(held[s])) for s, n in zip(slots, rows, strict=True)]
+
     def holds_rows(self, slot: int, first: int, end: int) -> bool:
         if end <= first:
             return True
