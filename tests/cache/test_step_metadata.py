@@ -45,3 +45,65 @@ def test_a_completing_decode_token_reads_its_sources_from_the_ring_and_itself(ra
     assert call_src.tolist() == [-1] * (cr - 1) + [0]  # the last source: this step's row 0
     first = (4 - coff + 1) * ratio
     assert ring_src.tolist() == [2 * cr + q % cr for q in range(first, a)] + [-1]
+
+
+def _steps_equal(a, b) -> None:
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.tok_slot, b.tok_slot)
+    assert torch.equal(a.pos_host, b.pos_host) and torch.equal(a.tok_seq_host, b.tok_seq_host)
+    assert a.jobs.keys() == b.jobs.keys()
+    for name, job in a.jobs.items():
+        other = b.jobs[name]
+        assert job.count == other.count
+        for f in ("slots", "entries", "ring_src", "call_src", "keep_dst", "keep_src"):
+            assert torch.equal(getattr(job, f), getattr(other, f)), (name, f)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_layers_planning_the_same_step_share_its_metadata(tiny, make_layer, ratio):
+    """Two layers' pools holding the same sequences at the same lengths (a model's layers) plan
+    one step: the second takes the first's device metadata (the same tensors); a pool whose
+    slots differ, a step of other lengths and a forgotten one build their own - all equal to a
+    plan made from scratch."""
+    from dsv4.cache.step import forget_uploaded_metadata
+
+    layers = [make_layer(tiny, ratio) for _ in range(3)]
+    pools = [lay.new_cache_pool(4, 512) for lay in layers]
+    pools[2].add_sequence()  # pool 2: slot 0 taken first, its sequences in slots 1 .. 3
+    seqs = [[p.add_sequence() for _ in range(3)] for p in pools]
+    for p, s in zip(pools, seqs, strict=True):
+        p.begin_step(s, [5, 9, 3]).commit()
+    forget_uploaded_metadata()
+    a = pools[0].begin_step(seqs[0], [1, 1, 1])
+    b = pools[1].begin_step(seqs[1], [1, 1, 1])
+    assert b.pos is a.pos and b.tok_slot is a.tok_slot
+    assert all(b.jobs[n].keep_dst is a.jobs[n].keep_dst for n in a.jobs)
+    c = pools[2].begin_step(seqs[2], [1, 1, 1])  # other slots: its own
+    assert c.pos is not a.pos and not torch.equal(c.tok_slot, a.tok_slot)
+    forget_uploaded_metadata()
+    fresh = pools[1].begin_step(seqs[1], [1, 1, 1])
+    assert fresh.pos is not a.pos
+    _steps_equal(b, fresh)
+    a.commit()
+    later = pools[0].begin_step(seqs[0], [1, 1, 1])  # one position on: not the old metadata
+    assert later.pos is not a.pos and torch.equal(later.pos, a.pos + 1)
+    forget_uploaded_metadata()
+    _steps_equal(later, pools[0].begin_step(seqs[0], [1, 1, 1]))
+
+
+def test_interleaved_layer_types_each_share_their_own(tiny, make_layer):
+    """A model's layers alternate types (C4, C128, C4, C128, SWA): each layer takes the
+    metadata of the last layer of its own type, not evicted by the types between."""
+    from dsv4.cache.step import forget_uploaded_metadata
+
+    ratios = [4, 128, 4, 128, 0, 0]
+    pools = [make_layer(tiny, r).new_cache_pool(2, 512) for r in ratios]
+    seqs = [[p.add_sequence() for _ in range(2)] for p in pools]
+    for p, s in zip(pools, seqs, strict=True):
+        p.begin_step(s, [7, 130]).commit()
+    forget_uploaded_metadata()
+    steps = [p.begin_step(s, [1, 1]) for p, s in zip(pools, seqs, strict=True)]
+    assert steps[2].pos is steps[0].pos and steps[3].pos is steps[1].pos
+    assert steps[5].pos is steps[4].pos
+    assert steps[1].pos is not steps[0].pos and steps[4].pos is not steps[1].pos
+    assert steps[0].jobs.keys() == {"compressed", "idx_keys"}
+    assert steps[1].jobs.keys() == {"compressed"} and not steps[4].jobs

@@ -2,7 +2,8 @@
 
 The layer processes a call as one or more steps of at most ``step_tokens`` tokens. For a step,
 :meth:`CacheStep.plan` (host side) validates nothing more (the layer did), takes the blocks the
-step writes, and builds the step's metadata in one host-to-device copy:
+step writes, and builds the step's metadata in one host-to-device copy (which the layers after
+the first of a model's step take as it is: :data:`_last_uploaded`):
 
 * per token: its position and its sequence's slot;
 * per compressor: the entries the step completes (slot, entry index) and, for each of their
@@ -97,17 +98,11 @@ class CacheStep:
         for store in pool.stores.values():
             store.sync()
 
-        t = sum(counts)
-        specs = [(name, spec) for name, (spec, _) in pool.rings.items()]
-        build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
-        host, shapes, job_meta, seq_ids = build(starts, slots, counts, specs)
-        pos_host = host[:t]
-        dev, keep = upload(host, pool.device)
-        views = list(torch.split(dev, [_numel(s) for s in shapes]))
-        # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
-        views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
-        step = cls(pool, caches, starts, list(counts), views[0], views[1], pos_host, seq_ids,
-                   _keepalive=keep)
+        specs = tuple((name, spec) for name, (spec, _) in pool.rings.items())
+        meta = _uploaded_metadata(starts, slots, counts, specs, pool.device)
+        step = cls(pool, caches, starts, list(counts), meta.views[0], meta.views[1],
+                   meta.pos_host, meta.seq_ids, _keepalive=meta.keep)
+        job_meta, views = meta.job_meta, meta.views
         for k_job, (name, e, _k) in enumerate(job_meta):
             v = views[2 + 6 * k_job: 8 + 6 * k_job]
             step.jobs[name] = EntryJobs(e, *v)
@@ -204,6 +199,64 @@ class CallTransaction:
 
 Metadata = tuple[torch.Tensor, list[tuple[int, ...]], list[tuple[str, int, int]], torch.Tensor]
 """(the host buffer, its parts' shapes, (store, E, K) per compressor, each token's sequence)."""
+
+
+@dataclass(frozen=True)
+class _Uploaded:
+    """A step's metadata on the device, split into its parts (read-only to every user)."""
+
+    key: tuple
+    views: list[torch.Tensor]
+    pos_host: torch.Tensor
+    seq_ids: torch.Tensor
+    job_meta: list[tuple[str, int, int]]
+    keep: torch.Tensor | None
+
+
+_last_uploaded: dict[tuple[torch.device, tuple], _Uploaded] = {}
+"""The last step metadata uploaded to each device for each layer type (its rings' specs).
+Every layer of a model plans the same step (each pool holds the same sequences at the same
+lengths: the same positions, slots and, per ring spec, the same entry jobs - only the block
+tables differ, and they live in the stores), so the layers after the first of each type reuse
+its buffer and device copy: one host build, one host-to-device copy and one split a step per
+layer type instead of one per layer (``benchmarks/plan_cost.py``). Keyed by layer type so
+that interleaved types (C4, C128, C4, ...) do not evict each other; taken only on the stream
+that made it (another stream could read it before its copy landed, or after the allocator
+reused it); never during CUDA-graph capture (a captured copy's memory belongs to its graph)."""
+
+
+def forget_uploaded_metadata() -> None:
+    """Drop the shared step metadata (:data:`_last_uploaded`): the next step of every layer
+    builds and uploads its own, as the first layer of a step does (the decode-step bench counts
+    a layer's launches this way)."""
+    _last_uploaded.clear()
+
+
+def _uploaded_metadata(starts: list[int], slots: list[int], counts: list[int],
+                       specs: tuple[tuple[str, RingSpec], ...], device: torch.device
+                       ) -> _Uploaded:
+    """The step's metadata on ``device``: the last one built there where it is the same step
+    (the same starts, slots, counts and ring specs, on the same stream), else built, uploaded
+    and split."""
+    stream = None
+    capturing = False
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device).cuda_stream
+        capturing = torch.cuda.is_current_stream_capturing()
+    key = (tuple(starts), tuple(slots), tuple(counts), stream)
+    last = _last_uploaded.get((device, specs))
+    if last is not None and not capturing and last.key == key:
+        return last
+    build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
+    host, shapes, job_meta, seq_ids = build(starts, slots, counts, list(specs))
+    dev, keep = upload(host, device)
+    views = list(torch.split(dev, [_numel(s) for s in shapes]))
+    # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
+    views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
+    made = _Uploaded(key, views, host[:sum(counts)], seq_ids, job_meta, keep)
+    if not capturing:
+        _last_uploaded[(device, specs)] = made
+    return made
 
 
 def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
