@@ -38,8 +38,8 @@
 #   bash benchmarks/h200_session.sh s34c     # s34 and s34b cut to fit one call
 #   bash benchmarks/h200_session.sh s34v     # verify + the fixed / new GPU tests (~3 minutes)
 #   bash benchmarks/h200_session.sh s35      # verify, session 35's left ids, Flash C128 / SWA auto range
-#   bash benchmarks/h200_session.sh s36a     # verify, the 5 unreached ids, auto at 512 (all layers, profiled)
-#   bash benchmarks/h200_session.sh s36b     # auto at 64K, the attention kernel's few-chunk probes
+#   bash benchmarks/h200_session.sh s36a     # verify, eval, host-copy / metadata tests, the 5 unreached ids
+#   bash benchmarks/h200_session.sh s36b     # auto at 512 (profiled) and 64K, the attention few-chunk probes
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -464,31 +464,34 @@ s35)  # session 35's second call: verify, the GPU tests no log has shown passing
         "${ROWS[@]}" --strategies ours_act8_pdl
     ;;
 s36a)  # the next session's first call (cold; an H200 wanted: #11 asks for verify there):
-    # verify, the five ids sessions 33-35 did not reach, then the library's default (auto:
-    # ours up to 8 tokens on Flash, one on Pro, FlashMLA's above) on every layer type at 512,
-    # profiled (carry .whl)
+    # verify, the tiny LM's eval (a model's layers now share a step's uploaded metadata:
+    # session 35, CPU-tested only), the host-copy tests, the five ids sessions 33-35 did not
+    # reach (carry .whl)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
     verify 200
+    eval_fp8 150
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 5)
-    step pytest_last5 120 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf \
+    step pytest_last5 150 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/test_host_copy.py \
+        tests/cache/test_step_metadata.py \
         "tests/platforms/test_cuda_backends.py::test_stream_plan_calls_take_the_fp8_input_gemm[0]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype0-1e-10-4]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype1-0.01-0]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype1-0.01-4]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype1-0.01-128]"
-    step decode_512 150 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
+    ;;
+s36b)  # the next session's second call: the library's default (auto: ours up to 8 tokens on
+    # Flash, one on Pro, FlashMLA's above) on every layer type at 512, profiled, and the 64K
+    # C4 step at 1 / 16 / 64 tokens; then the attention kernel's probes with session 35's
+    # few-chunk variants (one chunk and no combine launch; output columns split; 2-8 chunks)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    step decode_512 130 python3 -m dsv4 bench decode-step --out "$OUT/decode512" \
         --models flash,pro --layers C4,C128,SWA --ms 1,16,64 --contexts 512 --reps 5 \
         --strategies ours_auto_act8_pdl --profile
-    ;;
-s36b)  # the next session's second call: the 64K C4 step (auto) at 1 / 16 / 64 tokens, then
-    # the attention kernel's probes with session 35's few-chunk variants (one chunk, no combine
-    # launch; output columns split; 2-8 chunks) beside the rule's split and FlashMLA's
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
-    step decode_64k 200 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
+    step decode_64k 150 python3 -m dsv4 bench decode-step --out "$OUT/decode64k" \
         --models flash,pro --layers C4 --ms 1,16,64 --contexts 65536 --reps 3 \
         --strategies ours_auto_act8_pdl
-    attention_decode 240
+    attention_decode 180
     ;;
 s34v)  # the last minutes of a session's device time: verify, then the fixed / new GPU tests
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
