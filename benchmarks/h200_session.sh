@@ -474,6 +474,7 @@ s36a)  # the next session's first call (cold; an H200 wanted: #11 asks for verif
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 5)
     step pytest_last5 150 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf tests/test_host_copy.py \
         tests/cache/test_step_metadata.py \
+        tests/platforms/test_cuda_platform.py::test_layers_sharing_a_steps_metadata_on_the_gpu \
         "tests/platforms/test_cuda_backends.py::test_stream_plan_calls_take_the_fp8_input_gemm[0]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype0-1e-10-4]" \
         "tests/test_attention_conformance.py::test_layer_matches_naive_float64[dtype1-0.01-0]" \
