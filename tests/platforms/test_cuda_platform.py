@@ -94,7 +94,8 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
 def test_layers_sharing_a_steps_metadata_on_the_gpu(tiny, ratio):
     """Two layers stepping the same sequences (a model's layers): the second takes the first's
     uploaded step metadata on the same stream and computes what it computes with its own; a
-    step planned on another stream or while capturing a graph builds its own."""
+    step planned on another stream builds its own (graph capture: the whole-step graph tests,
+    whose eager warm-up plans the same step first)."""
     from dsv4.cache.step import forget_uploaded_metadata
 
     layers = [cuda_layer(tiny, ratio) for _ in range(2)]
