@@ -325,7 +325,8 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
         shapes += [(e,), (e,), (e, cr), (e, cr), (m,), (m,)]
         job_meta.append((name, e, m))
     # through an int64 array: torch.tensor of a Python list costs ~4x as much host time
-    host = torch.frombuffer(array("q", flat), dtype=torch.int64)
+    host = (torch.frombuffer(array("q", flat), dtype=torch.int64) if flat
+            else torch.zeros(0, dtype=torch.int64))  # frombuffer refuses an empty buffer
     return host, shapes, job_meta, torch.arange(m)
 
 
