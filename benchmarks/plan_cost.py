@@ -1,7 +1,8 @@
 """Host time of ``CachePool.begin_step`` for one decode token per sequence (the per-layer, per-step
 planning a serving loop pays on the CPU), per layer type and M; best of 7 batches of 60 calls:
 as a model's first layer of a step plans it (its metadata built, uploaded and split) and as
-each further layer does (that metadata shared: ``dsv4.cache.step._last_uploaded``).
+each further layer does (that metadata shared: ``dsv4.cache.step._last_uploaded``); then
+``CacheStep.commit`` by context.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -42,6 +43,30 @@ def main() -> None:
                 further = min(further, (time.perf_counter() - t0) / 60)
             print(f"ratio {ratio:3d} M={m:2d}: begin_step {first * 1e6:6.0f} us (first layer), "
                   f"{further * 1e6:6.0f} us (each further layer)", flush=True)
+    commit_cost()
+
+
+def commit_cost() -> None:
+    """Host time of ``CacheStep.commit`` (lengths advanced, window blocks released) of a
+    one-token-per-sequence step, 16 sequences, by context: the same at any context since
+    session 35 (a release scans the blocks above the slot's watermark only)."""
+    cfg = DSV4Config.preset("tiny").replace(max_position_embeddings=65536)
+    layer = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(0), dtype=torch.bfloat16)
+    m = 16
+    for context in (600, 8192, 32768):
+        pool = layer.new_cache_pool(m, context + 512)
+        caches = [pool.add_sequence() for _ in range(m)]
+        fill_history(caches, context)
+        best = float("inf")
+        for _ in range(5):
+            spent = 0.0
+            for _ in range(60):
+                step = pool.begin_step(caches, [1] * m)
+                t0 = time.perf_counter()
+                step.commit()
+                spent += time.perf_counter() - t0
+            best = min(best, spent / 60)
+        print(f"context {context:5d} M={m}: commit {best * 1e6:6.1f} us", flush=True)
 
 
 if __name__ == "__main__":

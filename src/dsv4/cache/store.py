@@ -33,6 +33,10 @@ class PagedStore:
         self.table_dev = self.table if device.type == "cpu" else self.table.to(device)
         self._blocks: list[list[int]] = [[] for _ in range(max_seqs)]
         """Physical block of each logical block per slot (-1: released), the host's truth."""
+        self._released_below = [0] * max_seqs
+        """Per slot: every logical block below this one is released (-1), so
+        :meth:`release_before` scans from here - a decode step's window release then costs the
+        same at any context instead of a pass over all of a sequence's earlier blocks."""
         self._dirty: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ queries
@@ -87,6 +91,7 @@ class PagedStore:
                 self.alloc.release(b)
         end = len(held)
         del held[logical:]
+        self._released_below[slot] = min(self._released_below[slot], logical)
         self.table[slot, logical:end] = -1
         self._mark(slot, logical, end)
 
@@ -95,10 +100,13 @@ class PagedStore:
         query can read any more), only among logical blocks ``from_logical`` and later."""
         held = self._blocks[slot]
         last = min(first_row // self.block_size, len(held))
-        changed = [i for i in range(from_logical, last) if held[i] >= 0]
+        below = self._released_below[slot]
+        changed = [i for i in range(max(from_logical, below), last) if held[i] >= 0]
         for i in changed:
             self.alloc.release(held[i])
             held[i] = -1
+        if from_logical <= below < last:  # everything below ``last`` is released now
+            self._released_below[slot] = last
         if changed:  # one write of the span (its other entries are -1 already): a long prefill
             # releases hundreds of blocks, one indexed write each cost ~5 us of host time
             self.table[slot, changed[0]:changed[-1] + 1] = -1
@@ -130,6 +138,7 @@ class PagedStore:
             self.fmt.copy_rows(self.data, held[full] * b + offsets, copy * b + offsets)
             mine.append(copy)
         self._blocks[dst] = mine
+        self._released_below[dst] = 0  # a lower bound: the first release scans from 0
         self.table[dst] = -1
         if mine:
             self.table[dst, :len(mine)] = torch.tensor(mine, dtype=torch.int32)

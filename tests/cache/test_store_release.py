@@ -1,0 +1,99 @@
+"""A store's window release scans only the blocks that may still be held
+(``PagedStore._released_below``): any sequence of grows, releases (with and without a call's
+``from_logical`` floor), shrinks and forks leaves every block table and the free list exactly as
+a store that scans every logical block from 0 does."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dsv4.cache.formats import DenseFormat
+from dsv4.cache.store import PagedStore
+
+B, SLOTS, LOGICAL = 4, 3, 24
+
+
+class _ScanFromZero(list):
+    """``_released_below`` that always answers 0 and forgets what it is told (the old scan)."""
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return 0
+
+    def __setitem__(self, i, v):  # type: ignore[override]
+        pass
+
+
+def _store() -> PagedStore:
+    return PagedStore("kv", DenseFormat("auto", 8, torch.float32), B, 64, SLOTS, LOGICAL,
+                      torch.device("cpu"))
+
+
+OPS = st.one_of(
+    st.tuples(st.just("grow"), st.integers(0, SLOTS - 1), st.integers(0, B * 12)),
+    st.tuples(st.just("release"), st.integers(0, SLOTS - 1), st.integers(0, B * 14),
+              st.integers(0, 6)),
+    st.tuples(st.just("shrink"), st.integers(0, SLOTS - 1), st.integers(0, 12)),
+    st.tuples(st.just("fork"), st.integers(0, SLOTS - 1), st.integers(0, SLOTS - 1),
+              st.integers(0, B * 6)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(OPS, min_size=1, max_size=40))
+@example(ops=[("grow", 0, 40), ("release", 0, 32, 0), ("shrink", 0, 3), ("grow", 0, 40),
+              ("release", 0, 36, 0)])  # shrunk below the watermark, grown again
+@example(ops=[("grow", 0, 40), ("release", 0, 12, 5), ("release", 0, 24, 0)])  # a floor
+@example(ops=[("grow", 0, 40), ("release", 0, 32, 0), ("fork", 0, 1, 36),
+              ("release", 1, 40, 0)])  # a fork of a released prefix
+def test_release_scans_from_the_watermark_like_from_zero(ops):
+    fast, slow = _store(), _store()
+    slow._released_below = _ScanFromZero([0] * SLOTS)
+    for op in ops:
+        for store in (fast, slow):
+            kind = op[0]
+            if kind == "grow":
+                _, slot, rows = op
+                if store.blocks_needed(slot, rows) <= store.alloc.num_free:
+                    store.grow(slot, rows)
+            elif kind == "release":
+                _, slot, first_row, floor = op
+                store.release_before(slot, first_row, floor)
+            elif kind == "shrink":
+                _, slot, logical = op
+                store.shrink_to(slot, logical)
+            else:
+                _, src, dst, rows = op
+                if src != dst and store.holds_rows(src, 0, rows) and store.alloc.num_free:
+                    store.shrink_to(dst, 0)
+                    store.fork(src, dst, rows)
+        assert fast._blocks == slow._blocks
+        assert torch.equal(fast.table, slow.table)
+        assert fast.alloc.num_free == slow.alloc.num_free
+        for slot in range(SLOTS):  # the invariant the scan relies on
+            held = fast._blocks[slot]
+            below = fast._released_below[slot]
+            assert below <= len(held) and all(b == -1 for b in held[:below])
+
+
+def test_a_long_sequences_window_release_does_not_rescan_its_history():
+    """After the first release, a step's release looks at the blocks above the watermark only
+    (a spy on the held list's reads)."""
+    store = _store()
+    store.grow(0, B * 20)
+    store.release_before(0, B * 18)
+    assert store._released_below[0] == 18
+
+    class Reads(list):
+        count = 0
+
+        def __getitem__(self, i):
+            Reads.count += 1
+            return super().__getitem__(i)
+
+    store._blocks[0] = Reads(store._blocks[0])
+    store.release_before(0, B * 19)
+    # the one block between the watermark and the new boundary: its test and its release
+    # (a scan from 0 reads all 19)
+    assert Reads.count == 2 and store._released_below[0] == 19
