@@ -1,7 +1,8 @@
 """A store's window release scans only the blocks that may still be held
 (``PagedStore._released_below``): any sequence of grows, releases (with and without a call's
-``from_logical`` floor), shrinks and forks leaves every block table and the free list exactly as
-a store that scans every logical block from 0 does."""
+``from_logical`` floor, one slot at a time or a step's slots at once), shrinks and forks leaves
+every block table and the free list exactly as a store that scans every logical block from 0,
+one slot at a time, does."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ OPS = st.one_of(
     st.tuples(st.just("release"), st.integers(0, SLOTS - 1), st.integers(0, B * 14),
               st.integers(0, 6)),
     st.tuples(st.just("shrink"), st.integers(0, SLOTS - 1), st.integers(0, 12)),
+    st.tuples(st.just("release_each"), st.lists(st.integers(0, B * 14), min_size=SLOTS,
+                                                max_size=SLOTS),
+              st.none() | st.lists(st.integers(0, 6), min_size=SLOTS, max_size=SLOTS)),
     st.tuples(st.just("fork"), st.integers(0, SLOTS - 1), st.integers(0, SLOTS - 1),
               st.integers(0, B * 6)),
 )
@@ -60,6 +64,14 @@ def test_release_scans_from_the_watermark_like_from_zero(ops):
             elif kind == "release":
                 _, slot, first_row, floor = op
                 store.release_before(slot, first_row, floor)
+            elif kind == "release_each":  # the fast store batched, the slow one per slot
+                _, firsts, floors = op
+                if store is fast:
+                    store.release_before_each(list(range(SLOTS)), firsts, floors)
+                else:
+                    for slot in range(SLOTS):
+                        store.release_before(slot, firsts[slot],
+                                             0 if floors is None else floors[slot])
             elif kind == "shrink":
                 _, slot, logical = op
                 store.shrink_to(slot, logical)

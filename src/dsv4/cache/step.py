@@ -148,11 +148,12 @@ class CacheStep:
         rows are kept before, :meth:`keep_ring_rows`). ``release_from[i]``: release only among
         logical blocks from this index (a multi-step call keeps the blocks it started with
         until it ends)."""
-        kv = self.pool.stores["kv"]
-        for i, (c, a, n) in enumerate(zip(self.caches, self.starts, self.counts, strict=True)):
-            self.pool._lengths[c.slot] = a + n
-            first = max(0, a + n - self.pool.window + 1)
-            kv.release_before(c.slot, first, 0 if release_from is None else release_from[i])
+        kv, lengths, window = self.pool.stores["kv"], self.pool._lengths, self.pool.window
+        slots = [c.slot for c in self.caches]
+        ends = [a + n for a, n in zip(self.starts, self.counts, strict=True)]
+        for slot, end in zip(slots, ends, strict=True):
+            lengths[slot] = end
+        kv.release_before_each(slots, [max(0, e - window + 1) for e in ends], release_from)
         kv.sync()
 
 

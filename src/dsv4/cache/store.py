@@ -112,6 +112,17 @@ class PagedStore:
             self.table[slot, changed[0]:changed[-1] + 1] = -1
             self._mark(slot, changed[0], changed[-1] + 1)
 
+    def release_before_each(self, slots: list[int], first_rows: list[int],
+                            from_logical: list[int] | None = None) -> None:
+        """:meth:`release_before` of each slot (a step's commit, one call for its sequences),
+        skipping - without a call - the slots with no block between their watermark (or floor)
+        and the new first row's block: all but one step in a block's worth for each sequence."""
+        b, blocks, below = self.block_size, self._blocks, self._released_below
+        for k, (slot, first_row) in enumerate(zip(slots, first_rows, strict=True)):
+            floor = 0 if from_logical is None else from_logical[k]
+            if min(first_row // b, len(blocks[slot])) > max(floor, below[slot]):
+                self.release_before(slot, first_row, floor)
+
     def release_all(self, slot: int) -> None:
         self.shrink_to(slot, 0)
 
