@@ -10,6 +10,14 @@ class UsageError(ValueError):
     """An argument of the ``dsv4`` command is invalid; the message names it."""
 
 
+def env_switch(name: str, value: str, default: bool) -> bool:
+    """An on/off environment variable's ``value``: ``0`` off, ``1`` on, unset or empty
+    ``default``, else a UsageError naming the variable."""
+    if value not in ("", "0", "1"):
+        raise UsageError(f"{name} must be 0 or 1 (or unset), got {value!r}")
+    return default if value == "" else value == "1"
+
+
 def check_at_least(option: str, value: int | float, minimum: int | float, why: str = "") -> None:
     if value < minimum:
         raise UsageError(f"{option} {value}: must be at least {minimum}" + (f" ({why})" if why

@@ -107,3 +107,33 @@ def test_interleaved_layer_types_each_share_their_own(tiny, make_layer):
     assert steps[1].pos is not steps[0].pos and steps[4].pos is not steps[1].pos
     assert steps[0].jobs.keys() == {"compressed", "idx_keys"}
     assert steps[1].jobs.keys() == {"compressed"} and not steps[4].jobs
+
+
+def test_sharing_can_be_turned_off(tiny, make_layer, monkeypatch):
+    """``set_metadata_sharing(False)`` (or ``DSV4_SHARE_STEP_METADATA=0`` in a fresh process):
+    every layer builds its own metadata, equal to the shared one; a bad value is refused."""
+    import subprocess
+    import sys
+
+    from dsv4.cache import step as step_mod
+
+    pools = [make_layer(tiny, 4).new_cache_pool(2, 256) for _ in range(2)]
+    seqs = [[p.add_sequence() for _ in range(2)] for p in pools]
+    prev = step_mod.set_metadata_sharing(False)
+    try:
+        assert prev is True
+        a, b = (p.begin_step(s, [3, 1]) for p, s in zip(pools, seqs, strict=True))
+        assert b.pos is not a.pos and not step_mod._last_uploaded
+        _steps_equal(a, b)
+    finally:
+        step_mod.set_metadata_sharing(prev)
+    with pytest.raises(TypeError):
+        step_mod.set_metadata_sharing(0)
+    code = "import dsv4.cache.step as s; print(s._SHARING)"
+    for env, want in (("0", "False"), ("1", "True"), ("", "True")):
+        monkeypatch.setenv("DSV4_SHARE_STEP_METADATA", env)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.stdout.strip() == want, out.stderr
+    monkeypatch.setenv("DSV4_SHARE_STEP_METADATA", "yes")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "DSV4_SHARE_STEP_METADATA must be 0 or 1" in out.stderr

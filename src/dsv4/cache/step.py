@@ -18,6 +18,7 @@ back its length, rings and blocks as they were before the call.
 
 from __future__ import annotations
 
+import os
 from array import array
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ import torch
 
 from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
 from dsv4.host_copy import upload, upload_once
+from dsv4.usage import env_switch
 
 
 @dataclass
@@ -226,6 +228,23 @@ that made it (another stream could read it before its copy landed, or after the 
 reused it); never during CUDA-graph capture (a captured copy's memory belongs to its graph)."""
 
 
+_SHARING = env_switch("DSV4_SHARE_STEP_METADATA",
+                      os.environ.get("DSV4_SHARE_STEP_METADATA", ""), default=True)
+
+
+def set_metadata_sharing(on: bool) -> bool:
+    """Whether the layers of a step share its uploaded metadata (:data:`_last_uploaded`; on by
+    default, ``DSV4_SHARE_STEP_METADATA=0`` in the environment turns it off); returns the
+    previous value. Off, every layer builds and uploads its own (and nothing is kept)."""
+    global _SHARING
+    if not isinstance(on, bool):
+        raise TypeError(f"set_metadata_sharing: on must be a bool, got {on!r}")
+    prev, _SHARING = _SHARING, on
+    if not on:
+        _last_uploaded.clear()
+    return prev
+
+
 def forget_uploaded_metadata() -> None:
     """Drop the shared step metadata (:data:`_last_uploaded`): the next step of every layer
     builds and uploads its own, as the first layer of a step does (the decode-step bench counts
@@ -245,8 +264,9 @@ def _uploaded_metadata(starts: list[int], slots: list[int], counts: list[int],
         stream = torch.cuda.current_stream(device).cuda_stream
         capturing = torch.cuda.is_current_stream_capturing()
     key = (tuple(starts), tuple(slots), tuple(counts), stream)
-    last = _last_uploaded.get((device, specs))
-    if last is not None and not capturing and last.key == key:
+    share = _SHARING and not capturing
+    last = _last_uploaded.get((device, specs)) if share else None
+    if last is not None and last.key == key:
         return last
     build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
     host, shapes, job_meta, seq_ids = build(starts, slots, counts, list(specs))
@@ -255,7 +275,7 @@ def _uploaded_metadata(starts: list[int], slots: list[int], counts: list[int],
     # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
     views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
     made = _Uploaded(key, views, host[:sum(counts)], seq_ids, job_meta, keep)
-    if not capturing:
+    if share:
         _last_uploaded[(device, specs)] = made
     return made
 

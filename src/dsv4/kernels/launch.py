@@ -41,7 +41,7 @@ from functools import cache
 
 import torch
 
-from dsv4.usage import UsageError
+from dsv4.usage import env_switch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 try:  # guarded: every kernel module imports (reference paths, packing) without Triton
@@ -54,12 +54,7 @@ _HAVE_GDC = False  # Triton's grid dependency control (set below where it import
 
 
 
-def _env_switch(name: str, value: str, default: bool) -> bool:
-    """An on/off environment variable: ``0`` off, ``1`` on, unset or empty ``default``, else a
-    UsageError (a ValueError; the ``dsv4`` command prints it as one line)."""
-    if value not in ("", "0", "1"):
-        raise UsageError(f"{name} must be 0 or 1 (or unset), got {value!r}")
-    return default if value == "" else value == "1"
+_env_switch = env_switch  # DSV4_PDL's reader (a UsageError, which the command prints as a line)
 
 
 _ON = _env_switch("DSV4_PDL", os.environ.get("DSV4_PDL", ""), default=True)
