@@ -86,12 +86,21 @@ def rotate_rope_dims(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     """:meth:`RotaryEmbedding.rotate` for the frequencies ``inv_freq`` (the last
     2 * len(inv_freq) dims of ``x`` [T, ..., d], pairs (2i, 2i + 1)): a new tensor of x's dtype,
     the rotation in ``acc_dtype``."""
-    rope_dim = 2 * inv_freq.numel()
     cos, sin = rope_cos_sin(positions, inv_freq, acc_dtype)
     for _ in range(x.dim() - 2):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rotate_pairs(x, cos, sin, acc_dtype, inverse)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 acc_dtype: torch.dtype, inverse: bool = False) -> torch.Tensor:
+    """The rotation itself: the last 2 * cos.shape[-1] dims of ``x`` as pairs (2i, 2i + 1)
+    turned by the angles whose ``cos`` / ``sin`` (in ``acc_dtype``, already broadcastable
+    against those pairs) are given; a new tensor of x's dtype, the nope dims unchanged. The
+    inference layers and the training model (:mod:`dsv4.model.train_attention`) share it."""
     if inverse:
         sin = -sin
+    rope_dim = 2 * cos.shape[-1]
     d = x.shape[-1]
     rope = x[..., d - rope_dim:].to(acc_dtype).unflatten(-1, (rope_dim // 2, 2))
     a, b = rope[..., 0], rope[..., 1]

@@ -36,7 +36,7 @@ from dsv4.config import DSV4Config
 from dsv4.layers.fp8 import dequantize_fp8_block, quantize_fp8_block
 from dsv4.layers.norm import rms_normalize
 from dsv4.layers.quant_sim import fp8_block_sim, indexer_quant_sim
-from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.layers.rotary import RotaryEmbedding, rotate_pairs
 from dsv4.platforms.preshuffle_ops import per_token_group_quant_fp8
 
 FP8_WEIGHTS = ("wq_a", "wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
@@ -182,13 +182,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ro
     else:  # per-row positions [B or 1, T]: broadcast over heads
         while cos.dim() < x.dim():
             cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    if inverse:
-        sin = -sin
-    d = x.shape[-1]
-    rope = x[..., d - rope_dim:].to(adt).unflatten(-1, (rope_dim // 2, 2))
-    a, b = rope[..., 0], rope[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)
+    assert 2 * cos.shape[-1] == rope_dim
+    return rotate_pairs(x, cos, sin, adt, inverse)
 
 
 class TrainAttention(nn.Module):
