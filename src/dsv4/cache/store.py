@@ -48,14 +48,14 @@ class PagedStore:
 
     def blocks_needed(self, slot: int, rows: int) -> int:
         """New blocks slot needs to hold rows 0 .. rows - 1 (the released ones stay released)."""
-        return max(0, ceil_div(rows, self.block_size) - len(self._blocks[slot]))
+        return self.blocks_needed_each([slot], [rows])[0]
 
     def blocks_needed_each(self, slots: list[int], rows: list[int]) -> list[int]:
         """:meth:`blocks_needed` of each (slot, rows) pair, in one call: a step's plan asks it
         for every sequence of every store (192 calls a step at 64 sequences, ~40 % of the
         plan's host time as separate calls)."""
         b, held = self.block_size, self._blocks
-        return [max(0, -(-n // b) - len(held[s])) for s, n in zip(slots, rows, strict=True)]
+        return [max(0, ceil_div(n, b) - len(held[s])) for s, n in zip(slots, rows, strict=True)]
 
     def holds_rows(self, slot: int, first: int, end: int) -> bool:
         if end <= first:
@@ -98,30 +98,31 @@ class PagedStore:
     def release_before(self, slot: int, first_row: int, from_logical: int = 0) -> None:
         """Release the slot's blocks whose rows all lie before ``first_row`` (window rows no
         query can read any more), only among logical blocks ``from_logical`` and later."""
-        held = self._blocks[slot]
-        last = min(first_row // self.block_size, len(held))
-        below = self._released_below[slot]
-        changed = [i for i in range(max(from_logical, below), last) if held[i] >= 0]
-        for i in changed:
-            self.alloc.release(held[i])
-            held[i] = -1
-        if from_logical <= below < last:  # everything below ``last`` is released now
-            self._released_below[slot] = last
-        if changed:  # one write of the span (its other entries are -1 already): a long prefill
-            # releases hundreds of blocks, one indexed write each cost ~5 us of host time
-            self.table[slot, changed[0]:changed[-1] + 1] = -1
-            self._mark(slot, changed[0], changed[-1] + 1)
+        self.release_before_each([slot], [first_row], [from_logical])
 
     def release_before_each(self, slots: list[int], first_rows: list[int],
                             from_logical: list[int] | None = None) -> None:
-        """:meth:`release_before` of each slot (a step's commit, one call for its sequences),
-        skipping - without a call - the slots with no block between their watermark (or floor)
-        and the new first row's block: all but one step in a block's worth for each sequence."""
-        b, blocks, below = self.block_size, self._blocks, self._released_below
+        """:meth:`release_before` of each slot, in one call (a step's commit: its sequences).
+        Scans only the blocks from the slot's watermark (or ``from_logical``, if higher) to the
+        new first row's block: none at all in all but one step in a block's worth."""
+        b, blocks, watermark = self.block_size, self._blocks, self._released_below
         for k, (slot, first_row) in enumerate(zip(slots, first_rows, strict=True)):
             floor = 0 if from_logical is None else from_logical[k]
-            if min(first_row // b, len(blocks[slot])) > max(floor, below[slot]):
-                self.release_before(slot, first_row, floor)
+            held = blocks[slot]
+            last = min(first_row // b, len(held))
+            below = watermark[slot]
+            if last <= max(floor, below):
+                continue  # nothing between the watermark (or floor) and ``last``
+            changed = [i for i in range(max(floor, below), last) if held[i] >= 0]
+            for i in changed:
+                self.alloc.release(held[i])
+                held[i] = -1
+            if floor <= below:  # everything below ``last`` is released now
+                watermark[slot] = last
+            if changed:  # one write of the span (its other entries are -1 already): a long
+                # prefill releases hundreds of blocks, one indexed write each cost ~5 us
+                self.table[slot, changed[0]:changed[-1] + 1] = -1
+                self._mark(slot, changed[0], changed[-1] + 1)
 
     def release_all(self, slot: int) -> None:
         self.shrink_to(slot, 0)
