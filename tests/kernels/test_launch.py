@@ -44,13 +44,15 @@ def test_switch_and_context_restore():
 
 
 def test_the_environment_switch_takes_0_or_1_only():
+    from dsv4.usage import env_switch  # DSV4_PDL's reader (and DSV4_SHARE_STEP_METADATA's)
+
     for default in (False, True):
-        assert launch._env_switch("DSV4_PDL", "1", default)
-        assert not launch._env_switch("DSV4_PDL", "0", default)
-        assert launch._env_switch("DSV4_PDL", "", default) is default
+        assert env_switch("DSV4_PDL", "1", default)
+        assert not env_switch("DSV4_PDL", "0", default)
+        assert env_switch("DSV4_PDL", "", default) is default
         for bad in ("yes", "true", "2", " 1"):
             with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
-                launch._env_switch("DSV4_PDL", bad, default)
+                env_switch("DSV4_PDL", bad, default)
 
 
 def test_on_by_default(monkeypatch):
