@@ -176,3 +176,22 @@ def test_generate_states_and_checks_the_trained_format(capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 1 is outside")
     assert "the first filler has 0 chars, trained on 4-90" in lines[0]
+
+
+@pytest.mark.parametrize("argv,prefix,match", [
+    (["demo", "--seed", "abc"], "dsv4 demo: error: ", "invalid int value: 'abc'"),
+    (["frobnicate"], "dsv4: error: ", "invalid choice: 'frobnicate'"),
+    (["verify", "--nope"], "dsv4: error: ", "unrecognized arguments: --nope"),
+    (["bench", "decode-step", "--out", "x", "--ms", "0"], "dsv4 bench decode-step: error: ",
+     "expected comma-separated positive integers"),
+    (["bench", "kv-memory", "--out", "x", "--models", "foo"], "dsv4 bench kv-memory: error: ",
+     "model preset ['foo']"),
+])
+def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):
+    """argparse's own errors (a type, a choice, an unknown option) - in the command, a
+    subcommand or a bench suite - are one line too, without the usage block."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(prefix) and match in err[0], err

@@ -13,7 +13,12 @@ from pathlib import Path
 from dsv4.model.commands import add_commands as add_model_commands
 from dsv4.model.commands import check_problems, progress
 from dsv4.model.paths import default_model_dir
-from dsv4.usage import check_at_least, resolve_device, user_error_message
+from dsv4.usage import (
+    OneLineArgumentParser,
+    check_at_least,
+    resolve_device,
+    user_error_message,
+)
 
 VERIFY_MIN_TOKENS = 16
 """The pooled mode of ``dsv4 verify`` splits the tokens over 4 sequences of at least 4 each."""
@@ -119,7 +124,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsv4", description=__doc__)
+    p = OneLineArgumentParser(prog="dsv4", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log info lines")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the tiny LM's accuracy on every CPU platform, then every "

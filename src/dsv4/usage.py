@@ -3,11 +3,22 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import NoReturn
 
 
 class UsageError(ValueError):
     """An argument of the ``dsv4`` command is invalid; the message names it."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """The parser of the ``dsv4`` command, its subcommands and its bench suites: a bad argument
+    is one line on stderr, ``PROG: error: MESSAGE``, with exit code 2 (argparse's own prints
+    the whole usage block before it); ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def env_switch(name: str, value: str, default: bool) -> bool:

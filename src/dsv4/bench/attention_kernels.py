@@ -27,7 +27,6 @@ summary.md and (with matplotlib) fraction_of_floor.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -37,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from dsv4.usage import OneLineArgumentParser
 
 ATTN_MODELS = {"flash": (64, 512), "pro": (128, 1024)}  # heads, compressed rows per query
 W = 128
@@ -476,7 +477,7 @@ def plot(res: dict, out_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
     ap.add_argument("--only", choices=["attention", "gemm"], default=None)

@@ -81,7 +81,6 @@ counted with the profiler (a graph replays the same operations).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -105,6 +104,7 @@ from dsv4.kernels.launch import (
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
+from dsv4.usage import OneLineArgumentParser
 
 UPSTREAM = ("serial4", "multistream", "rocm_style")
 OURS = ("fused4_dsv4", "cuda_plan", "ours_unfused", "ours_triton", "ours_triton_fp8",
@@ -547,7 +547,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path,
                     help="folder for the JSON and markdown results")
     ap.add_argument("--models", default=["flash", "pro"],

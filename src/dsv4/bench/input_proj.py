@@ -21,7 +21,6 @@ weights_dtype "fp8-wqa": fused_wqa_wkv kept fp8 e4m3 with 128x128 scales, dequan
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from dsv4.kernels.fused_input_proj import (
     segment_views,
 )
 from dsv4.platforms.cuda import capture_graph
+from dsv4.usage import OneLineArgumentParser
 
 MODELS = {"flash": (4096, 1536), "pro": (7168, 2048)}  # K, fused_wqa_wkv rows
 LAYERS = ("C4", "C128", "SWA")
@@ -507,7 +507,7 @@ def summarize(res, out_dir):
 
 
 def main(argv=None, prog=None):
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for the JSON, markdown and PNG results")
     ap.add_argument("--quick", action="store_true", help="fewer M and layer types")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")

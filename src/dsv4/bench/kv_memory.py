@@ -14,7 +14,6 @@ rows attention can still read x the format's bytes per row, plus the rings) and 
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from dsv4.bench.args import choice_list, int_list
 from dsv4.cache.pool import CachePool
 from dsv4.config import PRESET_NAMES, DSV4Config
+from dsv4.usage import OneLineArgumentParser
 
 FORMATS = (("bf16", "bf16"), ("fp8_ds_mla", "fp8"), ("fp8_ds_mla", "fp4"))
 CONTEXTS = (4096, 65536, 1 << 20)
@@ -124,7 +124,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON, md and PNG")
     ap.add_argument("--contexts", default=list(CONTEXTS), type=int_list,
                     help="comma-separated token counts (default 4096,65536,1048576)")

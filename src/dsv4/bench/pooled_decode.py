@@ -13,7 +13,6 @@ matplotlib is installed) into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import AttentionCache
 from dsv4.config import DSV4Config
 from dsv4.random_weights import random_layer_weights
+from dsv4.usage import OneLineArgumentParser
 
 
 def _sync(device: torch.device) -> None:
@@ -63,7 +63,7 @@ def measure(layer: DeepseekV4Attention, m: int, context: int, steps: int, reps: 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path,
                     help="folder for pooled_decode.json, .md and .png (created if needed)")
     ap.add_argument("--preset", default="tiny", help="model preset (default tiny)")

@@ -52,6 +52,7 @@ import torch
 from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
 from dsv4.bench.attention_kernels import rel
 from dsv4.config import ATTENTION_BACKENDS, DSV4Config
+from dsv4.usage import OneLineArgumentParser
 
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
@@ -64,6 +65,7 @@ per tile, pipeline stages, output columns per program (0: all); 8 warps). sm_90 
 (benchmarks/aot_sm90_regs.py style, no GPU): the 64- and 128-head tiles use Hopper's wgmma
 without register spills (182-246 registers; whole 512-column accumulators of 64 heads spill
 from 32 rows up), the 32-head ones mma.sync."""
+
 CHECK_TOL = 2e-2
 
 
@@ -630,7 +632,7 @@ def write_report(res: dict[str, Any], out: Path) -> str:
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for prefill.json/.md/.png")
     ap.add_argument("--models", default=["flash", "pro"],
                     type=choice_list(("flash", "pro"), "model"),

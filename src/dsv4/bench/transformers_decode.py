@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dsv4.usage import OneLineArgumentParser
+
 FLASH_SCHEDULE = ["sliding_attention"] * 2 + [
     "compressed_sparse_attention", "heavily_compressed_attention"] * 20 + [
     "compressed_sparse_attention"]
@@ -284,7 +286,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--platform", default="cuda", help="dsv4 platform (dsv4.platforms)")
