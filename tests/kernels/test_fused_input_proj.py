@@ -17,6 +17,7 @@ from dsv4.kernels.fused_input_proj import (
     SplitKWorkspace,
     choose_config,
     fused_input_projections,
+    fused_input_projections_as_modules,
     fused_input_projections_reference,
     pack_input_weights,
     segment_views,
@@ -135,16 +136,19 @@ def test_reference_matches_float64(layer, fp8):
         assert _rel(g, w) < TOL[seg.out_dtype]
 
 
-def test_cpu_call_falls_back_to_reference_and_fills_out():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cpu_call_computes_as_the_modules_and_fills_out(fp8):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("interpreter mode runs the kernel on CPU")
-    p = pack_input_weights(_segments("C4", 128, 128))
+    p = pack_input_weights(_segments("C4", 128, 128, fp8=fp8))
     x = torch.randn(3, 128).to(BF16)
     out = [torch.full((3, s.rows), float("nan"), dtype=s.out_dtype) for s in p.segments]
     res = fused_input_projections(x, p, out)
     assert all(r is o for r, o in zip(res, out, strict=True))
-    for o, r in zip(out, fused_input_projections_reference(x, p), strict=True):
-        assert torch.equal(o, r)
+    for o, m, r, seg in zip(out, fused_input_projections_as_modules(x, p),
+                            fused_input_projections_reference(x, p), p.segments, strict=True):
+        assert torch.equal(o, m)
+        assert _rel(o, r) < TOL[seg.out_dtype]
     assert [o.shape[0] for o in fused_input_projections(x[:0], p)] == [0] * 4
 
 

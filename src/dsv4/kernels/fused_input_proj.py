@@ -24,8 +24,11 @@ M <= 64; for M > 64 with bf16 weights one cuBLAS fp32 GEMM plus one scatter/cast
 with a single bf16 segment (SWA) is one ``torch.mm``. Programmatic dependent launch (``pdl``) is
 implemented but off by default: it measured slower.
 
-The pure-PyTorch ``fused_input_projections_reference`` is the oracle (float32 math) and the CPU
-path. Triton is imported guarded: this module imports on a machine without it.
+The pure-PyTorch ``fused_input_projections_reference`` is the kernel's oracle (float32 math).
+Without the kernel (no Triton, or a CPU tensor outside the interpreter) the call computes each
+segment as the unpacked layer's module does (``fused_input_projections_as_modules``), so a
+packed layer there gives the unpacked layer's values bit for bit. Triton is imported guarded:
+this module imports on a machine without it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "SplitKWorkspace",
     "choose_config",
     "fused_input_projections",
+    "fused_input_projections_as_modules",
     "fused_input_projections_reference",
     "pack_input_weights",
     "segment_views",
@@ -197,6 +201,31 @@ def _segment_weights_f32(packed: PackedInputWeights) -> list[torch.Tensor]:
         else:
             ws.append(views[seg.name].float())
     return ws
+
+
+def fused_input_projections_as_modules(
+    x: torch.Tensor, packed: PackedInputWeights, act_quant: bool = False
+) -> list[torch.Tensor]:
+    """Each segment's product as the unpacked layer computes it: a segment in x's dtype as
+    ``Linear.forward`` does (one GEMM in that dtype), an fp32 segment as ``Linear.forward_fp32``
+    (x and the weight upcast), the fp8 segment's x through ``fp8_block_sim`` under
+    ``act_quant`` as ``_fp8_linear_input`` does. The call's path where the kernel does not run:
+    float32 math cast to bf16 (the reference) rounds a few values differently from a bf16 GEMM,
+    and a packed layer must give what the unpacked one gives."""
+    xq = fp8_block_sim(x, FP8_BLOCK) if act_quant else x
+    views = segment_views(packed)
+    out = []
+    for i, seg in enumerate(packed.segments):
+        dt = seg.out_dtype
+        if i == 0 and packed.fp8_weight is not None and packed.fp8_scale is not None:
+            s = packed.fp8_scale.float()
+            s = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+            # the float32 product rounded, as dequantize_fp8_block gives it for any scale
+            w, xi = (packed.fp8_weight.float() * s).to(dt), xq
+        else:
+            w, xi = views[seg.name].to(dt), x
+        out.append(torch.nn.functional.linear(xi.to(dt), w))
+    return out
 
 
 def fused_input_projections_reference(
@@ -625,7 +654,7 @@ def fused_input_projections(
     if M == 0:
         return out
     if not triton_available() or (x.device.type != "cuda" and not _interpreting()):
-        for o, r in zip(out, fused_input_projections_reference(x, packed, act_quant),
+        for o, r in zip(out, fused_input_projections_as_modules(x, packed, act_quant),
                         strict=True):
             o.copy_(r)
         return out
