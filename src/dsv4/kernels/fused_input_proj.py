@@ -190,17 +190,20 @@ def segment_views(packed: PackedInputWeights) -> dict[str, torch.Tensor]:
     return views
 
 
+def _fp8_segment_weight_f32(packed: PackedInputWeights) -> torch.Tensor | None:
+    """The fp8 segment's weight dequantised in float32 (its block scales multiply), or None."""
+    if packed.fp8_weight is None or packed.fp8_scale is None:
+        return None
+    s = packed.fp8_scale.float()
+    s = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return packed.fp8_weight.float() * s
+
+
 def _segment_weights_f32(packed: PackedInputWeights) -> list[torch.Tensor]:
-    ws = []
     views = segment_views(packed)
-    for i, seg in enumerate(packed.segments):
-        if i == 0 and packed.fp8_weight is not None and packed.fp8_scale is not None:
-            s = packed.fp8_scale.float()
-            s = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-            ws.append(packed.fp8_weight.float() * s)
-        else:
-            ws.append(views[seg.name].float())
-    return ws
+    w8 = _fp8_segment_weight_f32(packed)
+    return [w8 if i == 0 and w8 is not None else views[seg.name].float()
+            for i, seg in enumerate(packed.segments)]
 
 
 def fused_input_projections_as_modules(
@@ -214,14 +217,13 @@ def fused_input_projections_as_modules(
     and a packed layer must give what the unpacked one gives."""
     xq = fp8_block_sim(x, FP8_BLOCK) if act_quant else x
     views = segment_views(packed)
+    w8 = _fp8_segment_weight_f32(packed)
     out = []
     for i, seg in enumerate(packed.segments):
         dt = seg.out_dtype
-        if i == 0 and packed.fp8_weight is not None and packed.fp8_scale is not None:
-            s = packed.fp8_scale.float()
-            s = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        if i == 0 and w8 is not None:
             # the float32 product rounded, as dequantize_fp8_block gives it for any scale
-            w, xi = (packed.fp8_weight.float() * s).to(dt), xq
+            w, xi = w8.to(dt), xq
         else:
             w, xi = views[seg.name].to(dt), x
         out.append(torch.nn.functional.linear(xi.to(dt), w))
