@@ -133,9 +133,9 @@ def test_pack_composes_with_offload(tiny, make_layer):
     x = random_x(17, tiny.hidden_size).bfloat16()
     got = layer(x, torch.arange(17), layer.new_cache(17))
     want = plain(x, torch.arange(17), plain.new_cache(17))
-    # x comes from the global generator, so this compared a different x in every suite order:
-    # it failed once (session 36, 8 workers on a GPU machine) while the packed CPU call still
-    # rounded its bf16 segments from float32 math (see the test above); say where, if ever again
+    # this failed once (session 36, in the middle of a GPU machine's suite: x then depended on
+    # the tests before it) while the packed CPU call rounded its bf16 segments from float32
+    # math (the test above); if it ever fails again, say how
     diff = (got.double() - want.double()).abs()
     assert torch.equal(got, want), (
         f"offloaded packed layer differs from the plain one: max |diff| {diff.max().item():.3e} "
