@@ -40,6 +40,8 @@
 #   bash benchmarks/h200_session.sh s35      # verify, session 35's left ids, Flash C128 / SWA auto range
 #   bash benchmarks/h200_session.sh s36a     # verify, eval, host-copy / metadata tests, the 5 unreached ids
 #   bash benchmarks/h200_session.sh s36b     # auto at 512 (profiled) and 64K, the attention few-chunk probes
+#   bash benchmarks/h200_session.sh s36c     # the whole suite, 8 workers (checkx without verify)
+#   bash benchmarks/h200_session.sh s36d     # one failing test alone, then the ids s36c left
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
