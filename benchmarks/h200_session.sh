@@ -42,6 +42,7 @@
 #   bash benchmarks/h200_session.sh s36b     # auto at 512 (profiled) and 64K, the attention few-chunk probes
 #   bash benchmarks/h200_session.sh s36c     # the whole suite, 8 workers (checkx without verify)
 #   bash benchmarks/h200_session.sh s36d     # one failing test alone, then the ids s36c left
+#   bash benchmarks/h200_session.sh s37      # the suite (8 workers), Pro at 1-2 tokens: ours vs FlashMLA
 #   DSV4_PDL=0 bash benchmarks/h200_session.sh check   # the suite and verify without PDL
 #                                            # (on by default since session 27)
 #   bash benchmarks/h200_session.sh checka / checkb  # the same suite in two calls (cold machine)
@@ -514,6 +515,20 @@ s36d)  # session 36's last call: s36c's one failure alone with its traceback (it
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
     mapfile -t LEFT < benchmarks/results/h200/session36/left_ids.txt
     step pytest_left 370 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${LEFT[@]}"
+    ;;
+s37)  # the next session's first call (cold, an H200 wanted): the whole suite with 8 workers
+    # (session 36's packed-CPU-path fix and per-test seeding; GPU paths unchanged), then Pro's
+    # C4 step at 1-2 tokens with our attention kernel and FlashMLA's (the H200's attention
+    # probe favoured FlashMLA's at one Pro token, 14.0 against 20.1 us; `auto` takes ours there
+    # from the H100's tie)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+    XDIST=()
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
+    step pytest_all 400 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf --deselect tests/test_readme.py \
+        --ignore=tests/integrations --deselect tests/test_transformers_dialect.py
+    step pro_1tok 90 python3 -m dsv4 bench decode-step --out "$OUT/pro1" --models pro \
+        --layers C4,C128,SWA --ms 1,2 --contexts 512 --reps 5 \
+        --strategies ours_act8_pdl,ours_flashmla_act8_pdl
     ;;
 s34v)  # the last minutes of a session's device time: verify, then the fixed / new GPU tests
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
