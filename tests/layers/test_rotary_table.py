@@ -52,3 +52,14 @@ def test_pinned_entries(ratio, pinned):
     table = RotaryEmbedding.for_layer(DSV4Config.preset("flash"), ratio).inv_freq
     for i, value in pinned.items():
         assert float(table[i]) == float.fromhex(value), i
+
+
+def test_module_repr_names_its_table():
+    """The module prints what picks its table (rope_dim, base, YaRN or not) - session 35's
+    refactor had left extra_repr behind a return in a module-level function."""
+    cfg = DSV4Config.preset("tiny")
+    assert repr(RotaryEmbedding.for_layer(cfg, 4)) == (
+        f"RotaryEmbedding(rope_dim={cfg.qk_rope_head_dim}, base={cfg.compress_rope_theta}, "
+        "yarn=True)")
+    assert repr(RotaryEmbedding.for_layer(cfg, 0)).endswith(
+        f"base={cfg.rope_theta}, yarn=False)")

@@ -71,6 +71,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
         return rotate_rope_dims(x, positions, inv_freq, acc_dtype, inverse)
 
+    def extra_repr(self) -> str:
+        return f"rope_dim={self.rope_dim}, base={self.base}, yarn={self.yarn is not None}"
+
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
                  acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +109,6 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     a, b = rope[..., 0], rope[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat((x[..., : d - rope_dim], rotated.to(x.dtype)), dim=-1)
-
-    def extra_repr(self) -> str:
-        return f"rope_dim={self.rope_dim}, base={self.base}, yarn={self.yarn is not None}"
 
 
 def attention_softmax_scale(head_dim: int) -> float:
