@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -21,9 +22,12 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
-def env_switch(name: str, value: str, default: bool) -> bool:
-    """An on/off environment variable's ``value``: ``0`` off, ``1`` on, unset or empty
-    ``default``, else a UsageError naming the variable."""
+def env_switch(name: str, value: str | None = None, *, default: bool) -> bool:
+    """The on/off environment variable ``name`` (its ``value``, read from the environment when
+    not given): ``0`` off, ``1`` on, unset or empty ``default``, else a UsageError naming the
+    variable."""
+    if value is None:
+        value = os.environ.get(name, "")
     if value not in ("", "0", "1"):
         raise UsageError(f"{name} must be 0 or 1 (or unset), got {value!r}")
     return default if value == "" else value == "1"

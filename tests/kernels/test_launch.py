@@ -43,16 +43,24 @@ def test_switch_and_context_restore():
         set_programmatic_launch(prev)
 
 
-def test_the_environment_switch_takes_0_or_1_only():
+def test_the_environment_switch_takes_0_or_1_only(monkeypatch):
     from dsv4.usage import env_switch  # DSV4_PDL's reader (and DSV4_SHARE_STEP_METADATA's)
 
     for default in (False, True):
-        assert env_switch("DSV4_PDL", "1", default)
-        assert not env_switch("DSV4_PDL", "0", default)
-        assert env_switch("DSV4_PDL", "", default) is default
+        assert env_switch("DSV4_PDL", "1", default=default)
+        assert not env_switch("DSV4_PDL", "0", default=default)
+        assert env_switch("DSV4_PDL", "", default=default) is default
         for bad in ("yes", "true", "2", " 1"):
             with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
-                env_switch("DSV4_PDL", bad, default)
+                env_switch("DSV4_PDL", bad, default=default)
+    # without a value it reads the variable itself
+    monkeypatch.delenv("DSV4_PDL", raising=False)
+    assert env_switch("DSV4_PDL", default=True) and not env_switch("DSV4_PDL", default=False)
+    monkeypatch.setenv("DSV4_PDL", "0")
+    assert not env_switch("DSV4_PDL", default=True)
+    monkeypatch.setenv("DSV4_PDL", "on")
+    with pytest.raises(ValueError, match="DSV4_PDL must be 0 or 1"):
+        env_switch("DSV4_PDL", default=True)
 
 
 def test_on_by_default(monkeypatch):

@@ -18,7 +18,6 @@ back its length, rings and blocks as they were before the call.
 
 from __future__ import annotations
 
-import os
 from array import array
 from dataclasses import dataclass, field
 
@@ -228,8 +227,7 @@ that made it (another stream could read it before its copy landed, or after the 
 reused it); never during CUDA-graph capture (a captured copy's memory belongs to its graph)."""
 
 
-_SHARING = env_switch("DSV4_SHARE_STEP_METADATA",
-                      os.environ.get("DSV4_SHARE_STEP_METADATA", ""), default=True)
+_SHARING = env_switch("DSV4_SHARE_STEP_METADATA", default=True)
 
 
 def set_metadata_sharing(on: bool) -> bool:

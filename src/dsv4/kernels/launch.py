@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - depends on the machine
     _HAVE_TRITON = False
 _HAVE_GDC = False  # Triton's grid dependency control (set below where it imports)
 
-_ON = env_switch("DSV4_PDL", os.environ.get("DSV4_PDL", ""), default=True)
+_ON = env_switch("DSV4_PDL", default=True)
 
 
 def triton_available() -> bool:
