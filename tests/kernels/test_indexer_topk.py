@@ -156,6 +156,13 @@ def assert_valid_selection(got: torch.Tensor, scores: torch.Tensor, tol: torch.T
             assert float(scores[t, :vis][left].max()) <= float(s.min()) + float(tol[t])
 
 
+def assert_by_ascending_entry(sel: torch.Tensor) -> None:
+    """Each row's entries by ascending index, the -1 padding after them (the top-k without its
+    final sort)."""
+    kept = torch.where(sel >= 0, sel, torch.iinfo(sel.dtype).max)
+    assert torch.equal(kept, kept.sort(dim=1).values)
+
+
 def assert_matches_torch_path(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor,
                               tol: torch.Tensor, k: int, ordered: bool = True) -> None:
     """The torch path's sets, in score order. Under the interpreter both sum in fp32 alike
@@ -168,8 +175,7 @@ def assert_matches_torch_path(got: torch.Tensor, want: torch.Tensor, scores: tor
         if DEV == "cpu":
             assert torch.equal(got, want)
         return
-    kept = torch.where(got >= 0, got, torch.iinfo(got.dtype).max)
-    assert torch.equal(kept, kept.sort(dim=1).values)
+    assert_by_ascending_entry(got)
     by_score = scores.gather(1, got.clamp(min=0)).masked_fill(got < 0, float("-inf"))
     order = by_score.argsort(dim=1, descending=True, stable=True)
     assert_valid_selection(got.gather(1, order), scores, tol, k)
@@ -608,8 +614,7 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     want = torch_path(cfg, step, q, w)
     unsorted = layer._indexer_select(step, q, w)  # the default: by ascending entry index
-    kept = torch.where(unsorted >= 0, unsorted, torch.iinfo(unsorted.dtype).max)
-    assert torch.equal(kept, kept.sort(dim=1).values)
+    assert_by_ascending_entry(unsorted)
     layer.use_sorted_selection(True)  # by score, as the torch path
     assert_matches_torch_path(layer._indexer_select(step, q, w), want, s64, tol, 8)
     assert torch.equal(unsorted.sort(dim=1).values, want.sort(dim=1).values)
