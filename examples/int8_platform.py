@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from dsv4 import DeepseekV4Attention
 from dsv4.passes import Mutation, Skip, register_pass
@@ -24,6 +25,7 @@ class Int8Attention(DeepseekV4Attention):
         self.register_buffer("_wo_b_int8", None, persistent=False)
         self.register_buffer("_wo_b_row_scale", None, persistent=False)
 
+    @override
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not isinstance(self._wo_b_int8, torch.Tensor):  # the pass did not run
             return super()._o_proj(o, positions)
@@ -32,6 +34,7 @@ class Int8Attention(DeepseekV4Attention):
         w = self._wo_b_int8.to(z.dtype) * self._wo_b_row_scale[:, None].to(z.dtype)
         return torch.nn.functional.linear(z, w)  # stands for the backend's int8 kernel
 
+    @override
     def _after_weights_changed(self) -> None:
         super()._after_weights_changed()
         if isinstance(self._wo_b_int8, torch.Tensor):  # a reload: re-derive

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dsv4.bench.attention_kernels import (
@@ -76,26 +75,14 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     assert by[("gemm", "dsv4_fp8_act8")]["us"] == 3.0
     assert by[("gemm", "dsv4_fp8_act8")]["rel_err"] < 1e-2  # bf16 output
     assert len(markdown_tables({"rows": rows})) > 8
-    # the activations quantised before the GEMM: alone, and with the quantiser's launch
-    for impl in ("dsv4_fp8_act8pre", "dsv4_fp8_act8pre_q"):
-        assert by[("gemm", impl)]["us"] == 3.0 and by[("gemm", impl)]["rel_err"] < 1e-2
-
-
-def test_act8_variant_set_runs_only_the_fp8_activation_rows(monkeypatch):
-    from dsv4.bench import attention_kernels as ak
-
-    rows: list = []
-    # wq_b's rows of the stacked tiny weight (where the pair rows split it)
-    monkeypatch.setitem(ak.Q_FUSED_FIRST, "tiny", 256)
-    ak._gemm_shape_rows("tiny", "q_fused", 384, 256, 1, "cpu", torch.Generator().manual_seed(1),
-                        4e12, True, rows, lambda fns: 2.0, "act8")
-    assert sorted(r["impl"] for r in rows) == [
-        "dsv4_fp8", "dsv4_fp8_act8", "dsv4_fp8_act8_pair", "dsv4_fp8_act8pre",
-        "dsv4_fp8_act8pre_pair", "dsv4_fp8_act8pre_q"]
-    assert all(r["us"] == 2.0 and r["rel_err"] < 1e-2 for r in rows), rows
-    with pytest.raises(ValueError, match="variants"):
-        ak._gemm_shape_rows("tiny", "wo_b", 128, 256, 1, "cpu", torch.Generator(), 4e12, True,
-                            [], lambda fns: 2.0, "some")
+    # the tile probes around each choice: bf16 and fp8 activations, each checked
+    probes = [r for r in rows if r["section"] == "gemm" and r["impl"].startswith("dsv4_fp8_")]
+    assert {"dsv4_fp8_bn32", "dsv4_fp8_act8_bn128"} <= {r["impl"] for r in probes}
+    assert all(r["us"] == 3.0 and r["rel_err"] < 1e-2 for r in probes), probes
+    plain: list = []
+    _gemm_shape_rows("tiny", "wo_b", 128, 256, 1, "cpu", gen, 4e12, True, plain,
+                     lambda fns: 3.0, False)
+    assert sorted(r["impl"] for r in plain) == ["dequant_bf16", "dsv4_fp8", "dsv4_fp8_act8"]
 
 
 def test_cli_knows_the_suite():
@@ -114,36 +101,3 @@ def test_report_only_from_json(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(_res()))
     assert main(["--out", str(tmp_path), "--report-only"]) == 0
     assert "## fp8 GEMMs" in (tmp_path / "summary.md").read_text()
-
-
-def test_act8_rows_probe_eight_warps_on_the_m64_swapped_tile():
-    """Where the act_quant choice is an M = 64 swapped tile of 4 warps (it spills on sm_90), the
-    act8 rows add the same tile with 8 warps; each row computes the quantised product."""
-    from dsv4.bench.attention_kernels import _act8_rows
-    from dsv4.kernels.fp8_linear import (
-        Fp8GemmConfig,
-        fp8_linear,
-        fp8_linear_reference,
-        quantize_activations,
-    )
-    from dsv4.layers.quant_sim import fp8_block_sim
-
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(256, 256, generator=g) * 2).to(torch.float8_e4m3fn)
-    s = torch.randint(118, 124, (2, 2), generator=g).to(torch.uint8).view(torch.float8_e8m0fnu)
-    xs = [torch.randn(64, 256, generator=g).bfloat16()]
-
-    def ours(i, xs=xs, cfg=None, x_scale=None):
-        return fp8_linear(xs[i], w, s, config=cfg, x_scale=None if x_scale is None else x_scale[i])
-
-    tile = Fp8GemmConfig(block_m=64, block_n=128, split_k=1, swap=True, act_fp8=True)
-    ref_q = fp8_linear_reference(fp8_block_sim(xs[0], 128), w, s, torch.float32)
-    pre = [quantize_activations(x) for x in xs]
-    rows = _act8_rows(64, 256, 256, xs, pre, ours, ref_q, True, lambda *a, **k: tile,
-                      quantize_activations)
-    names = [r[0] for r in rows]
-    assert names == ["dsv4_fp8_act8", "dsv4_fp8_act8pre", "dsv4_fp8_act8pre_q",
-                     "dsv4_fp8_act8_w8", "dsv4_fp8_act8pre_w8"]
-    for _, fn, want in rows:
-        got = fn(0)
-        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dsv4.bench.decode_step import (
-    NEW_PATH,
-    PDL,
+    OURS,
     STRATEGIES,
+    STRATEGY_SPECS,
+    Strategy,
     add_speedups,
     main,
     markdown_table,
@@ -18,29 +19,33 @@ from dsv4.platforms.registry import _needs_cuda
 
 
 def test_speedups_are_against_the_best_upstream_strategy_and_every_strategy_is_listed():
-    times = {"serial4": 30.0, "multistream": 20.0, "rocm_style": 25.0, "fused4_dsv4": 16.0,
-             "cuda_plan": 10.0, "ours_unfused": 8.0, "ours_triton": 5.0, "ours_triton_fp8": 4.0,
-             "ours_act8": 2.5}
+    times = {"default": 4.0, "triton": 5.0, "no_step_kernels": 8.0, "upstream": 20.0,
+             "rocm_style": 25.0}
     rows = [{"model": "flash", "layer_type": "C4", "M": m, "context": 512, "strategy": s,
              "us": t * m, "fraction": 0.5, "launches": 30}
             for m in (1, 4) for s, t in times.items()]
     rows += [{"model": "flash", "layer_type": "C4", "M": m, "context": 512,
-              "strategy": s, "skipped": "not installed"}
-             for m in (1, 4) for s in ("ours_flashmla", "ours_flashmla_act8")]
+              "strategy": "flashmla", "skipped": "not installed"} for m in (1, 4)]
     add_speedups(rows)
     by = {(r["M"], r["strategy"]): r.get("speedup_vs_best_upstream") for r in rows}
-    assert by[(1, "fused4_dsv4")] == 20.0 / 16.0 and by[(4, "cuda_plan")] == 2.0
-    assert by[(1, "multistream")] == 1.0 and by[(1, "ours_triton_fp8")] == 5.0
-    assert by[(1, "ours_flashmla")] is None
+    assert by[(1, "default")] == 20.0 / 4.0 and by[(4, "no_step_kernels")] == 2.5
+    assert by[(1, "upstream")] == 1.0 and by[(1, "rocm_style")] == 0.8
+    assert by[(1, "flashmla")] is None
     lines = markdown_table(rows)
     assert len(lines) == 4 and all(s in lines[0] for s in STRATEGIES)
-    # launch columns for the new-path strategies that ran; the opt-in PDL ones did not
-    assert all(f"{s} launches" in lines[0] for s in NEW_PATH if s in STRATEGIES)
-    assert not any(f"{s} launches" in lines[0] for s in PDL)
-    assert lines[2].startswith("| flash | C4 | 512 | 1 | 30.0 (0.50) |")
-    assert ("| 4.0 (0.50) | skipped | 2.5 (0.50) | skipped | 30 | 30 | 30 | skipped | 30 | "
-            "skipped |") in lines[2]
-    assert lines[2].endswith("| 1.25x | 2.00x | 2.50x | 4.00x | 5.00x | 8.00x |")
+    # launch columns for our strategies, not for the upstream ones
+    assert all(f"{s} launches" in lines[0] for s in OURS)
+    assert not any(f"{s} launches" in lines[0] for s in ("upstream", "rocm_style"))
+    assert lines[2].startswith("| flash | C4 | 512 | 1 | 4.0 (0.50) | 5.0 (0.50) | skipped |")
+    assert lines[2].endswith("| 5.00x | 4.00x | 2.50x |")
+
+
+def test_strategies_are_few_and_led_by_the_library_default():
+    """At most six, built by keyword; the first is the platform's default path (every field
+    at its default: what ``Strategy()`` is), and no two are the same."""
+    assert 1 < len(STRATEGIES) <= 6 and STRATEGIES[0] == "default"
+    assert STRATEGY_SPECS["default"] == Strategy()
+    assert len(set(STRATEGY_SPECS.values())) == len(STRATEGY_SPECS)
 
 
 def test_floor_counts_the_cache_format_bytes(tiny):
@@ -70,7 +75,7 @@ def test_bad_strategy_and_layer_names_are_refused(tmp_path):
     if _needs_cuda(None) is None:
         pytest.skip("argument errors are checked before the GPU work only where it is absent")
     with pytest.raises(SystemExit):
-        main(["--out", str(tmp_path), "--strategies", "serial4,warp_speed"])
+        main(["--out", str(tmp_path), "--strategies", "default,warp_speed"])
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--layers", "C8"])
     assert torch.cuda.is_available() is False

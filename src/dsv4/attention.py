@@ -1,8 +1,10 @@
 """``DeepseekV4Attention``: the platform-neutral DeepSeek-V4 attention layer.
 
-The forward is a short sequence of named steps (dsv4-attention.md §8.3). The steps a platform may
-replace are listed in :attr:`DeepseekV4Attention.OVERRIDE_POINTS`; each one's docstring says what a
-platform may change and what it must keep. Shared code never asks which platform it runs on.
+A step is six stages in order (:mod:`dsv4.stages`, docs/spec.md §8.3): input projections, query
+heads and kv rows, cache writes and compression, selection, attention and the output path, the
+rings. Each stage's default calls fine override points; a platform overrides points or whole
+stages (:attr:`DeepseekV4Attention.OVERRIDE_POINTS`), and each one's docstring says what it may
+change and what it must keep. Shared code never asks which platform it runs on.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dsv4.layers.rotary import RotaryEmbedding
 from dsv4.layers.weight_layout import WeightLayout, set_layout
 from dsv4.offload import BaseOffloader, resolve_offloader
 from dsv4.parallel import execute_in_parallel
+from dsv4.stages import OVERRIDE_POINTS, InputProjections, Selection
 from dsv4.tensor_parallel import TPInfo, local_sizes, resolve_tp
 from dsv4.weights import load_layer_weights, official_weight_specs
 
@@ -42,31 +45,9 @@ class AttentionInputError(ValueError):
 class DeepseekV4Attention(nn.Module):
     """One DSV4 attention layer (SWA-only, C4A with indexer, or C128A), any device and dtype."""
 
-    OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = (
-        "_run_parallel_input_projections",
-        "_fused_wqa_wkv_gemm",
-        "_compressor_kv_score_gemm",
-        "_indexer_kv_score_gemm",
-        "_indexer_weights_gemm",
-        "_fused_compressor_score_gemm",
-        "_fused_input_projections_gemm",
-        "_wq_b_gemm",
-        "_indexer_wq_b_gemm",
-        "_latent_norms",
-        "_query_heads",
-        "_kv_rows",
-        "_indexer_query",
-        "_indexer_select",
-        "_visible_entries",
-        "_raw_rows",
-        "_compress_entries",
-        "_store_rows",
-        "_window_rows",
-        "_entry_rows",
-        "_keep_ring_rows",
-        "forward_mqa",
-        "_o_proj",
-    )
+    OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = OVERRIDE_POINTS
+    """What a platform may override: the six stages of a step and the fine points they call
+    (:mod:`dsv4.stages`)."""
     platform_name: ClassVar[str] = "reference"
 
     # ------------------------------------------------------------------ construction
@@ -325,38 +306,26 @@ class DeepseekV4Attention(nn.Module):
 
     def _step(self, x: torch.Tensor, step: CacheStep, release_from: list[int] | None
               ) -> torch.Tensor:
-        """One step (dsv4-attention.md §8.3) for every sequence of ``step`` at once."""
-        pos = step.pos
-        qr_kv, kv_score, idx_kv_score, idx_weights = self._run_parallel_input_projections(x)
-        qr, kv = self._latent_norms(qr_kv)
-        # the indexer's query only where its top-k decides something (see _indexer_decides);
-        # before the query heads, so that a platform can run both query GEMMs in one launch
-        # exactly when both are needed
-        idx_q = self._indexer_query(qr, pos) if self._indexer_decides(step) else None
-        q = self._query_heads(qr, pos)
-        kv = self._kv_rows(kv, pos)
-        self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
-        raw = self._write_entries(step, kv_score, idx_kv_score)
-        entries = self._select_compressed(step, idx_q, idx_weights)
-        selection = None if entries is None else self._entry_rows(step, entries)
-        y = self._tp_all_reduce(self._o_proj(self.forward_mqa(q, step, selection), pos))
-        # last: a failure above leaves every cache as it was
-        for name, rows in raw.items():
-            self._keep_ring_rows(step, name, rows)
+        """One step (docs/spec.md §8.3) for every sequence of ``step`` at once: the six stages
+        of :mod:`dsv4.stages`, in order."""
+        proj = self._run_parallel_input_projections(x)
+        qr, q, kv = self._query_and_kv_rows(proj.qr_kv, step.pos)
+        raw = self._write_cache(step, kv, proj.kv_score, proj.idx_kv_score)
+        selection = self._select(step, qr, proj.idx_weights)
+        y = self._tp_all_reduce(self._attend_and_project(q, step, selection))
+        self._keep_rings(step, raw)  # last: a failure above leaves every cache as it was
         step.commit(release_from)
         return y
 
-    # ---- override points ---------------------------------------------------------------
-    def _run_parallel_input_projections(
-        self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The four input GEMMs that read x: returns (qr_kv, kv_score, indexer_kv_score,
-        indexer_weights), absent ones as None.
+    # ---- stage 1: input projections -----------------------------------------------------
+    def _run_parallel_input_projections(self, x: torch.Tensor) -> InputProjections:
+        """Stage 1: the four input GEMMs that read x (:class:`~dsv4.stages.InputProjections`).
 
         May change: where and how the GEMMs run (streams, fusion, kernels).
         Must keep: qr_kv comes from :meth:`_fused_wqa_wkv_gemm` (never the module directly: a
-        platform's weights may be in a private layout), scores are fp32 (acc dtype), the tuple
-        order, and the upstream stream plan: fused_wqa_wkv on the current stream, aux 0..2 =
+        platform's weights may be in a private layout) or, packed, from
+        :meth:`_fused_input_projections_gemm`; scores are fp32 (acc dtype); and the upstream
+        stream plan (docs/upstream.md D): fused_wqa_wkv on the current stream, aux 0..2 =
         compressor score, indexer weights, indexer compressor score, overlap only for
         T <= multi_stream_token_threshold.
         """
@@ -371,11 +340,9 @@ class DeepseekV4Attention(nn.Module):
         pack = self._input_pack
         return pack is not None and (not self.cfg.act_quant or pack.fp8_weight is not None)
 
-    # ---- the stream plan (a fixed step that platform overrides call) -----------------
-    def _stream_input_projections(
-        self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The upstream stream plan (not an override point: platforms call it)."""
+    def _stream_input_projections(self, x: torch.Tensor) -> InputProjections:
+        """The upstream stream plan over the fine GEMM points (a fixed step that platform
+        overrides of stage 1 call)."""
         fused = isinstance(self._fused_compressor_weight, torch.Tensor)
         aux: list[Any] = [None, None, None]
         if fused:
@@ -399,12 +366,13 @@ class DeepseekV4Attention(nn.Module):
             assert self._fused_compressor_split_sizes is not None
             n_main, n_idx = self._fused_compressor_split_sizes
             score, idx_kv_score = score[:, :n_main], score[:, n_main:n_main + n_idx]
-        return qr_kv, score, idx_kv_score, idx_weights
+        return InputProjections(qr_kv, score, idx_kv_score, idx_weights)
 
     def _fused_wqa_wkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """qr_kv = x @ [wq_a | wkv]^T, [T, q_lora_rank + head_dim] in the layer dtype.
 
-        The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821).
+        The single place where ``fused_wqa_wkv`` is multiplied (upstream #51821,
+        docs/upstream.md A).
         May change: the kernel and the weight layout (e.g. preshuffled fp8 with activation
         quantisation).
         Must keep: shape, dtype and the [qr | kv] column order, the §6.3 activation
@@ -440,7 +408,7 @@ class DeepseekV4Attention(nn.Module):
 
     def _fused_compressor_score_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """One GEMM over the fused [main | indexer] compressor weight, fp32 (acc dtype) output,
-        [T, N_main + N_idx] (seed-features.md B.4).
+        [T, N_main + N_idx] (docs/upstream.md B.4).
 
         May change: the kernel.
         Must keep: one GEMM, fp32 output, the column order main then indexer."""
@@ -448,15 +416,13 @@ class DeepseekV4Attention(nn.Module):
         assert isinstance(w, torch.Tensor)
         return torch.nn.functional.linear(x.to(self.acc_dtype), w.to(self.acc_dtype))
 
-    def _fused_input_projections_gemm(
-        self, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def _fused_input_projections_gemm(self, x: torch.Tensor) -> InputProjections:
         """All input projections in one launch over the packed weights (after the
-        ``fuse_input_projections`` pass); same tuple as :meth:`_run_parallel_input_projections`.
+        ``fuse_input_projections`` pass); the same tuple as stage 1.
 
         May change: the kernel and its tiling.
-        Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, the tuple order,
-        and under ``cfg.act_quant`` qr_kv from the quantised x (§6.3), the others from x.
+        Must keep: qr_kv in bf16, scores in fp32, indexer weights in bf16, and under
+        ``cfg.act_quant`` qr_kv from the quantised x (§6.3), the others from x.
         """
         from dsv4.kernels.fused_input_proj import fused_input_projections
 
@@ -464,8 +430,33 @@ class DeepseekV4Attention(nn.Module):
         outs = dict(zip((s.name for s in pack.segments),
                         fused_input_projections(x, pack, act_quant=self.cfg.act_quant),
                         strict=True))
-        return (outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
-                outs.get("idx_weights"))
+        return InputProjections(outs["qr_kv"], outs.get("kv_score"), outs.get("idx_kv_score"),
+                                outs.get("idx_weights"))
+
+    # ---- stage 2: query heads and kv rows -----------------------------------------------
+    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 2 (docs/spec.md §5.2-§5.4): (qr, q, kv) - the normalised q latent
+        [T, q_lora_rank] (the indexer's query reads it in stage 4), the query heads
+        [T, heads, head_dim] and the window rows [T, head_dim] this step stores.
+
+        May change: the kernels, and how many launches (e.g. the heads' and the rows' RoPE in
+        one).
+        Must keep: the values of :meth:`_latent_norms`, :meth:`_query_heads` and
+        :meth:`_kv_rows`; the GEMM through :meth:`_wq_b_gemm`."""
+        qr, kv = self._latent_norms(qr_kv)
+        return qr, self._query_heads(qr, pos), self._kv_rows(kv, pos)
+
+    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``
+        [T, q_lora_rank + head_dim] (weighted RMSNorm in the acc dtype, layer dtype out).
+
+        May change: the kernel (e.g. both norms in one launch).
+        Must keep: shapes, the layer dtype out, fp32 (acc dtype) statistics."""
+        q_r = self.cfg.q_lora_rank
+        qr = self.q_norm(qr_kv[:, :q_r], acc_dtype=self.acc_dtype)
+        kv = self.kv_norm(qr_kv[:, q_r:], acc_dtype=self.acc_dtype)
+        return qr, kv
 
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         """Query up-projection ``qr @ wq_b^T``: [T, heads * head_dim] in the layer dtype, from
@@ -478,28 +469,6 @@ class DeepseekV4Attention(nn.Module):
         the §6.3 activation quantisation under ``cfg.act_quant``, and the canonical weight (fall
         back to ``super()`` where the fast path does not apply)."""
         return self.wq_b(self._fp8_linear_input(qr))
-
-    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
-        index_head_dim] in the layer dtype (ratio-4 layers only).
-
-        May change: the kernel (as :meth:`_wq_b_gemm`).
-        Must keep: the layer dtype out, the head-major column order, the §6.3 activation
-        quantisation under ``cfg.act_quant``, and no RoPE or other numerics simulation here
-        (the indexer applies them)."""
-        assert self.indexer is not None
-        return self.indexer.wq_b(self._fp8_linear_input(qr))
-
-    def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``
-        [T, q_lora_rank + head_dim] (weighted RMSNorm in the acc dtype, layer dtype out).
-
-        May change: the kernel (e.g. both norms in one launch).
-        Must keep: shapes, the layer dtype out, fp32 (acc dtype) statistics."""
-        q_r = self.cfg.q_lora_rank
-        qr = self.q_norm(qr_kv[:, :q_r], acc_dtype=self.acc_dtype)
-        kv = self.kv_norm(qr_kv[:, q_r:], acc_dtype=self.acc_dtype)
-        return qr, kv
 
     def _query_heads(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Query heads [T, heads, head_dim] in the layer dtype: :meth:`_wq_b_gemm` of ``qr``,
@@ -514,161 +483,49 @@ class DeepseekV4Attention(nn.Module):
 
     def _kv_rows(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The window rows [T, head_dim] this step stores: RoPE of the normalised kv at ``pos``
-        (and, under ``simulate_quant``, the official fp8 simulation of the non-RoPE dims).
+        (and, under ``simulate_quant``, the official fp8 simulation of the non-RoPE dims,
+        docs/spec.md §6.1).
 
         May change: the kernel.
-        Must keep: fp32 (acc dtype) math; the rows still go to the cache through the step."""
+        Must keep: fp32 (acc dtype) math; the rows go to the cache in stage 3."""
         kv = self.rotary.rotate(kv, pos, self.acc_dtype)
         if self.cfg.simulate_quant:
             nope = self.head_dim - self.rope_dim
             kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
         return kv
 
-    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The indexer's queries q_I [T, index_n_heads, index_head_dim]: :meth:`_indexer_wq_b_gemm`
-        of the normalised latent ``qr``, RoPE at ``pos``, then the indexer numerics' simulation
-        (``cfg.index_numerics`` under ``simulate_quant``).
+    # ---- stage 3: cache writes and compression ------------------------------------------
+    def _write_cache(self, step: CacheStep, kv: torch.Tensor, kv_score: torch.Tensor | None,
+                     idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Stage 3 (docs/spec.md §5.4, §5.6): this step's window rows ``kv`` into the ``kv``
+        store, and every entry the step completes - one batched compress per compressor - into
+        the ``compressed`` / ``idx_keys`` stores. Returns, by store name, the compressors' raw
+        rows (:meth:`_raw_rows`) that stage 6 keeps in the rings (a ring row replaced now could
+        be one that a retry of a failed call still needs).
 
-        May change: the kernels after the GEMM.
-        Must keep: the GEMM through :meth:`_indexer_wq_b_gemm`, the numerics the config names."""
-        assert self.indexer is not None
-        numerics = self.cfg.index_numerics if self.cfg.simulate_quant else None
-        return self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
-                                         self.acc_dtype, numerics)
+        May change: the kernels, and how many launches (e.g. both compressors' raw rows in
+        one).
+        Must keep: the stored bytes (:meth:`_store_rows`), the entries'
+        values (:meth:`_compress_entries`), the raw rows' values (:meth:`_raw_rows`)."""
+        self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
+        raw = {name: self._raw_rows(comp, score, step.pos)
+               for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score)}
+        self._store_entries(step, raw)
+        return raw
 
-    def _indexer_select(self, step: CacheStep, idx_q: torch.Tensor, idx_weights: torch.Tensor
-                        ) -> torch.Tensor:
-        """The indexer's top-k entries [T, index_topk] per query of ``step`` (-1 pads), scored
-        over the keys in the step's paged ``idx_keys`` store (dsv4-attention.md §5.7).
-
-        May change: the kernels (scoring and top-k), their chunking and workspace.
-        Must keep: the visibility rule (entry j is visible to position p iff j < (p + 1) // 4),
-        min(index_topk, visible) entries per query, the tie rule (of equal scores the lower entry
-        index is taken: prefill, chunks and decode pick the same set), -1 pads; bounded memory
-        (never a full queries x entries matrix beyond ``attention_workspace_bytes``)."""
-        assert self.indexer is not None
-        return self.indexer.select_paged(step, idx_q, idx_weights, self.acc_dtype,
-                                         self.cfg.attention_workspace_bytes)
-
-    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
-                          rows: torch.Tensor) -> torch.Tensor:
-        """The entries [E, comp.dim] (layer dtype) that ``step`` completes for the store
-        ``name`` ("compressed" or "idx_keys"), from the ring's raw rows and this step's ``rows``
-        (``comp.raw_rows``) as ``step.jobs[name]`` maps them; called only when E > 0.
-
-        May change: the kernel (gather, gated softmax pooling, RMSNorm, RoPE at j * ratio, the
-        numerics simulation, in one launch).
-        Must keep: the compressor's math (:meth:`Compressor.compress_jobs`), fp32 (acc dtype)
-        pooling, the layer dtype out; the entries are stored by the step, not here."""
-        job = step.jobs[name]
-        return comp.compress_jobs(step.ring(name), rows, job.ring_src, job.call_src, job.entries,
-                                  self.rotary, self.dtype, self.cfg.simulate_quant,
-                                  self.cfg.index_numerics)
-
-    def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
-                  ) -> torch.Tensor:
-        """The raw rows [T, raw_width] of compressor ``comp`` for this step's tokens:
-        ``[a_p | s_p + ape[p mod ratio]]`` from its score GEMM's output, in the acc dtype (what
-        :meth:`_compress_entries` pools and the ring keeps).
-
-        May change: the kernel. Must keep: the values (one fp32 addition per score channel)."""
-        return comp.raw_rows(kv_score, pos, self.acc_dtype)
-
-    def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
-                    values: torch.Tensor) -> None:
-        """Write ``values`` [N, dim] into store ``name`` of the step's pool (``kv``,
-        ``compressed`` or ``idx_keys``) as row ``rows[i]`` (a position for ``kv``, an entry
-        index otherwise) of the sequence in slot ``slots[i]``; the step planned every such
-        row's block.
-
-        May change: how (e.g. one kernel that looks the block table up and encodes in place).
-        Must keep: the stored bytes of the store's ``RowFormat.write`` (every reader, backend
-        and saved cache decodes them), nothing else written."""
-        store = step.pool.stores[name]
-        store.write(store.flat_rows(slots, rows), values)
-
-    def _window_rows(self, step: CacheStep) -> torch.Tensor:
-        """[T, window] int64 flat rows of the ``kv`` store each query sees: positions
-        ``pos - window + 1 .. pos`` of its sequence, oldest first; -1 before position 0 (and
-        where a block is no longer held).
-
-        May change: how they are computed; int32 where the platform's own ``forward_mqa``
-        reads them. Must keep: the values and their order."""
-        return step.window_rows(self.window)
-
-    def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
-        """Flat rows [T, k] (int64) of the ``compressed`` store for each query's entry indices
-        ``entries`` [T, k] (-1 pads stay -1).
-
-        May change: how they are computed; int32 where the platform's own ``forward_mqa``
-        reads them. Must keep: the values."""
-        return step.entry_rows("compressed", entries)
-
-    def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
-        """At the end of a step: the raw rows ``rows`` [T, raw_width] (:meth:`_raw_rows`) that
-        compressor store ``name``'s rings keep go into the rings (``step.jobs[name]``:
-        ``keep_src`` rows to ``keep_dst`` ring rows).
-
-        May change: the kernel. Must keep: a plain copy, after everything else of the step (a
-        ring row replaced earlier could be one the step still reads)."""
-        step.keep_ring_rows(name, rows)
-
-    def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: torch.Tensor | None
-                    ) -> torch.Tensor:
-        """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
-
-        ``step`` gives the paged cache (``step.pool.stores``: ``kv`` window rows, ``compressed``
-        entries, their formats and block tables) and the queries' positions and sequence slots;
-        the stores already hold this step's window rows and entries (rows up to each query's
-        position are valid). :meth:`_window_rows` gives each query's window rows as flat store
-        rows; ``selection`` [T, k] gives its compressed entries as flat rows of the
-        ``compressed`` store (-1 pads), or is None for SWA-only layers.
-
-        May change: the kernel (a paged kernel can take the stores and flat rows as they are).
-        Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
-        accumulation, rows read through the store's format."""
-        stores = step.pool.stores
-        return sparse_mqa_paged(q, stores["kv"], self._window_rows(step),
-                                stores.get("compressed"), selection, self.attn_sink,
-                                self.cfg.softmax_scale, self.acc_dtype,
-                                self.cfg.attention_workspace_bytes)
-
-    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
-
-        May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``).
-        Must keep: the g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and the
-        [T, hidden] output; under tensor parallelism the local groups (``self.o_groups``, via
-        :meth:`_wo_a_grouped`), whose partial sum the forward all-reduces; under
-        ``cfg.act_quant`` ``wo_b``'s input quantised (§6.3), ``wo_a``'s not."""
-        o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
-        return self._wo_b_product(self._wo_a_grouped(o))
-
-    # ---- fixed steps --------------------------------------------------------------------
-    def _fp8_linear_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input of an fp8 linear as the official code multiplies it: under
-        ``cfg.act_quant`` quantised per token to e4m3 in blocks of 128 with a power-of-two scale
-        and dequantised (dsv4-attention.md §6.3; exact in bf16, so any GEMM of the result has
-        the official numerics up to its summation order), else ``x``. A fixed step: overrides
-        of the GEMMs call it, or quantise the same way inside their kernel."""
-        return fp8_block_sim(x, FP8_BLOCK) if self.cfg.act_quant else x
-
-    def _wo_b_product(self, z: torch.Tensor) -> torch.Tensor:
-        """``wo_b`` of the grouped ``wo_a`` output z through the module, its input quantised
-        under ``cfg.act_quant`` (the base path's tail of :meth:`_o_proj`, which platform
-        overrides reuse where their own kernel does not take the call)."""
-        return self.wo_b(self._fp8_linear_input(z))
-
-    def _tp_all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Tensor parallelism: the sum over the group of the ranks' partial ``wo_b`` outputs,
-        on the current stream (identity without a group). A fixed step, not an override point,
-        so a platform that replaces :meth:`_o_proj` cannot drop it."""
-        return y if self.tp is None else self.tp.all_reduce(y)
-
-    def _wo_a_grouped(self, o: torch.Tensor) -> torch.Tensor:
-        g, r_o = self.o_groups, self.cfg.o_lora_rank
-        w = self.wo_a.dequantized_weight(o.dtype).view(g, r_o, -1)
-        return grouped_linear(o.reshape(o.shape[0], g, -1), w)
+    def _store_entries(self, step: CacheStep, raw: dict[str, torch.Tensor]) -> None:
+        """Every entry the step completes, from each compressor's raw rows ``raw`` (by store
+        name): one batched :meth:`_compress_entries` per compressor, stored through
+        :meth:`_store_rows` (a fixed step of stage 3, which platform overrides call)."""
+        comps = {"compressed": self.compressor,
+                 "idx_keys": None if self.indexer is None else self.indexer.compressor}
+        for name, rows in raw.items():
+            job = step.jobs[name]
+            if job.count:
+                comp = comps[name]
+                assert comp is not None
+                self._store_rows(step, name, job.slots, job.entries,
+                                 self._compress_entries(comp, step, name, rows))
 
     def _compressor_jobs(self, kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None
                          ) -> list[tuple[Compressor, str, torch.Tensor]]:
@@ -683,32 +540,122 @@ class DeepseekV4Attention(nn.Module):
             jobs.append((self.indexer.compressor, "idx_keys", idx_kv_score))
         return jobs
 
-    def _write_entries(self, step: CacheStep, kv_score: torch.Tensor | None,
-                       idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Every entry the step completes, one batched compress per compressor. Returns the raw
-        rows the rings keep when the step commits (a ring row replaced now could be one that a
-        retry of a failed call still needs)."""
-        raw = {}
-        for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score):
-            rows = self._raw_rows(comp, score, step.pos)
-            job = step.jobs[name]
-            if job.count:
-                self._store_rows(step, name, job.slots, job.entries,
-                                 self._compress_entries(comp, step, name, rows))
-            raw[name] = rows
-        return raw
+    def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor) -> None:
+        """Write ``values`` [N, dim] into store ``name`` of the step's pool (``kv``,
+        ``compressed`` or ``idx_keys``) as row ``rows[i]`` (a position for ``kv``, an entry
+        index otherwise) of the sequence in slot ``slots[i]``; the step planned every such
+        row's block.
 
-    def _select_compressed(self, step: CacheStep, idx_q: torch.Tensor | None,
-                           idx_weights: torch.Tensor | None) -> torch.Tensor | None:
-        """Entry indices [T, k] each query attends to: the indexer's top-k (ratio 4) or every
-        visible entry (ratio 128), -1 padded; None for SWA-only layers."""
+        May change: how (e.g. one kernel that looks the block table up and encodes in place).
+        Must keep: the stored bytes of the store's ``RowFormat.write`` (every reader, backend
+        and saved cache decodes them), nothing else written."""
+        store = step.pool.stores[name]
+        store.write(store.flat_rows(slots, rows), values)
+
+    def _raw_rows(self, comp: Compressor, kv_score: torch.Tensor, pos: torch.Tensor
+                  ) -> torch.Tensor:
+        """The raw rows [T, raw_width] of compressor ``comp`` for this step's tokens:
+        ``[a_p | s_p + ape[p mod ratio]]`` from its score GEMM's output, in the acc dtype (what
+        :meth:`_compress_entries` pools and the ring keeps).
+
+        May change: the kernel. Must keep: the values (one fp32 addition per score channel)."""
+        return comp.raw_rows(kv_score, pos, self.acc_dtype)
+
+    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
+                          rows: torch.Tensor) -> torch.Tensor:
+        """The entries [E, comp.dim] (layer dtype) that ``step`` completes for the store
+        ``name`` ("compressed" or "idx_keys"), from the ring's raw rows and this step's ``rows``
+        (``comp.raw_rows``) as ``step.jobs[name]`` maps them; called only when E > 0.
+
+        May change: the kernel (gather, gated softmax pooling, RMSNorm, RoPE at j * ratio, the
+        numerics simulation, in one launch).
+        Must keep: the compressor's math (:meth:`Compressor.compress_jobs`, docs/spec.md §5.6),
+        fp32 (acc dtype) pooling, the layer dtype out; the entries are stored by the stage,
+        not here."""
+        job = step.jobs[name]
+        return comp.compress_jobs(step.ring(name), rows, job.ring_src, job.call_src, job.entries,
+                                  self.rotary, self.dtype, self.cfg.simulate_quant,
+                                  self.cfg.index_numerics)
+
+    # ---- stage 4: selection -------------------------------------------------------------
+    def _select(self, step: CacheStep, qr: torch.Tensor, idx_weights: torch.Tensor | None
+                ) -> Selection:
+        """Stage 4 (docs/spec.md §5.5, §5.7): what each query attends to - its window rows and
+        its compressed entries (C4: the indexer's top-k, where it has a choice; C128 and C4
+        steps where it has none: every visible entry), as flat store rows
+        (:class:`~dsv4.stages.Selection`).
+
+        May change: the kernels, and how many launches (e.g. the entries' and the window's
+        flat rows in one).
+        Must keep: the values of :meth:`_window_rows`, of the entries (the indexer's contract,
+        :meth:`_indexer_select`; :meth:`_visible_entries`) and of :meth:`_entry_rows`; the
+        indexer's query through :meth:`_indexer_query`; int64 or int32 rows."""
+        window = self._window_rows(step)
         r = self.compress_ratio
         if r == 0:
-            return None
-        if not self._indexer_decides(step):  # ratio 128, or ratio 4 within index_topk entries
-            return self._visible_entries(step, r)
-        assert idx_q is not None and idx_weights is not None
-        return self._indexer_select(step, idx_q, idx_weights)
+            return Selection(window, None, None)
+        if self._indexer_decides(step):
+            assert idx_weights is not None
+            entries = self._indexer_select(step, self._indexer_query(qr, step.pos), idx_weights)
+        else:
+            entries = self._visible_entries(step, r)
+        return Selection(window, entries, self._entry_rows(step, entries))
+
+    def _indexer_decides(self, step: CacheStep) -> bool:
+        """Whether the C4 indexer has a choice in this step: some query sees more than
+        ``index_topk`` entries. Where none does (contexts up to 4 * index_topk tokens: 2K for
+        Flash, 4K for Pro), every query takes all its visible entries whatever the scores (the
+        indexer's contract), so the indexer's query, scores and top-k are skipped and the
+        selection is every visible entry, ascending: the same set (attention does not depend on
+        the order but for fp32 rounding). Host arithmetic, no sync."""
+        return self.indexer is not None and self.indexer.has_choice(step.max_visible(4))
+
+    def _window_rows(self, step: CacheStep) -> torch.Tensor:
+        """[T, window] int64 flat rows of the ``kv`` store each query sees: positions
+        ``pos - window + 1 .. pos`` of its sequence, oldest first; -1 before position 0 (and
+        where a block is no longer held).
+
+        May change: how they are computed; int32 where the platform's attention reads them.
+        Must keep: the values and their order."""
+        return step.window_rows(self.window)
+
+    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
+        index_head_dim] in the layer dtype (ratio-4 layers only).
+
+        May change: the kernel (as :meth:`_wq_b_gemm`).
+        Must keep: the layer dtype out, the head-major column order, the §6.3 activation
+        quantisation under ``cfg.act_quant``, and no RoPE or other numerics simulation here
+        (the indexer applies them)."""
+        assert self.indexer is not None
+        return self.indexer.wq_b(self._fp8_linear_input(qr))
+
+    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries q_I [T, index_n_heads, index_head_dim]: :meth:`_indexer_wq_b_gemm`
+        of the normalised latent ``qr``, RoPE at ``pos``, then the indexer numerics' simulation
+        (``cfg.index_numerics`` under ``simulate_quant``, docs/spec.md §6.2).
+
+        May change: the kernels after the GEMM.
+        Must keep: the GEMM through :meth:`_indexer_wq_b_gemm`, the numerics the config names."""
+        assert self.indexer is not None
+        numerics = self.cfg.index_numerics if self.cfg.simulate_quant else None
+        return self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
+                                         self.acc_dtype, numerics)
+
+    def _indexer_select(self, step: CacheStep, idx_q: torch.Tensor, idx_weights: torch.Tensor
+                        ) -> torch.Tensor:
+        """The indexer's top-k entries [T, index_topk] per query of ``step`` (-1 pads), scored
+        over the keys in the step's paged ``idx_keys`` store (docs/spec.md §5.7).
+
+        May change: the kernels (scoring and top-k), their chunking and workspace.
+        Must keep: the visibility rule (entry j is visible to position p iff j < (p + 1) // 4),
+        min(index_topk, visible) entries per query, the tie rule (of equal scores the lower entry
+        index is taken: prefill, chunks and decode pick the same set), -1 pads; bounded memory
+        (never a full queries x entries matrix beyond ``attention_workspace_bytes``)."""
+        assert self.indexer is not None
+        return self.indexer.select_paged(step, idx_q, idx_weights, self.acc_dtype,
+                                         self.cfg.attention_workspace_bytes)
 
     def _visible_entries(self, step: CacheStep, ratio: int) -> torch.Tensor:
         """Every compressed entry each query of ``step`` sees: [T, step.max_visible(ratio)]
@@ -719,14 +666,98 @@ class DeepseekV4Attention(nn.Module):
         Must keep: the shape, the order, the -1 pads, int64, no host sync."""
         return _every_visible_entry(step.pos, step.max_visible(ratio), ratio)
 
-    def _indexer_decides(self, step: CacheStep) -> bool:
-        """Whether the C4 indexer has a choice in this step: some query sees more than
-        ``index_topk`` entries. Where none does (contexts up to 4 * index_topk tokens: 2K for
-        Flash, 4K for Pro), every query takes all its visible entries whatever the scores (the
-        indexer's contract), so the indexer's query, scores and top-k are skipped and the
-        selection is every visible entry, ascending: the same set (attention does not depend on
-        the order but for fp32 rounding). Host arithmetic, no sync."""
-        return self.indexer is not None and self.indexer.has_choice(step.max_visible(4))
+    def _entry_rows(self, step: CacheStep, entries: torch.Tensor) -> torch.Tensor:
+        """Flat rows [T, k] (int64) of the ``compressed`` store for each query's entry indices
+        ``entries`` [T, k] (-1 pads stay -1).
+
+        May change: how they are computed; int32 where the platform's attention reads them.
+        Must keep: the values."""
+        return step.entry_rows("compressed", entries)
+
+    # ---- stage 5: attention and the output path -----------------------------------------
+    def _attend_and_project(self, q: torch.Tensor, step: CacheStep, selection: Selection
+                            ) -> torch.Tensor:
+        """Stage 5 (docs/spec.md §5.8, §5.9): sparse MQA with the sink over the selected rows,
+        then the output path; [T, hidden] (under tensor parallelism this rank's partial sum,
+        which the step all-reduces).
+
+        May change: the kernels, and how many launches (e.g. the output path's inverse RoPE
+        in the launch that writes the attention output).
+        Must keep: the values of :meth:`forward_mqa` and :meth:`_o_proj`."""
+        return self._o_proj(self.forward_mqa(q, step, selection), step.pos)
+
+    def forward_mqa(self, q: torch.Tensor, step: CacheStep, selection: Selection
+                    ) -> torch.Tensor:
+        """Sparse MQA with the attention sink for every query of a step; o [T, heads, d].
+
+        ``step`` gives the paged cache (``step.pool.stores``: ``kv`` window rows, ``compressed``
+        entries, their formats and block tables) and the queries' positions and sequence slots;
+        the stores already hold this step's window rows and entries (rows up to each query's
+        position are valid). ``selection`` gives each query's window rows and compressed
+        entries as flat store rows (-1 pads; no entries for SWA-only layers).
+
+        May change: the kernel (a paged kernel can take the stores and flat rows as they are).
+        Must keep: V = K, the window rule, the sink in the denominator only, fp32 softmax and
+        accumulation, rows read through the store's format."""
+        stores = step.pool.stores
+        return sparse_mqa_paged(q, stores["kv"], selection.window_rows, stores.get("compressed"),
+                                selection.entry_rows, self.attn_sink, self.cfg.softmax_scale,
+                                self.acc_dtype, self.cfg.attention_workspace_bytes)
+
+    def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Output path: inverse RoPE at the query position, grouped ``wo_a``, then ``wo_b``.
+
+        May change: kernels and weight layouts (e.g. preshuffled fp8 ``wo_b``).
+        Must keep: the g-major grouping (group g = heads g*hpg .. g*hpg + hpg - 1) and the
+        [T, hidden] output; under tensor parallelism the local groups (``self.o_groups``, via
+        :meth:`_wo_a_grouped`), whose partial sum the step all-reduces; under
+        ``cfg.act_quant`` ``wo_b``'s input quantised (§6.3), ``wo_a``'s not."""
+        o = self.rotary.rotate(o, positions, self.acc_dtype, inverse=True)
+        return self._wo_b_product(self._wo_a_grouped(o))
+
+    # ---- stage 6: the rings -------------------------------------------------------------
+    def _keep_rings(self, step: CacheStep, raw: dict[str, torch.Tensor]) -> None:
+        """Stage 6, the step's last: each compressor's rings keep this step's raw rows ``raw``
+        (by store name, from stage 3) as ``step.jobs[name]`` maps them.
+
+        May change: the kernels, and how many launches (e.g. both rings in one).
+        Must keep: the values (:meth:`_keep_ring_rows`), after everything else of the step."""
+        for name, rows in raw.items():
+            self._keep_ring_rows(step, name, rows)
+
+    def _keep_ring_rows(self, step: CacheStep, name: str, rows: torch.Tensor) -> None:
+        """The raw rows ``rows`` [T, raw_width] (:meth:`_raw_rows`) that compressor store
+        ``name``'s rings keep go into the rings (``step.jobs[name]``: ``keep_src`` rows to
+        ``keep_dst`` ring rows).
+
+        May change: the kernel. Must keep: a plain copy."""
+        step.keep_ring_rows(name, rows)
+
+    # ---- fixed steps --------------------------------------------------------------------
+    def _fp8_linear_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of an fp8 linear as the official code multiplies it: under
+        ``cfg.act_quant`` quantised per token to e4m3 in blocks of 128 with a power-of-two scale
+        and dequantised (docs/spec.md §6.3; exact in bf16, so any GEMM of the result has
+        the official numerics up to its summation order), else ``x``. A fixed step: overrides
+        of the GEMMs call it, or quantise the same way inside their kernel."""
+        return fp8_block_sim(x, FP8_BLOCK) if self.cfg.act_quant else x
+
+    def _wo_b_product(self, z: torch.Tensor) -> torch.Tensor:
+        """``wo_b`` of the grouped ``wo_a`` output z through the module, its input quantised
+        under ``cfg.act_quant`` (the base path's tail of :meth:`_o_proj`, which platform
+        overrides reuse where their own kernel does not take the call)."""
+        return self.wo_b(self._fp8_linear_input(z))
+
+    def _tp_all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: the sum over the group of the ranks' partial ``wo_b`` outputs,
+        on the current stream (identity without a group). A fixed step, not an override point,
+        so a platform that replaces the output path cannot drop it."""
+        return y if self.tp is None else self.tp.all_reduce(y)
+
+    def _wo_a_grouped(self, o: torch.Tensor) -> torch.Tensor:
+        g, r_o = self.o_groups, self.cfg.o_lora_rank
+        w = self.wo_a.dequantized_weight(o.dtype).view(g, r_o, -1)
+        return grouped_linear(o.reshape(o.shape[0], g, -1), w)
 
     # ---- validation ---------------------------------------------------------------------
     def _check_weights_loaded(self) -> None:

@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dsv4.attention import DeepseekV4Attention
+from dsv4.cache.step import CacheStep
+from dsv4.stages import Selection
 
 
 @contextmanager
@@ -51,20 +53,21 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
 @contextmanager
 def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor | None]]:
     """Collect the compressed entries each query of each forward step attends to (the entry
-    indices ``_select_compressed`` returns, [T, k], -1 padded), step by step."""
+    indices of the selection stage's :class:`~dsv4.stages.Selection`, [T, k], -1 padded;
+    None for SWA-only layers), step by step."""
     seen: list[torch.Tensor | None] = []
-    bound = layer._select_compressed
+    bound = layer._select
 
-    def spy(*args: Any, **kw: Any) -> Any:
+    def spy(*args: Any, **kw: Any) -> Selection:
         result = bound(*args, **kw)
-        seen.append(result)
+        seen.append(result.entries)
         return result
 
-    layer._select_compressed = spy  # type: ignore[method-assign]
+    layer._select = spy  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        layer.__dict__.pop("_select_compressed", None)
+        layer.__dict__.pop("_select", None)
 
 
 def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -79,23 +82,27 @@ def stack_selections(seen: list[torch.Tensor | None]) -> torch.Tensor | None:
 @contextmanager
 def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | None]
                      ) -> Iterator[None]:
-    """Make ``layer`` attend to previously recorded compressed selections, call by call, instead
+    """Make ``layer`` attend to previously recorded compressed selections, step by step, instead
     of its own indexer's (the indexer still runs, so caches fill as usual). Used to compare two
     platforms whose indexers may break near ties differently."""
     queue = list(recorded)
-    original = layer._select_compressed
+    original = layer._select
 
-    def replay(*args: Any, **kw: Any) -> torch.Tensor | None:
-        original(*args, **kw)
+    def replay(step: CacheStep, *args: Any, **kw: Any) -> Selection:
+        own = original(step, *args, **kw)
         if not queue:
-            raise RuntimeError("replay_selection: more calls than recorded selections")
-        return queue.pop(0)
+            raise RuntimeError("replay_selection: more steps than recorded selections")
+        entries = queue.pop(0)
+        if entries is None or own.entry_rows is None:
+            return own
+        rows = step.entry_rows("compressed", entries).to(own.entry_rows.dtype)
+        return Selection(own.window_rows, entries, rows)
 
-    layer._select_compressed = replay  # type: ignore[method-assign]
+    layer._select = replay  # type: ignore[method-assign]
     try:
         yield
     finally:
-        layer.__dict__.pop("_select_compressed", None)
+        layer.__dict__.pop("_select", None)
 
 
 class AllocationTracker(TorchDispatchMode):

@@ -104,158 +104,12 @@ def test_step_kernels_on_equal_off(cpu_cuda_layer, ratio, formats):
         assert torch.equal(st_on[name], st_off[name]), name
 
 
-def test_prequantised_query_latent_is_bit_equal(cpu_cuda_layer, monkeypatch):
-    """``use_prequantised_query_latent``: under act_quant the latent-norms launch writes qr in
-    e4m3 and both query GEMMs read it instead of quantising in their loops - the same outputs
-    and stores bit for bit, and the GEMMs really took it (every step of at most 128 tokens:
-    the 20-token prefill, whose 5 entries the indexer would all take, so only wq_b runs, and
-    the 6 decode steps, twice each)."""
-    import dsv4.platforms.cuda_linears as cl
-
-    cfg = DSV4Config.preset("tiny").replace(act_quant=True)
-    real, took = cl.fp8_linear, []
-
-    def spy(x, *args, **kw):
-        took.append(kw.get("x_scale") is not None)
-        return real(x, *args, **kw)
-
-    monkeypatch.setattr(cl, "fp8_linear", spy)
-    runs = []
-    for on in (False, True):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        layer.fp8_plan = cl.plan_fp8_linears(layer, True)  # the streaming GEMMs, interpreted
-        assert {"wq_b", "indexer.wq_b"} <= layer.fp8_plan.eligible
-        layer.use_prequantised_query_latent(on)
-        took.clear()
-        runs.append((*_run(layer, cfg.hidden_size), sum(took)))
-    (y_off, st_off, n_off), (y_on, st_on, n_on) = runs
-    assert n_off == 0 and n_on == 1 + 2 * 6
-    assert torch.equal(y_on, y_off)
-    for name in st_off:
-        assert torch.equal(st_on[name], st_off[name]), name
-
-
-@pytest.mark.parametrize("qr_fp8", [False, True])
-def test_query_gemm_pair_matches_two_launches(cpu_cuda_layer, monkeypatch, qr_fp8):
-    """``use_query_gemm_pair``: ``_indexer_wq_b_gemm`` runs both query GEMMs in one launch and
-    ``_wq_b_gemm`` (still called, the contract's point) returns the first product. Every step
-    of at most 128 tokens that runs the indexer takes it; the stores are bit-equal (they do not
-    depend on the queries), the outputs equal up to the fp32 summation order of the tiles."""
-    import dsv4.platforms.cuda_linears as cl
-    from dsv4.platforms.cuda import CudaAttention
-
-    cfg = DSV4Config.preset("tiny").replace(act_quant=True)
-    real, pairs = cl.fp8_linear_pair, []
-
-    def spy(x, *args, **kw):
-        pairs.append(kw.get("x_scale") is not None)
-        return real(x, *args, **kw)
-
-    orig, calls = CudaAttention._wq_b_gemm, []
-
-    def wq_b_gemm(self, qr):  # the override point, counted
-        calls.append(1)
-        return orig(self, qr)
-
-    monkeypatch.setattr(cl, "fp8_linear_pair", spy)
-    monkeypatch.setattr(CudaAttention, "_wq_b_gemm", wq_b_gemm)
-    runs = []
-    for on in (False, True):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        layer.fp8_plan = cl.plan_fp8_linears(layer, True)  # the streaming GEMMs, interpreted
-        layer.use_query_gemm_pair(on)
-        layer.use_prequantised_query_latent(qr_fp8)
-        pairs.clear()
-        calls.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(pairs), len(calls)))
-    (y_off, st_off, p_off, c_off), (y_on, st_on, p_on, c_on) = runs
-    # 8 steps; the 130-token prefill is above the streaming GEMMs' tokens and the 20-token
-    # one runs no indexer (5 entries visible, index_topk 8): 6 decode steps take the pair
-    assert p_off == [] and p_on == [qr_fp8] * 6 and c_off == c_on == 8
-    # a platform that redefines the wq_b GEMM keeps it: no pair launch runs around it
-    qr = torch.zeros(3, cfg.q_lora_rank, dtype=torch.bfloat16)
-    assert layer._query_pair_ready(qr)
-
-    class OwnQueryGemm(CudaAttention):
-        def _wq_b_gemm(self, qr):
-            return super()._wq_b_gemm(qr)
-
-    layer.__class__ = OwnQueryGemm
-    assert not layer._query_pair_ready(qr)
-    assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
-    for name in st_off:
-        assert torch.equal(st_on[name], st_off[name]), name
-
-
-def _selections(cpu_cuda_layer, monkeypatch, switch: str, keyword: str, default: bool):
-    """For ``switch`` (a ``CudaAttention.use_*`` method) on then off: the layer's outputs and
-    stores after ``_run`` and each decode-step ``indexer_topk`` call's (``keyword`` value,
-    selection)."""
-    import dsv4.platforms.cuda as cuda
-
-    cfg = DSV4Config.preset("tiny")
-    real, picked = cuda.indexer_topk, []
-
-    def spy(*args, **kw):
-        out = real(*args, **kw)
-        picked.append((kw.get(keyword, default), out.clone()))
-        return out
-
-    monkeypatch.setattr(cuda, "indexer_topk", spy)
-    runs = []
-    for on in (True, False):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        getattr(layer, switch)(on)
-        picked.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(picked)))
-    return runs
-
-
-def test_unsorted_selection_takes_the_same_entries(cpu_cuda_layer, monkeypatch):
-    """``use_sorted_selection(False)``: the decode top-k hands each query's entries by
-    ascending index instead of by score - the same sets in every decode step, the stores
-    bit-equal, the outputs equal up to the attention's fp32 summation order."""
-    # the default since session 34 (the sort is time spent for the same sets)
-    assert cpu_cuda_layer(DSV4Config.preset("tiny"), 4, True)._sorted_selection is False
-    (y_on, st_on, p_on), (y_off, st_off, p_off) = _selections(
-        cpu_cuda_layer, monkeypatch, "use_sorted_selection", "sort", True)
-    # the 6 batched decode steps (the 130-token prefill takes the prefill kernels, the
-    # 20-token one sees 5 entries, index_topk 8: no indexer)
-    assert [s for s, _ in p_on] == [True] * 6 and [s for s, _ in p_off] == [False] * 6
-    reordered = False
-    for (_, a), (_, b) in zip(p_on, p_off, strict=True):
-        assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
-        kept = torch.where(b >= 0, b, torch.iinfo(torch.long).max)
-        assert torch.equal(kept, kept.sort(dim=1).values)  # ascending, -1 pads last
-        reordered |= not torch.equal(a, b)
-    assert reordered  # the scores' order is not the index order somewhere
-    assert ((y_on - y_off).norm() / y_off.norm()).item() < 1e-2
-    for name in st_off:
-        assert torch.equal(st_on[name], st_off[name]), name
-
-
-def test_held_topk_rows_change_nothing_but_speed(cpu_cuda_layer, monkeypatch):
-    """``use_held_topk_rows(True)``: the decode top-k programs hold their rows in registers -
-    the same selections (order included) in every decode step, the same outputs and stores,
-    bit for bit."""
-    (y_on, st_on, p_on), (y_off, st_off, p_off) = _selections(
-        cpu_cuda_layer, monkeypatch, "use_held_topk_rows", "hold", False)
-    assert [h for h, _ in p_off] == [False] * 6 and [h for h, _ in p_on] == [True] * 6
-    for (_, a), (_, b) in zip(p_off, p_on, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(y_on, y_off)
-    for name in st_off:
-        assert torch.equal(st_on[name], st_off[name]), name
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypatch, fmt):
     """With a kernel attention backend the window and entry rows are written as int32, what the
     kernels read (no cast launch): the attention kernel gets int32 in every call, the outputs
-    and stores are bit-equal to the same layer handing int64 rows; a subclass with its own
-    ``forward_mqa`` keeps the contract's int64."""
+    and stores are bit-equal to the same layer handing int64 rows."""
     import dsv4.kernels.sparse_mqa as smq
-    from dsv4.platforms.cuda import CudaAttention
     from dsv4.platforms.cuda_attention import BackendChoice, kernel_format
 
     cfg = DSV4Config.preset("tiny").replace(kv_cache_dtype=fmt)
@@ -281,178 +135,69 @@ def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypat
     assert torch.equal(y32, y64)
     for name in st64:
         assert torch.equal(st32[name], st64[name]), name
-
-    class OwnAttention(CudaAttention):
-        def forward_mqa(self, q, step, selection):
-            return super().forward_mqa(q, step, selection)
-
-    layer.__class__ = OwnAttention
     del layer._flat_row_dtype  # the instance's stand-in: the class's method again
     step = SimpleNamespace(pool=layer.new_caches(1, 64)[0].pool)
-    assert layer._flat_row_dtype(step) == torch.int64
-    layer.__class__ = CudaAttention
     assert layer._flat_row_dtype(step) == torch.int32
 
 
-def test_query_heads_and_kv_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
-    """Every step's kv rows are rotated in the query heads' launch and ``_kv_rows`` (still
-    called: the contract's point) hands them back; no launch of their own. The outputs and
-    stores are bit-equal to the layer rotating them in their own launch; a subclass that
-    redefines ``_kv_rows`` gets its own call."""
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
+    """The launches the platform's stage overrides make per step (the step kernels that fuse
+    several override points): the latent norms, then the query heads with the kv rows; both
+    compressors' raw rows in one launch; the flat rows in one (the window's with the selected
+    or the visible entries'); both rings in one. The outputs and stores equal the base path's
+    (``test_step_kernels_on_equal_off``)."""
     import dsv4.platforms.cuda as cuda
-    from dsv4.platforms.cuda import CudaAttention
 
-    cfg = DSV4Config.preset("tiny").replace(simulate_quant=True)
-    calls = _record_calls(monkeypatch, cuda, "fused_query_heads_and_kv_rows", "fused_query_heads",
-                          "fused_kv_rows")
-    orig, asked = CudaAttention._kv_rows, []
+    cfg = DSV4Config.preset("tiny")
+    calls = _record_calls(monkeypatch, cuda, "fused_latent_norms",
+                          "fused_query_heads_and_kv_rows", "raw_rows_pair", "raw_rows",
+                          "keep_ring_rows_pair", "keep_ring_rows", "visible_entry_rows",
+                          "entry_and_window_rows", "window_flat_rows")
+    _run(cpu_cuda_layer(cfg, ratio, True), cfg.hidden_size)
+    steps = 8
+    assert calls.count("fused_latent_norms") == steps
+    assert calls.count("fused_query_heads_and_kv_rows") == steps
+    if ratio == 0:
+        assert calls.count("window_flat_rows") == steps and len(calls) == 3 * steps
+        return
+    # C128: every step selects every visible entry; C4: the 20-token prefill (5 entries,
+    # index_topk 8), the indexer's top-k in the others
+    visible = steps if ratio == 128 else 1
+    assert calls.count("visible_entry_rows") == visible
+    assert calls.count("entry_and_window_rows") == steps - visible
+    assert "window_flat_rows" not in calls
+    pair = ratio == 4
+    assert calls.count("raw_rows_pair" if pair else "raw_rows") == steps
+    assert calls.count("keep_ring_rows_pair" if pair else "keep_ring_rows") == steps
+    assert len(calls) == 5 * steps
 
-    def kv_rows(self, kv, pos):  # the override point, counted
-        asked.append(1)
-        return orig(self, kv, pos)
 
-    runs = []
-    for fused in (True, False):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        if not fused:
-            layer._kv_rows_fusable = lambda kv, q: False
-        calls.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(calls)))
-    (y1, st1, c1), (y2, st2, c2) = runs
-    assert c1 == ["fused_query_heads_and_kv_rows"] * 8
-    assert c2 == ["fused_query_heads", "fused_kv_rows"] * 8
+def test_a_compressor_the_kernels_do_not_take_runs_the_base_stage(cpu_cuda_layer, monkeypatch):
+    """Where a kernel refuses one compressor's raw rows, the cache-write stage runs the base
+    path for the step (its fine points, the platform's ``_store_rows`` and
+    ``_compress_entries`` kernels among them): the same outputs and stores."""
+    import dsv4.platforms.cuda as cuda
+
+    cfg = DSV4Config.preset("tiny")
+    y1, st1 = _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
+    monkeypatch.setattr(cuda, "raw_rows_problem", lambda comp, score, pos: "refused (test)")
+    calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "compress_entries")
+    y2, st2 = _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
+    assert "raw_rows_pair" not in calls and "raw_rows" not in calls
+    assert calls.count("compress_entries") > 0
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name
-    # a subclass's own _kv_rows is called for the rows, and the launch does not rotate them
-    monkeypatch.setattr(CudaAttention, "_kv_rows", kv_rows)
-
-    class OwnRows(CudaAttention):
-        def _kv_rows(self, kv, pos):
-            return super()._kv_rows(kv, pos)
-
-    layer = cpu_cuda_layer(cfg, 4, True)
-    layer.__class__ = OwnRows
-    calls.clear()
-    y3, st3 = _run(layer, cfg.hidden_size)
-    assert calls == ["fused_query_heads", "fused_kv_rows"] * 8 and len(asked) == 8
-    assert torch.equal(y3, y2)
-
-
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_visible_entries_and_their_rows_share_a_launch(cpu_cuda_layer, monkeypatch, ratio):
-    """Where the selection is every visible entry (C128; C4 steps that skip the indexer) the
-    selection and its flat rows are one launch, and ``_entry_rows`` of that selection (still
-    called) hands the rows back; a subclass that redefines ``_entry_rows`` gets the two
-    launches. The launch making the entry rows makes the window rows too (``_window_rows``,
-    still called, hands them back) unless a subclass redefines ``_window_rows``. Outputs and
-    stores bit-equal in every variant."""
-    import dsv4.platforms.cuda as cuda
-    from dsv4.platforms.cuda import CudaAttention
-
-    cfg = DSV4Config.preset("tiny")
-    calls = _record_calls(monkeypatch, cuda, "visible_entry_rows", "visible_entries",
-                          "entry_flat_rows", "entry_and_window_rows", "window_flat_rows")
-
-    class OwnEntryRows(CudaAttention):
-        def _entry_rows(self, step, entries):
-            return super()._entry_rows(step, entries)
-
-    class OwnWindowRows(CudaAttention):
-        def _window_rows(self, step):
-            return super()._window_rows(step)
-
-    runs = []
-    for cls in (CudaAttention, OwnEntryRows, OwnWindowRows):
-        layer = cpu_cuda_layer(cfg, ratio, True)
-        layer.__class__ = cls
-        calls.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(calls)))
-    (y1, st1, c1), (y2, st2, c2), (y3, st3, c3) = runs
-    # C128: every step; C4: the 20-token prefill (5 entries, index_topk 8), then the indexer
-    visible = 1 if ratio == 4 else 8
-    assert c1.count("visible_entry_rows") == visible and "visible_entries" not in c1
-    assert c1.count("entry_and_window_rows") == 8 - visible
-    assert "entry_flat_rows" not in c1 and "window_flat_rows" not in c1
-    # a subclass's own _entry_rows: the selection alone, its rows with the window's
-    assert c2.count("visible_entries") == visible and "visible_entry_rows" not in c2
-    assert c2.count("entry_and_window_rows") == 8 and "window_flat_rows" not in c2
-    # a subclass's own _window_rows: a launch of its own
-    assert c3.count("visible_entry_rows") == visible and c3.count("window_flat_rows") == 8
-    assert c3.count("entry_flat_rows") == 8 - visible
-    for y, st in ((y2, st2), (y3, st3)):
-        assert torch.equal(y1, y)
-        for name in st:
-            assert torch.equal(st1[name], st[name]), name
-
-
-def test_both_compressors_raw_rows_share_a_launch(cpu_cuda_layer, monkeypatch):
-    """A C4 step's main and indexer compressor raw rows are one launch; ``_raw_rows`` of the
-    indexer's (still called) hands its rows back; at the step's end both rings keep their rows
-    in one launch too. Outputs, stores and rings bit-equal to one launch each."""
-    import dsv4.platforms.cuda as cuda
-    from dsv4.platforms.cuda import CudaAttention
-
-    cfg = DSV4Config.preset("tiny")
-    calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "keep_ring_rows_pair",
-                          "keep_ring_rows")
-    asked = []
-    orig = CudaAttention._raw_rows
-
-    def counted(self, comp, kv_score, pos):
-        asked.append(comp is self.compressor)
-        return orig(self, comp, kv_score, pos)
-
-    monkeypatch.setattr(CudaAttention, "_raw_rows", counted)
-
-    class Unpaired(CudaAttention):  # the input stage hands no indexer scores to pair
-        def _run_parallel_input_projections(self, x):
-            out = super()._run_parallel_input_projections(x)
-            self._handoffs.take("idx_score", ())
-            return out
-
-    runs = []
-    for paired in (True, False):
-        layer = cpu_cuda_layer(cfg, 4, True)
-        if not paired:
-            layer.__class__ = Unpaired
-        calls.clear()
-        asked.clear()
-        runs.append((*_run(layer, cfg.hidden_size), list(calls), list(asked)))
-    (y1, st1, c1, a1), (y2, st2, c2, a2) = runs
-    assert c1 == ["raw_rows_pair", "keep_ring_rows_pair"] * 8
-    assert c2 == ["raw_rows", "raw_rows", "keep_ring_rows", "keep_ring_rows"] * 8
-    assert a1 == a2 == [True, False] * 8  # both override calls in every step
-    assert any("ring" in name for name in st1)  # the rings themselves compared below
-    assert torch.equal(y1, y2)
-    for name in st2:
-        assert torch.equal(st1[name], st2[name]), name
-    # an instance attribute standing in for _keep_ring_rows (a spy, a patch) sees both calls
-    # do their own work: the rings' rows are not kept ahead of the indexer ring's call
-    layer = cpu_cuda_layer(cfg, 4, True)
-    layer._keep_ring_rows = lambda step, name, rows: counted_keep(layer, step, name, rows)
-    kept: list[str] = []
-
-    def counted_keep(layer, step, name, rows):
-        kept.append(name)
-        return CudaAttention._keep_ring_rows(layer, step, name, rows)
-
-    calls.clear()
-    y3, st3 = _run(layer, cfg.hidden_size)
-    assert kept == ["compressed", "idx_keys"] * 8
-    assert calls.count("keep_ring_rows") == 16 and "keep_ring_rows_pair" not in calls
-    assert torch.equal(y3, y2) and all(torch.equal(st3[n], st2[n]) for n in st2)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_inverse_rope_in_the_attention_launch(cpu_cuda_layer, monkeypatch, fmt):
     """With our attention kernel, the launch that writes o applies the output path's inverse
-    RoPE and ``_inverse_rope`` (still called) hands that o back: no launch of its own. Outputs
-    and stores are bit-equal to the layer rotating o in its own launch; a subclass that
-    redefines ``_inverse_rope`` gets the unrotated o and its own call."""
+    RoPE: no launch of its own. Outputs and stores are bit-equal to the layer rotating o in
+    its own launch."""
     import dsv4.kernels.sparse_mqa as smq
     import dsv4.platforms.cuda as cuda
-    from dsv4.platforms.cuda import CudaAttention
     from dsv4.platforms.cuda_attention import BackendChoice, kernel_format
 
     cfg = DSV4Config.preset("tiny").replace(kv_cache_dtype=fmt)
@@ -465,9 +210,8 @@ def test_inverse_rope_in_the_attention_launch(cpu_cuda_layer, monkeypatch, fmt):
 
     monkeypatch.setattr(smq, "sparse_mqa", spy)
 
-    def build(fold: bool, cls=CudaAttention):
+    def build(fold: bool):
         layer = cpu_cuda_layer(cfg, 4, True)
-        layer.__class__ = cls
         layer.attention_choice = lambda pool: BackendChoice(  # the GPU's choice, interpreted
             "triton", "triton", kernel_format(pool.stores["kv"])[0])
         if not fold:
@@ -484,13 +228,23 @@ def test_inverse_rope_in_the_attention_launch(cpu_cuda_layer, monkeypatch, fmt):
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name
 
-    asked = []
 
-    class OwnRope(CudaAttention):
-        def _inverse_rope(self, o, pos):
-            asked.append(1)
-            return super()._inverse_rope(o, pos)
+def test_the_decode_selection_is_by_ascending_entry(cpu_cuda_layer, monkeypatch):
+    """The decode top-k hands each query's entries by ascending index (no sort: the attention
+    reads any order), -1 pads last."""
+    import dsv4.platforms.cuda as cuda
 
-    y3, _ = _run(build(True, OwnRope), cfg.hidden_size)
-    assert (calls, rotating, len(asked)) == (["fused_inverse_rope"] * 8, [False] * 8, 8)
-    assert torch.equal(y3, y2)
+    cfg = DSV4Config.preset("tiny")
+    real, picked = cuda.indexer_topk, []
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        picked.append(out.clone())
+        return out
+
+    monkeypatch.setattr(cuda, "indexer_topk", spy)
+    _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
+    assert len(picked) == 6  # the batched decode steps
+    for sel in picked:
+        kept = torch.where(sel >= 0, sel, torch.iinfo(torch.long).max)
+        assert torch.equal(kept, kept.sort(dim=1).values)

@@ -174,8 +174,6 @@ def test_kernel_matches_float64(NK, M):
     Fp8GemmConfig(block_m=16, block_n=32, split_k=3),  # ragged splits of 8 K blocks
     Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False),
     Fp8GemmConfig(block_m=64, block_n=64, split_k=8, swap=False),
-    Fp8GemmConfig(block_m=1, block_n=64, split_k=1, gemv=True),  # one token a program, no MMA
-    Fp8GemmConfig(block_m=1, block_n=32, split_k=3, gemv=True),
 ])
 def test_kernel_configs_and_scales(cfg):
     # exponents -120 .. +100: products stay finite and normal in fp32
@@ -305,131 +303,6 @@ def test_act_fp8_cpu_fallback_quantises_too():
     assert torch.equal(y, fp8_linear_reference(fp8_block_sim(x, 128), w, s, F32))
 
 
-def test_quantize_activations_is_the_official_rule():
-    """quantize_activations (one launch on a GPU or under the interpreter, PyTorch otherwise):
-    e4m3 values times the per-128 scales are fp8_block_sim(x, 128) exactly, the scales are
-    powers of two, for zero blocks, subnormal codes, one dominating value; 3-D x too."""
-    from dsv4.kernels.fp8_linear import quantize_activations
-    from dsv4.layers.quant_sim import fp8_block_sim
-
-    x = act_rows(5, 1024, seed=4).to(DEV)
-    xq, xs = quantize_activations(x)
-    assert xq.dtype == torch.float8_e4m3fn and xq.shape == x.shape
-    assert xs.dtype == F32 and xs.shape == (5, 8)
-    assert torch.equal(torch.frexp(xs.cpu()).mantissa, torch.full_like(xs.cpu(), 0.5))
-    back = (xq.cpu().float().view(5, 8, 128) * xs.cpu()[..., None]).view(5, 1024)
-    assert torch.equal(back, fp8_block_sim(x.cpu(), 128).float())
-    x3 = act_rows(6, 1024, seed=6).view(3, 2, 1024).to(DEV)  # grouped o: [M, G, Kg]
-    q3, s3 = quantize_activations(x3)
-    assert s3.shape == (3, 2, 8)
-    assert torch.equal((q3.cpu().float().view(3, 2, 8, 128) * s3.cpu()[..., None]).view(3, 2, 1024),
-                       fp8_block_sim(x3.cpu(), 128).float())
-    with pytest.raises(ValueError, match="multiple of 128"):
-        quantize_activations(x[:, :100])
-    with pytest.raises(ValueError, match="bf16"):
-        quantize_activations(x.float())
-
-
-@kernel_runs
-@pytest.mark.parametrize("cfg", ACT_CONFIGS)
-def test_prequantised_x_equals_in_kernel_quantisation(cfg):
-    """The e4m3 x with its scales (x_scale) gives the act_fp8 GEMM's output bit for bit: the
-    same tiles, the same products, only the quantisation moved out of the loop."""
-    from dsv4.kernels.fp8_linear import quantize_activations
-
-    w, s = make_weight(256, 1024, device=DEV, seed=2)
-    x = act_rows(7, 1024, seed=8).to(DEV)
-    xq, xs = quantize_activations(x)
-    want = fp8_linear(x, w, s, out_dtype=F32, config=cfg)
-    got = fp8_linear(xq, w, s, out_dtype=F32, config=cfg, x_scale=xs)
-    assert torch.equal(got, want)
-    assert not torch.equal(fp8_linear(xq, w, s, out_dtype=F32, config=cfg,
-                                      x_scale=xs * 2), want)  # the scales are applied
-    wg, sg = make_weight(512, 256, device=DEV, seed=5)
-    xg = act_rows(7, 512, seed=9).view(7, 2, 256).to(DEV)
-    qg, sgx = quantize_activations(xg)
-    assert torch.equal(fp8_grouped_linear(qg, wg, sg, out_dtype=F32, config=cfg, x_scale=sgx),
-                       fp8_grouped_linear(xg, wg, sg, out_dtype=F32, config=cfg))
-
-
-def test_prequantised_x_bad_input_is_refused():
-    from dsv4.kernels.fp8_linear import quantize_activations
-
-    w, s = make_weight(128, 256, device=DEV)
-    x = act_rows(3, 256).to(DEV)
-    xq, xs = quantize_activations(x)
-    with pytest.raises(ValueError, match="x_scale"):
-        fp8_linear(xq, w, s, x_scale=xs[:, :1])
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8_linear(x, w, s, x_scale=xs)
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8_linear(xq, w, s, x_scale=xs.double())
-    if _INTERPRET or DEV == "cuda":  # the config is checked at launch
-        with pytest.raises(ValueError, match="act_fp8=False"):
-            fp8_linear(xq, w, s, x_scale=xs, config=Fp8GemmConfig(act_fp8=False))
-
-
-PAIR_CONFIGS = [
-    Fp8GemmConfig(block_m=16, block_n=64, split_k=1),
-    Fp8GemmConfig(block_m=16, block_n=32, split_k=3),  # ragged K splits
-    Fp8GemmConfig(block_m=32, block_n=128, split_k=2, swap=False),
-    Fp8GemmConfig(block_m=16, block_n=128, split_k=1, act_fp8=True),
-    Fp8GemmConfig(block_m=16, block_n=64, split_k=2, act_fp8=True),
-]
-
-
-@kernel_runs
-@pytest.mark.parametrize("cfg", PAIR_CONFIGS)
-@pytest.mark.parametrize("M", [1, 19])
-def test_weight_pair_is_two_linears_in_one_launch(cfg, M):
-    """fp8_linear_pair: each output bit for bit fp8_linear's with the same config (the second
-    weight's own scales, rows and output), bf16 x and - under act_fp8 - a pre-quantised x."""
-    from dsv4.kernels.fp8_linear import fp8_linear_pair, quantize_activations
-
-    w1, s1 = make_weight(256, 384, device=DEV, seed=1)
-    w2, s2 = make_weight(384, 384, device=DEV, seed=2, lo=110, hi=140)
-    x = act_rows(M, 384, seed=M).to(DEV)
-    y1, y2 = fp8_linear_pair(x, (w1, s1), (w2, s2), config=cfg)
-    assert torch.equal(y1, fp8_linear(x, w1, s1, config=cfg))
-    assert torch.equal(y2, fp8_linear(x, w2, s2, config=cfg))
-    assert rel(y2, float64_eval(x if not cfg.act_fp8 else fp8_block_sim_128(x), w2, s2)) < 1e-2
-    if cfg.act_fp8:
-        xq, xs = quantize_activations(x)
-        p1, p2 = fp8_linear_pair(xq, (w1, s1), (w2, s2), config=cfg, x_scale=xs)
-        assert torch.equal(p1, y1) and torch.equal(p2, y2)
-
-
-def fp8_block_sim_128(x):
-    from dsv4.layers.quant_sim import fp8_block_sim
-
-    return fp8_block_sim(x.cpu(), 128)
-
-
-def test_weight_pair_bad_input_is_refused():
-    from dsv4.kernels.fp8_linear import fp8_linear_pair
-
-    w1, s1 = make_weight(256, 256, device=DEV)
-    w2, s2 = make_weight(128, 384, device=DEV)
-    x = torch.randn(2, 256).to(BF16).to(DEV)
-    with pytest.raises(ValueError, match="one K"):
-        fp8_linear_pair(x, (w1, s1), (w2, s2))
-    w3, s3 = make_weight(128, 256, device=DEV, f32_scale=True)
-    if _INTERPRET or DEV == "cuda":  # the scales are compared at launch
-        with pytest.raises(ValueError, match="both scales"):
-            fp8_linear_pair(x, (w1, s1), (w3, s3))
-    y1, y2 = fp8_linear_pair(x[:0], (w1, s1), (w3, s3))
-    assert y1.shape == (0, 256) and y2.shape == (0, 128)
-
-
-def test_act_fp8_with_gemv_is_refused():
-    if not _INTERPRET and not torch.cuda.is_available():
-        pytest.skip("the config is checked at launch")
-    w, s = make_weight(128, 256, device=DEV)
-    with pytest.raises(ValueError, match="act_fp8"):
-        fp8_linear(torch.randn(1, 256).to(BF16).to(DEV), w, s,
-                   config=Fp8GemmConfig(block_m=1, gemv=True, act_fp8=True))
-
-
 @kernel_runs
 def test_kernel_strided_x_and_out():
     w, s = make_weight(256, 256, device=DEV)
@@ -447,12 +320,9 @@ def test_grouped_kernel(M):
     w, s = make_weight(G * R, Kg, device=DEV, seed=M)
     x = torch.randn(M, G, Kg).to(BF16).to(DEV)
     want = fp8_grouped_linear_reference(x.cpu(), w.cpu(), s.cpu(), F64, F64)
-    for cfg in (None, Fp8GemmConfig(block_m=16, block_n=64, split_k=2),
-                Fp8GemmConfig(block_m=1, block_n=64, split_k=2, gemv=True)):
+    for cfg in (None, Fp8GemmConfig(block_m=16, block_n=64, split_k=2)):
         y = fp8_grouped_linear(x, w, s, out_dtype=F32, config=cfg)
         assert y.shape == (M, G, R) and rel(y, want) < 1e-5
-    with pytest.raises(ValueError, match="gemv needs block_m=1"):
-        fp8_grouped_linear(x, w, s, config=Fp8GemmConfig(block_m=16, gemv=True))
     # o [M, H, d] viewed as groups, no copy
     o = torch.randn(M, 4, 128).to(BF16).to(DEV)
     y = fp8_grouped_linear(o.view(M, G, Kg), w, s)

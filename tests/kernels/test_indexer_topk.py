@@ -408,41 +408,6 @@ def test_held_and_streamed_merges_select_the_same(merge_block):
 
 
 @kernel_runs
-@pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("digit_bits", [4, 8])
-def test_held_rows_select_the_same(split, digit_bits, monkeypatch):
-    """``hold=True``: each program reads its row (one program) or chunk (split) once into
-    registers for every pass - the same selection, sorted and by index, on normal scores,
-    ties with exact zeros, one value everywhere, low-bit differences and short rows; rows
-    wider than ``MAX_HOLD`` stream as before; a scan block narrower than the held width is
-    refused."""
-    import dsv4.kernels.indexer_topk as it
-
-    width, k = 2500, 200
-    g = torch.Generator().manual_seed(5 + split)
-    s = torch.randn(6, width, generator=g)
-    s[1] = torch.randint(-3, 4, (width,), generator=g).float() * 0.25
-    s[1, ::4] = 0.0
-    s[2] = -0.75
-    s[3] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() * 2.0 ** -23
-    pos = torch.tensor([4 * width - 1] * 4 + [4 * 150, 4 * 1200])
-    args = (s.to(DEV), pos.to(DEV), k)
-    for sort in (True, False):
-        want = topk_entries(*args, sort=sort, split=1).cpu()
-        got = topk_entries(*args, sort=sort, split=split, digit_bits=digit_bits,
-                           hold=True).cpu()
-        assert torch.equal(got, want), sort
-    monkeypatch.setattr(it, "MAX_HOLD", 256)  # every row / chunk wider: streamed
-    assert torch.equal(topk_entries(*args, split=split, hold=True).cpu(),
-                       topk_entries(*args, split=1).cpu())
-    monkeypatch.undo()
-    with pytest.raises(ValueError, match="hold=True holds .* block must be at least"):
-        topk_entries(*args, split=split, hold=True, block=16)
-    with pytest.raises(ValueError, match="hold must be a bool"):
-        topk_entries(*args, hold=1)
-
-
-@kernel_runs
 @pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("split", [2, 4, 8, 16])
 def test_a_split_row_selects_like_one_program(sort, split):
@@ -593,9 +558,7 @@ def cuda_layer_shell(cfg: DSV4Config):
     layer.cfg = cfg
     layer.acc_dtype = torch.float32
     layer.indexer = indexer(cfg)
-    layer.use_step_kernels(True)  # the constructor's defaults
-    layer.use_sorted_selection(False)
-    layer.use_held_topk_rows(False)
+    layer.use_step_kernels(True)  # the constructor's default
     return layer
 
 
@@ -613,10 +576,9 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
     layer.use_step_kernels(True)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     want = torch_path(cfg, step, q, w)
-    unsorted = layer._indexer_select(step, q, w)  # the default: by ascending entry index
+    unsorted = layer._indexer_select(step, q, w)  # by ascending entry index
     assert_by_ascending_entry(unsorted)
-    layer.use_sorted_selection(True)  # by score, as the torch path
-    assert_matches_torch_path(layer._indexer_select(step, q, w), want, s64, tol, 8)
+    assert_matches_torch_path(unsorted, want, s64, tol, 8, ordered=False)
     assert torch.equal(unsorted.sort(dim=1).values, want.sort(dim=1).values)
     assert layer._indexer_kernel_format(step, q.float()) == ""  # a float32 layer's queries
     # prefill-sized: the tiled kernel (dsv4.kernels.indexer_prefill), the same selection
@@ -753,10 +715,8 @@ def test_cuda_layer_decode_selects_like_the_reference():
     assert layer._indexer_kernel_format(step, q) == "fp8"
     want = DeepseekV4Attention._indexer_select(layer, step, q, w)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
-    for ordered in (False, True):  # the default first: the top-k without its final sort
-        layer.use_sorted_selection(ordered)
-        got = layer._indexer_select(step, q, w)
-        assert_matches_torch_path(got, want, s64, tol, cfg.index_topk, ordered=ordered)
+    got = layer._indexer_select(step, q, w)  # the top-k without its final sort
+    assert_matches_torch_path(got, want, s64, tol, cfg.index_topk, ordered=False)
 
 
 def test_the_score_grid_rule():

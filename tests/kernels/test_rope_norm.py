@@ -62,6 +62,18 @@ def positions(t: int, seed: int = 0) -> torch.Tensor:
     return pos.to(DEV)
 
 
+def heads_alone(lay, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The query heads' RMS + RoPE in a launch of their own (``rope_heads``)."""
+    heads = q.unflatten(-1, (lay.n_heads, lay.head_dim))
+    return rope_heads(heads, pos, lay.rotary.inv_freq, norm_eps=lay.cfg.rms_norm_eps)
+
+
+def rows_alone(lay, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The kv rows' RoPE (+ the fp8 simulation) in a launch of their own (``rope_heads``)."""
+    return rope_heads(kv, pos, lay.rotary.inv_freq, fp8_dims=lay.head_dim - lay.rope_dim,
+                      fp8_block=ew.KV_FP8_BLOCK if lay.cfg.simulate_quant else 0)
+
+
 def check(got: torch.Tensor, want: torch.Tensor, quant: bool = False,
           max_mismatch: float = 0.02) -> float:
     """Equal up to one bf16 ulp (plus an fp32 cancellation term) per element; simulated
@@ -120,30 +132,6 @@ def test_latent_norms(shape, t):
 
 
 @kernel_runs
-@pytest.mark.parametrize("q_rank", [128, 384])
-def test_latent_norms_with_qr_in_fp8(q_rank):
-    """The same launch also writes qr as the act_quant GEMMs take it: the same qr and kv as
-    latent_norms, and e4m3 values times the per-128 scales equal to fp8_block_sim(qr, 128)
-    (an all-zero block included: the amax floor). 384 is not a power of two (masked lanes)."""
-    from dsv4.kernels.rope_norm import latent_norms, latent_norms_q_fp8
-    from dsv4.layers.quant_sim import fp8_block_sim
-
-    lay = stage_layer(small_cfg(q_lora_rank=q_rank, num_attention_heads=4, head_dim=128,
-                                qk_rope_head_dim=64))
-    qr_kv = rand(5, q_rank + lay.head_dim, seed=3, scale=3.0)
-    qr_kv[2, :128] = 0.0  # a zero block of qr
-    args = (lay.q_norm.weight, lay.kv_norm.weight, lay.q_norm.eps, lay.kv_norm.eps)
-    qr, kv, (q8, qs) = latent_norms_q_fp8(qr_kv, *args)
-    want_qr, want_kv = latent_norms(qr_kv, *args)
-    assert torch.equal(qr, want_qr) and torch.equal(kv, want_kv)
-    assert q8.dtype == torch.float8_e4m3fn and qs.shape == (5, q_rank // 128)
-    back = (q8.cpu().float().view(5, -1, 128) * qs.cpu()[..., None]).view(5, q_rank)
-    assert torch.equal(back, fp8_block_sim(qr.cpu(), 128).float())
-    with pytest.raises(ValueError, match="multiple of 128"):
-        latent_norms_q_fp8(qr_kv[:, 28:], lay.q_norm.weight[28:], *args[1:])
-
-
-@kernel_runs
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 @pytest.mark.parametrize("t", [1, 9])
 def test_query_heads(shape, t):
@@ -152,7 +140,7 @@ def test_query_heads(shape, t):
     lay._wq_b_gemm = lambda qr: q
     pos = positions(t)
     want = DeepseekV4Attention._query_heads(lay, None, pos)
-    check(ew.fused_query_heads(lay, q, pos), want)
+    check(heads_alone(lay, q, pos), want)
 
 
 @kernel_runs
@@ -165,7 +153,7 @@ def test_kv_rows(shape, simulate, ratio):
     kv = rand(t, lay.head_dim, seed=shape, scale=2.0)
     pos = positions(t)
     want = DeepseekV4Attention._kv_rows(lay, kv, pos)
-    got = ew.fused_kv_rows(lay, kv, pos)
+    got = rows_alone(lay, kv, pos)
     nope = lay.head_dim - lay.rope_dim
     assert torch.equal(got[:, :nope], want[:, :nope])  # unrotated: the same inputs
     check(got, want)
@@ -176,15 +164,15 @@ def test_kv_rows(shape, simulate, ratio):
 @pytest.mark.parametrize("simulate", [True, False])
 @pytest.mark.parametrize("t", [1, 9])
 def test_query_heads_and_kv_rows_in_one_launch(shape, simulate, t):
-    """The query heads and the kv rows in one launch: each output bit-equal to its own
-    launch's (and so to the torch path within the stage tests' bounds)."""
+    """The query heads and the kv rows in one launch (the platform's): each output bit-equal to
+    its own launch's (and so to the torch path within the stage tests' bounds)."""
     lay = stage_layer(small_cfg(**SHAPES[shape], simulate_quant=simulate))
     q = rand(t, lay.n_heads * lay.head_dim, seed=shape, scale=2.0)
     kv = rand(t, 2 * lay.head_dim, seed=shape + 1, scale=2.0)[:, ::2]  # strided rows
     pos = positions(t, seed=shape)
     heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)
-    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
-    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
+    assert torch.equal(heads, heads_alone(lay, q, pos))
+    assert torch.equal(rows, rows_alone(lay, kv, pos))
     with pytest.raises(ValueError, match="row must be"):
         ew.fused_query_heads_and_kv_rows(lay, q, kv[:, :-2], pos)
 
@@ -312,7 +300,7 @@ def test_gpu_model_shapes(model, t, ratio):
         errs[f"indexer {numerics}"] = check(ew.fused_indexer_query(lay, iq, pos), want,
                                             quant=numerics is not None)
         kv = rand(t, c.head_dim, seed=2, scale=2.0)
-        errs[f"kv {numerics}"] = check(ew.fused_kv_rows(lay, kv, pos),
+        errs[f"kv {numerics}"] = check(rows_alone(lay, kv, pos),
                                        DeepseekV4Attention._kv_rows(lay, kv, pos))
     qr_kv = rand(t, c.q_lora_rank + c.head_dim, seed=3, scale=3.0)
     for g, w in zip(ew.fused_latent_norms(lay, qr_kv),
@@ -320,11 +308,11 @@ def test_gpu_model_shapes(model, t, ratio):
         errs["latent"] = check(g, w)
     q = rand(t, c.num_attention_heads * c.head_dim, seed=4, scale=2.0)
     lay._wq_b_gemm = lambda qr: q
-    errs["query"] = check(ew.fused_query_heads(lay, q, pos),
+    errs["query"] = check(heads_alone(lay, q, pos),
                           DeepseekV4Attention._query_heads(lay, None, pos))
     heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)  # one launch, same bits
-    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
-    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
+    assert torch.equal(heads, heads_alone(lay, q, pos))
+    assert torch.equal(rows, rows_alone(lay, kv, pos))
     o = rand(t, c.num_attention_heads, c.head_dim, seed=5)
     want = lay.rotary.rotate(o, pos, torch.float32, inverse=True)
     errs["inverse"] = check(ew.fused_inverse_rope(lay, o.clone(), pos), want)

@@ -179,9 +179,7 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
     cfgs = [None, SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4),
             SparseMqaConfig(block_h=16, block_n=16, split=3, num_warps=4),
             SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4, block_dv=64),
-            SparseMqaConfig(block_h=16, block_n=16, split=2, num_warps=4, block_dv=64),
-            SparseMqaConfig(block_h=16, block_n=16, split=1, num_warps=4, prefetch=True),
-            SparseMqaConfig(block_h=16, block_n=16, split=3, num_warps=4, prefetch=True)]
+            SparseMqaConfig(block_h=16, block_n=16, split=2, num_warps=4, block_dv=64)]
     outs = []
     for cfg in cfgs:
         o = sparse_mqa(*case, config=cfg)
@@ -194,14 +192,8 @@ def test_kernel_matches_reference_and_float64(fmt, shape):
     assert rel(outs[2], outs[1]) < 5e-3
     # output columns in blocks of 64 (scores from whole rows): the same sums as all columns
     assert rel(outs[3], outs[1]) < 5e-3 and rel(outs[4], outs[2]) < 5e-3
-    # the next tile's loads issued early: the same tiles in the same order, the same sums
-    for pre, plain in ((outs[5], outs[1]), (outs[6], outs[2])):
-        assert torch.equal(pre, plain) if _INTERPRET else rel(pre, plain) < 1e-6
     with pytest.raises(ValueError, match="block_dv"):
         sparse_mqa(*case, config=SparseMqaConfig(block_dv=96))
-    with pytest.raises(ValueError, match="prefetch needs whole rows"):
-        sparse_mqa(*case, config=SparseMqaConfig(block_h=16, block_n=16, num_warps=4,
-                                                 block_dv=64, prefetch=True))
 
 
 @kernel_runs

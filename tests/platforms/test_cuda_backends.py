@@ -135,14 +135,14 @@ class _BothBackends(DeepseekV4Attention):
     """Test double: runs the base forward_mqa and the triton backend's operands on every step
     (off CUDA the kernel entry point runs its torch reference over the same store bytes)."""
 
-    HELPERS = ()
     fmt = "bf16"
 
     def forward_mqa(self, q, step, selection):
         ref = super().forward_mqa(q, step, selection)
         got = triton_forward_mqa(self, q, step, selection, self.fmt)
         self.errs.append(rel_err(got, ref))
-        self.shapes.append(None if selection is None else tuple(selection.shape))
+        rows = selection.entry_rows
+        self.shapes.append(None if rows is None else tuple(rows.shape))
         return ref
 
 

@@ -8,10 +8,12 @@ from typing import ClassVar
 import pytest
 import torch
 from torch import nn
+from typing_extensions import override
 
 from dsv4 import DeepseekV4Attention, platforms, process_weights_after_loading
 from dsv4.contract import expected_points, path_violations, structural_violations
 from dsv4.platforms.preshuffle import PreshuffleAttention
+from dsv4.stages import InputProjections
 from dsv4.verify import build_pair, conformance
 
 from conftest import RATIOS, random_x
@@ -52,7 +54,7 @@ class InlinedInputGemm(DeepseekV4Attention):
     def _run_parallel_input_projections(self, x):
         qr_kv = self.fused_wqa_wkv(x)
         rest = super()._run_parallel_input_projections(x)[1:]
-        return (qr_kv, *rest)
+        return InputProjections(qr_kv, *rest)
 
 
 def test_inlining_the_input_gemm_is_caught_by_the_path_spy(tiny, make_layer):
@@ -65,8 +67,8 @@ def test_inlining_the_input_gemm_is_caught_by_the_path_spy(tiny, make_layer):
 
     class NeverCalls(DeepseekV4Attention):
         def _run_parallel_input_projections(self, x):
-            return (self.fused_wqa_wkv(x), self._compressor_kv_score_gemm(x),
-                    self._indexer_kv_score_gemm(x), self._indexer_weights_gemm(x))
+            return InputProjections(self.fused_wqa_wkv(x), self._compressor_kv_score_gemm(x),
+                                    self._indexer_kv_score_gemm(x), self._indexer_weights_gemm(x))
 
     bad = NeverCalls(tiny, 1)
     bad.load_state_dict(layer.state_dict())
@@ -82,12 +84,16 @@ def test_removed_base_method_with_a_subclass_override_is_reported():
             return o
 
     class Platform(Base):
+        @override
         def _fused_wqa_wkv_gemm(self, x):  # the base lost it (upstream #51430)
             return super()._fused_wqa_wkv_gemm(x)
 
+        def _helper(self, x):  # a helper of its own: not an override, nothing to report
+            return x
+
     problems = structural_violations(Platform, base=Base)
-    assert len(problems) == 1 and "Platform._fused_wqa_wkv_gemm is not defined on Base" in \
-        problems[0]
+    assert len(problems) == 1 and "Platform._fused_wqa_wkv_gemm is marked @override but Base " \
+        "does not define it" in problems[0]
     with pytest.raises(AttributeError):
         Platform()._fused_wqa_wkv_gemm(None)  # the latent second bug: its fallback is broken
 
@@ -100,11 +106,71 @@ def test_removed_base_method_with_a_subclass_override_is_reported():
 
 def test_redefining_a_non_override_method_is_reported():
     class Sneaky(DeepseekV4Attention):
+        @override
         def _wo_a_grouped(self, o):
             return o
 
     assert any("Sneaky._wo_a_grouped redefines a base method" in p
                for p in structural_violations(Sneaky))
+
+
+def test_an_override_without_the_marker_is_reported():
+    class Unmarked(DeepseekV4Attention):
+        def _o_proj(self, o, positions):
+            return super()._o_proj(o, positions)
+
+    assert structural_violations(Unmarked) == [
+        "Unmarked._o_proj overrides DeepseekV4Attention._o_proj without @override "
+        "(typing_extensions.override): mark it, so that a later removal from the base is "
+        "reported"]
+
+
+def test_a_fine_point_under_a_stage_replaced_above_it_is_reported(tiny, make_layer):
+    """A platform subclass that overrides a fine point whose stage its parent platform
+    replaced would never be called: structure reports it before any forward, the path spy
+    when it runs."""
+
+    class Fused(DeepseekV4Attention):
+        @override
+        def _query_and_kv_rows(self, qr_kv, pos):
+            qr, kv = self._latent_norms(qr_kv)
+            return qr, self._query_heads(qr, pos), DeepseekV4Attention._kv_rows(self, kv, pos)
+
+    class Sub(Fused):
+        @override
+        def _kv_rows(self, kv, pos):
+            return super()._kv_rows(kv, pos)
+
+    assert structural_violations(Fused) == []
+    assert structural_violations(Sub) == [
+        "Sub._kv_rows is never called: Fused._query_and_kv_rows replaces the stage that calls "
+        "it; override _query_and_kv_rows in Sub too (or a fine point Fused calls)"]
+    layer = Sub(tiny, 0)
+    layer.load_state_dict(make_layer(tiny, 0).state_dict())
+    assert path_violations(layer, random_x(8, tiny.hidden_size).bfloat16()) == [
+        "forward never called _kv_rows"]
+
+
+def test_a_base_stage_that_stops_calling_the_input_gemm_point_is_caught(tiny, make_layer,
+                                                                         monkeypatch):
+    """Upstream #51430 itself: the base's input stage inlines the module call, so the ROCm-like
+    platform's ``_fused_wqa_wkv_gemm`` is never called (with its preshuffled weights its layer
+    computes garbage). The spy reports it on that platform and on the reference one."""
+
+    def inlined(self, x):
+        c, i = self.compressor, self.indexer
+        return InputProjections(
+            self.fused_wqa_wkv(x),
+            None if c is None else self._compressor_kv_score_gemm(x),
+            None if i is None else self._indexer_kv_score_gemm(x),
+            None if i is None else self._indexer_weights_gemm(x))
+
+    x = random_x(20, tiny.hidden_size).bfloat16()
+    layers = [make_layer(tiny, 4), make_layer(tiny, 4, platform="preshuffle")]
+    assert [path_violations(layer, x) for layer in layers] == [[], []]
+    monkeypatch.setattr(DeepseekV4Attention, "_run_parallel_input_projections", inlined)
+    assert [path_violations(layer, x) for layer in layers] == [
+        ["forward never called _fused_wqa_wkv_gemm"]] * 2
 
 
 class PlainGemmPreshuffle(PreshuffleAttention):

@@ -10,13 +10,10 @@ T = 1/16/64 sequences with one query each, contexts 512 / 8K / 64K (the context 
 how far the indices reach: sequence t owns window rows t*ctx .. t*ctx+ctx-1 and compressed rows
 t*ctx/4 .. ; its window is the last 128 of them, its K compressed rows a random subset).
 
-GEMMs: ``dsv4.kernels.fp8_linear`` vs the current path (dequantise to bf16 + matmul) for
-wq_b, wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64; and
-``q_fused``, ``wq_b`` and the indexer's ``wq_b`` stacked into one weight (both read the same
-normalised q latent: what one launch for the two would cost). ``--variants act8`` runs only
-the fp8-activation rows: the layer's act_quant choice (``act8``), the same GEMM on an x
-quantised before it (``act8pre``, ``quantize_activations`` outside the timed call) and both
-launches together (``act8pre_q``).
+GEMMs: ``dsv4.kernels.fp8_linear`` vs the base path (dequantise to bf16 + matmul) for wq_b,
+wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64, with bf16
+activations and with the layer's act_quant tiles (``act8``: fp8 activations quantised in the
+kernel, docs/spec.md §6.3). Unless ``--no-variants``, tile probes around each choice.
 
 Every implementation is checked against the reference first (a wrong one is not timed). Times are
 CUDA-graph replay (CUDA events, median of trials; ``input_proj.time_graph``), with inputs rotated
@@ -33,7 +30,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -48,17 +44,10 @@ CTXS = (512, 8192, 65536)
 # (name, N, K, groups) per model; grouped: N = G * R rows, K = Kg
 GEMMS = {
     "flash": [("wq_b", 64 * 512, 1024, 1), ("wo_a", 8 * 1024, 4096, 8),
-              ("wo_b", 4096, 8 * 1024, 1), ("idx_wq_b", 64 * 128, 1024, 1),
-              ("q_fused", 64 * 512 + 64 * 128, 1024, 1)],
+              ("wo_b", 4096, 8 * 1024, 1), ("idx_wq_b", 64 * 128, 1024, 1)],
     "pro": [("wq_b", 128 * 512, 1536, 1), ("wo_a", 16 * 1024, 4096, 16),
-            ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1),
-            ("q_fused", 128 * 512 + 64 * 128, 1536, 1)],
+            ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1)],
 }
-Q_FUSED_FIRST = {"flash": 64 * 512, "pro": 128 * 512}
-"""Rows of ``wq_b`` in the ``q_fused`` shape (the indexer's follow): the pair launch's split."""
-VARIANT_SETS = ("all", "act8", "none")
-"""GEMM rows beside dsv4_fp8 / dequant_bf16: every tile probe, only the fp8-activation rows
-(act8, act8pre, act8pre_q), or none."""
 GEMM_MS = (1, 16, 64)
 ROTATE_BYTES = 320e6
 MAX_STORE_BYTES = 16e9
@@ -67,25 +56,9 @@ MAX_STORE_BYTES = 16e9
 def _attn_variants() -> dict:
     from dsv4.kernels.sparse_mqa import SparseMqaConfig
 
-    tiles = {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
-                                                    num_stages=st)
-             for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1), (64, 16, 3))}
-    # the 1-stage tiles with the next tile's loads issued early (sm_90 compile: no spill at
-    # 16 x 32 and 32 x 16; 64 x 16 spills 928 bytes against 576 without)
-    tiles.update({f"dsv4_h{h}_n{n}_s1_pf": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
-                                                          num_stages=1, prefetch=True)
-                  for h, n in ((16, 32), (32, 16), (64, 16))})
-    # the few-query tile with fewer KV chunks than the rule's (about one program per SM, at
-    # most one chunk per 32-row tile: one Flash query at context 512 takes 20 chunks here, 8
-    # in a step, and a combine launch): one chunk and no combine launch - whole rows per
-    # program, or the output columns split over 2 / 4 programs that each recompute the
-    # logits - or 2 / 4 / 8 chunks
-    tiles.update({f"dsv4_h16_n32_s1_sp1{f'_dv{dv}' if dv else ''}": SparseMqaConfig(
-        block_h=16, block_n=32, num_warps=8, num_stages=1, split=1, block_dv=dv)
-        for dv in (0, 256, 128)})
-    tiles.update({f"dsv4_h16_n32_s1_sp{sp}": SparseMqaConfig(
-        block_h=16, block_n=32, num_warps=8, num_stages=1, split=sp) for sp in (2, 4, 8)})
-    return tiles
+    return {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
+                                                   num_stages=st)
+            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1), (64, 16, 3))}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -205,10 +178,7 @@ def _attention_case_rows(model, H, K, fmt, T, ctx, sink, template, dev, gen, cop
 def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2) -> dict:
     row = {**base, "impl": name, "floor_us": floor_b / copy_bw * 1e6}
     try:
-        got = fn(0)
-        if isinstance(got, tuple):  # a pair launch: its outputs side by side
-            got = torch.cat(got, dim=-1)
-        err = rel(got, ref)
+        err = rel(fn(0), ref)
         row["rel_err"] = err
         if not err < tol:
             row["error"] = f"wrong: rel err {err:.3e}"
@@ -232,8 +202,8 @@ def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2)
 
 
 def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
-              variants: bool | str = True) -> None:
-    """``variants``: one of :data:`VARIANT_SETS` (True: all, False: none)."""
+              variants: bool = True) -> None:
+    """``variants``: the tile probes around each choice too."""
     gen = torch.Generator(device=dev).manual_seed(1)
     for model, shapes in GEMMS.items():
         for name, N, K, G in shapes:
@@ -243,7 +213,7 @@ def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
 
 
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                     time_graph, variants: bool | str = False) -> None:
+                     time_graph, variants: bool = False) -> None:
     from dsv4.kernels.fp8_linear import (
         Fp8GemmConfig,
         choose_fp8_config,
@@ -251,14 +221,9 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         fp8_grouped_linear_reference,
         fp8_linear,
         fp8_linear_reference,
-        quantize_activations,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
-
-    vset = variants if isinstance(variants, str) else "all" if variants else "none"
-    if vset not in VARIANT_SETS:
-        raise ValueError(f"variants {variants!r}: one of {VARIANT_SETS}")
 
     wbytes = N * K + (N // 128) * (K // 128)
     rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
@@ -272,15 +237,13 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
               for _ in range(rot)]
 
-        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None,
-                 x_scale: list | None = None) -> torch.Tensor:
+        def ours(i: int, xs=xs, cfg: Fp8GemmConfig | None = None) -> torch.Tensor:
             w, s = ws[i]
-            xsc = None if x_scale is None else x_scale[i]
             if G > 1:
-                return fp8_grouped_linear(xs[i], w, s, config=cfg, x_scale=xsc)
-            return fp8_linear(xs[i], w, s, config=cfg, x_scale=xsc)
+                return fp8_grouped_linear(xs[i], w, s, config=cfg)
+            return fp8_linear(xs[i], w, s, config=cfg)
 
-        def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does today
+        def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does
             w, s = ws[i]
             wd = dequantize_fp8_block(w, s, torch.bfloat16)
             if G > 1:
@@ -293,16 +256,17 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         floor_b = wbytes + M * G * K * 2 + M * N * 2
         base = {"section": "gemm", "model": model, "gemm": name, "N": N, "K": K, "G": G,
                 "M": M, "rotations": rot}
-        # (name, call, reference): the act8 probes against the product of the quantised x
-        # fp8 x fp8 MMAs on activations quantised per 128 (the official numerics,
-        # dsv4-attention.md §6.3): those rows are checked against this product
+        # (name, call, reference): the act8 rows - fp8 x fp8 MMAs on activations quantised per
+        # 128 (the official numerics, docs/spec.md §6.3) - against the product of the
+        # quantised x
         xq0 = fp8_block_sim(xs[0], 128)
         ref_q = (fp8_grouped_linear_reference(xq0, w0, s0, torch.float32) if G > 1
                  else fp8_linear_reference(xq0, w0, s0, torch.float32))
-        impls: list[tuple[str, Callable, torch.Tensor]] = [("dsv4_fp8", ours, ref)]
-        if vset != "act8":
-            impls.append(("dequant_bf16", current, ref))
-        if vset == "all":  # probes around the table's choice: half / double the row tile and split,
+        act8 = choose_fp8_config(M, N, K, act_fp8=True)
+        impls: list[tuple[str, Callable, torch.Tensor]] = [
+            ("dsv4_fp8", ours, ref), ("dequant_bf16", current, ref),
+            ("dsv4_fp8_act8", lambda i, c=act8: ours(i, cfg=c), ref_q)]
+        if variants:  # probes around the table's choice: half / double the row tile and split,
             # deeper pipelines (more weight bytes in flight per program), twice the split
             c = choose_fp8_config(M, N, K)
             for tag, change in (
@@ -315,23 +279,9 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             if M > 16:  # the M > 64 table's non-swapped 64 x 128 tile (won for act8 at M = 64)
                 vc = choose_fp8_config(65, N, K)
                 impls.append(("dsv4_fp8_mlarge", lambda i, vc=vc: ours(i, cfg=vc), ref))
-            if M == 1:  # the MMA-free one-token path (Fp8GemmConfig.gemv) at a few tiles
-                gemv_probes: tuple[tuple[str, dict[str, Any]], ...] = (
-                        ("gemv64w8", dict(block_n=64, num_warps=8)),
-                        ("gemv32", dict(block_n=32, num_warps=4, split_k=c.split_k * 2)),
-                        ("gemv64w8_split2x", dict(block_n=64, num_warps=8,
-                                                  split_k=c.split_k * 2)),
-                        ("gemv128w8", dict(block_n=128, num_warps=8,
-                                           split_k=max(1, c.split_k // 2))))
-                for tag, gchange in gemv_probes:
-                    vc = Fp8GemmConfig(**{**c.__dict__, "block_m": 1, "gemv": True, **gchange})
-                    impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref))
-            # act8: the layer's choice under act_quant (choose_fp8_config(act_fp8=True)); the
-            # others around the bf16 table's choice c; act8_mlarge (M > 16): the M > 64
-            # table's non-swapped tile (act8 lost in the M = 64 step, session 24)
-            act_probes: list[tuple[str, Fp8GemmConfig]] = [
-                ("act8", choose_fp8_config(M, N, K, act_fp8=True))]
-            act_probes += [(tag, Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change}))
+            # act8 tiles around the bf16 table's choice c; act8_mlarge (M > 16): the M > 64
+            # table's non-swapped tile
+            act_probes = [(tag, Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change}))
                            for tag, change in (
                                ("act8_bn64", {}), ("act8_split2x", dict(split_k=c.split_k * 2)),
                                ("act8_bn128", dict(block_n=128,
@@ -340,65 +290,9 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                 act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
-        if vset in ("all", "act8"):
-            pre = [quantize_activations(x) for x in xs]  # x quantised once, for both kinds
-            impls += _act8_rows(M, N, K, xs, pre, ours, ref_q, vset == "act8",
-                                choose_fp8_config, quantize_activations)
-            if name == "q_fused" and model in Q_FUSED_FIRST:
-                impls += _pair_rows(Q_FUSED_FIRST[model], M, N, K, xs, pre, ws, ref_q)
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
-
-
-def _act8_rows(M, N, K, xs, pre, ours, ref_q, with_act8: bool, choose, quantize) -> list:
-    """The fp8-activation rows (``--variants act8``; with ``all`` the act8 row is already
-    there): the act_quant choice quantising x in its loop (``act8``), the same tiles on x
-    quantised before the call (``act8pre``: the GEMM alone) and the quantiser plus the GEMM
-    (``act8pre_q``: two launches); where the choice is an M = 64 swapped tile of 4 warps, the
-    same with 8 (``act8_w8``, ``act8pre_w8``). All against the product of
-    ``fp8_block_sim(x, 128)`` and the dequantised weight (``ref_q``); ``pre``: each x as
-    ``quantize`` makes it, (e4m3, scales)."""
-    from dsv4.kernels.fp8_linear import Fp8GemmConfig
-
-    cfg = choose(M, N, K, act_fp8=True)
-    xq, xsc = [p[0] for p in pre], [p[1] for p in pre]
-
-    def both(i: int) -> torch.Tensor:
-        q, sc = quantize(xs[i])
-        return ours(i, xs={i: q}, cfg=cfg, x_scale={i: sc})
-
-    rows = [("dsv4_fp8_act8", lambda i: ours(i, cfg=cfg), ref_q)] if with_act8 else []
-    rows += [("dsv4_fp8_act8pre", lambda i: ours(i, xs=xq, cfg=cfg, x_scale=xsc), ref_q),
-             ("dsv4_fp8_act8pre_q", both, ref_q)]
-    if cfg.swap and cfg.block_m == 64 and cfg.num_warps == 4:
-        # the M = 64 swapped tiles with 8 warps: the 128-row one keeps 32 bytes of its 255
-        # registers on the stack at 4 warps and none at 8 (154 registers; sm_90 compile)
-        w8 = Fp8GemmConfig(**{**cfg.__dict__, "num_warps": 8})
-        rows += [("dsv4_fp8_act8_w8", lambda i: ours(i, cfg=w8), ref_q),
-                 ("dsv4_fp8_act8pre_w8", lambda i: ours(i, xs=xq, cfg=w8, x_scale=xsc), ref_q)]
-    return rows
-
-
-def _pair_rows(n1: int, M: int, N: int, K: int, xs, pre, ws, ref_q) -> list:
-    """The two query GEMMs as they would run in the step with ``use_query_gemm_pair``: the
-    stacked weight's two row ranges (``wq_b``, the indexer's) as separate tensors in one
-    :func:`fp8_linear_pair` launch, act_quant tiles, x bf16 (``act8_pair``) or quantised before
-    (``act8pre_pair``, on ``pre``: each x quantised). Both outputs are checked (concatenated)
-    against ``ref_q``."""
-    from dsv4.kernels.fp8_linear import choose_fp8_config, fp8_linear_pair
-
-    cfg = choose_fp8_config(M, N, K, act_fp8=True)
-
-    def pair(i: int, quantised: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        w, s = ws[i]
-        halves = ((w[:n1], s[:n1 // 128]), (w[n1:], s[n1 // 128:]))
-        if quantised:
-            return fp8_linear_pair(pre[i][0], *halves, config=cfg, x_scale=pre[i][1])
-        return fp8_linear_pair(xs[i], *halves, config=cfg)
-
-    return [("dsv4_fp8_act8_pair", lambda i: pair(i, False), ref_q),
-            ("dsv4_fp8_act8pre_pair", lambda i: pair(i, True), ref_q)]
 
 
 # ---------------------------------------------------------------------------------- report
@@ -482,9 +376,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
     ap.add_argument("--only", choices=["attention", "gemm"], default=None)
     ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
-    ap.add_argument("--variants", choices=VARIANT_SETS, default=None,
-                    help="which GEMM probe rows: all (default), act8 (the fp8-activation rows "
-                         "only), none (as --no-variants)")
     ap.add_argument("--report-only", action="store_true",
                     help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
     args = ap.parse_args(argv)
@@ -507,12 +398,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    vset = args.variants or ("none" if args.no_variants else "all")
+    variants = not args.no_variants
     if args.only in (None, "gemm"):
-        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, vset)
+        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, variants)
         save()
     if args.only in (None, "attention"):
-        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, vset == "all",
+        attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, variants,
                        after_case=save)
     res["seconds"] = time.time() - t0
     save()

@@ -6,14 +6,6 @@ Entry points:
 * ``fp8_grouped_linear(x [M, G, Kg], weight [G*R, Kg], scale [G*R/128, Kg/128]) -> y [M, G, R]``:
   group g multiplies x[:, g, :] by weight rows g*R .. g*R + R - 1 (``wo_a``: o viewed as
   [M, G, heads/G * head_dim]), all groups in one launch.
-* ``fp8_linear_pair(x, (W1, s1), (W2, s2)) -> (y1, y2)``: two weights of the same K on one x in
-  one launch (``wq_b`` and the indexer's ``wq_b`` both multiply qr): the second weight's rows
-  follow the first's in the tile grid, pointers chosen per tile; no weight is copied. Each
-  output equals ``fp8_linear``'s with the same config bit for bit.
-* ``quantize_activations(x) -> (xq, x_scale)``: the §6.3 quantisation of x once (e4m3, float32
-  scale per 128); ``fp8_linear`` / ``fp8_grouped_linear`` / the pair take such an x with
-  ``x_scale=`` and then skip the quantisation in their loops (the same products as ``act_fp8``
-  on the bf16 x).
 * ``fp8_linear_reference`` / ``fp8_grouped_linear_reference``: dequantise + matmul (the oracle,
   and the path taken on a machine without Triton or off CUDA).
 * ``fp8_dequantize(weight, scale) -> [N, K] bf16``: the dequantised weight in one pass (read
@@ -40,13 +32,6 @@ and the last program of a tile to arrive (acq_rel counter) sums the partials in 
 writes y: deterministic, graph-replayable (the counter is reset), no float atomics - the same
 protocol as :mod:`dsv4.kernels.fused_input_proj`. Small M uses the swapped MMA (weight rows on the
 MMA's M side, x^T as the narrow N side); larger M uses plain tiles. ``choose_config`` picks by M.
-``Fp8GemmConfig(gemv=True, block_m=1)`` is an MMA-free variant, one token per program: the
-e4m3 tile is widened to fp32 in registers (loaded one tile ahead) and multiplied by x times the
-block's scale (exact products for ue8m0 scales), summed per column and reduced once; it is a
-probe of ``dsv4 bench attention-kernels`` at M = 1, not a default: on the H200 it won only the
-small indexer ``wq_b`` (Flash 8.5 -> 7.8 us) and lost on every large weight
-(benchmarks/results/h200/session23_probes/gemm/).
-
 ``Fp8GemmConfig(act_fp8=True)`` changes the numerics to the official FP8 linear's
 (dsv4-attention.md §6.3): each token's 128-wide K block of x is quantised in the kernel to e4m3
 with the power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (RNE, clamped to +-448) and
@@ -77,9 +62,7 @@ __all__ = [
     "fp8_grouped_linear",
     "fp8_grouped_linear_reference",
     "fp8_linear",
-    "fp8_linear_pair",
     "fp8_linear_reference",
-    "quantize_activations",
 ]
 
 BLOCK = 128
@@ -140,7 +123,6 @@ class Fp8GemmConfig:
     swap: bool = True  # weight rows on the MMA's M side (small M)
     num_warps: int = 4
     num_stages: int = 3
-    gemv: bool = False  # one token per program without MMAs (block_m 1, swap): fp32 FMAs
     act_fp8: bool = False  # activations quantised to e4m3 per 128 (§6.3): fp8 x fp8 MMAs
 
 
@@ -234,12 +216,8 @@ if triton_available():
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
-        DOT_PREC: tl.constexpr, GEMV: tl.constexpr = False, ACT_FP8: tl.constexpr = False,
-        INTERP: tl.constexpr = False,
+        DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr = False, INTERP: tl.constexpr = False,
         PDL: tl.constexpr = False,
-        xs_ptr=None, sxs_m=0, sxs_g=0, ACT_PRE: tl.constexpr = False,
-        w2_ptr=None, sc2_ptr=None, stride_sc2=0, y2_ptr=None, sy2m=0, N1=0,
-        PAIR: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
@@ -258,63 +236,23 @@ if triton_available():
         nkb = Kg // BK
         kb0 = split * nkb // SPLIT_K
         kb1 = (split + 1) * nkb // SPLIT_K
-        w_base = w_ptr
-        sc_base = sc_ptr
-        sc_stride = stride_sc
-        if PAIR:  # two weights on one x (G = 1): rows >= N1 are the second's (its own scales)
-            second = row0 >= N1
-            w_base = tl.where(second, w2_ptr, w_ptr)
-            sc_base = tl.where(second, sc2_ptr, sc_ptr)
-            sc_stride = tl.where(second, stride_sc2, stride_sc)
-            row0 = tl.where(second, row0 - N1, row0)
-        w_ptrs = w_base + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
+        w_ptrs = w_ptr + (row0 + offs_n).to(tl.int64)[:, None] * Kg + (kb0 * BK + offs_k)[None, :]
         x_base = x_ptr + g * sxg
-        if ACT_PRE:  # x already e4m3, its scales [M, G, Kg / 128] float32 beside it
-            xs_row = xs_ptr + g * sxs_g + offs_m * sxs_m
         if SWAP:
             x_ptrs = x_base + offs_m[None, :] * sxm + (kb0 * BK + offs_k)[:, None]
             acc = tl.zeros([BN, BM], dtype=tl.float32)
         else:
             x_ptrs = x_base + offs_m[:, None] * sxm + (kb0 * BK + offs_k)[None, :]
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-        sc_row = sc_base + (row0 // BK) * sc_stride
+        sc_row = sc_ptr + (row0 // BK) * stride_sc
         # each block's scale is read one iteration ahead and decoded where it is used: a scale
         # load inside the iteration that needs it held the iteration (and the next tile's
         # copy) for a global-load latency
         raw_next = _scale_raw(sc_row, kb0, SCALE_F32)
-        if GEMV:  # one token (BM = 1): fp32 products summed per column, reduced once at the end
-            part = tl.zeros([BN, BK], dtype=tl.float32)
-            # the weight tile streams global -> registers, one tile ahead of its FMAs (the
-            # compiler pipelines only loads that feed an MMA)
-            w_raw = tl.load(w_ptrs, mask=kb0 < kb1, other=0.0, eviction_policy="evict_first")
         for kb in range(kb0, kb1):
             s = _scale_value(raw_next, SCALE_F32)
             raw_next = _scale_raw(sc_row, tl.minimum(kb + 1, kb1 - 1), SCALE_F32)
-            if GEMV:
-                # no MMA: e4m3 x (bf16 x times the block's scale) is exact in fp32 for ue8m0
-                # scales (4 x 8 significant bits)
-                wf = w_raw.to(tl.float32)
-                w_raw = tl.load(w_ptrs + BK, mask=kb + 1 < kb1, other=0.0,
-                                eviction_policy="evict_first")
-                xv = tl.load(x_base + pid_m * sxm + kb * BK + offs_k).to(tl.float32)
-                part += wf * (xv * s)[None, :]
-            elif ACT_PRE:
-                # fp8 x fp8 MMA on the activations as quantised before the launch (the tile
-                # and its scales loaded, no amax in the loop); the same products as ACT_FP8
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-                sx = tl.load(xs_row + kb, mask=m_mask, other=0.0)
-                if SWAP:
-                    xq = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-                else:
-                    xq = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-                if INTERP:
-                    w = w.to(tl.float32)
-                    xq = xq.to(tl.float32)
-                if SWAP:
-                    acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
-                else:
-                    acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
-            elif ACT_FP8:
+            if ACT_FP8:
                 # fp8 x fp8 MMA (the weight tile as stored), each token's block product times
                 # its activation scale and the weight block's scale; interpreted: fp32 operands
                 # of the same values
@@ -341,23 +279,13 @@ if triton_available():
                     acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
             w_ptrs += BK
             x_ptrs += BK
-        if GEMV:
-            acc = tl.sum(part, axis=1)[:, None]  # [BN, 1]: the swapped tile of one token
-
-        cols = n0 + offs_n  # output column within the group (PAIR: of both outputs, stacked)
-        y_base = y_ptr
-        y_sm = sym
-        y_cols = cols
-        if PAIR:
-            y_base = tl.where(second, y2_ptr, y_ptr)
-            y_sm = tl.where(second, sy2m, sym)
-            y_cols = tl.where(second, cols - N1, cols)
+        cols = n0 + offs_n  # output column within the group
         if SWAP:
-            y_ptrs = y_base + offs_m[None, :] * y_sm + g * syg + y_cols[:, None]
+            y_ptrs = y_ptr + offs_m[None, :] * sym + g * syg + cols[:, None]
             y_mask = m_mask[None, :] & (cols < R)[:, None]
             p_off = offs_m[None, :] * R + cols[:, None]
         else:
-            y_ptrs = y_base + offs_m[:, None] * y_sm + g * syg + y_cols[None, :]
+            y_ptrs = y_ptr + offs_m[:, None] * sym + g * syg + cols[None, :]
             y_mask = m_mask[:, None] & (cols < R)[None, :]
             p_off = offs_m[:, None] * R + cols[None, :]
         if SPLIT_K == 1:
@@ -400,23 +328,6 @@ if triton_available():
         let_next_kernel_launch(PDL)
 
 
-    @triton.jit
-    def _act_quant_kernel(x_ptr, sx, q_ptr, sq, s_ptr, ss, NB, CH: tl.constexpr,
-                          EMULATE: tl.constexpr, PDL: tl.constexpr = False):
-        """Row r, K blocks c*CH .. c*CH+CH-1 of x quantised as :func:`act_quant_block` does
-        (the tiles the GEMM's ACT_FP8 loop quantises, here once per launch)."""
-        wait_for_prior_kernel(PDL)
-        r = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1) * CH + tl.arange(0, CH)
-        ok = blk < NB
-        col = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
-        xt = tl.load(x_ptr + r * sx + col, mask=ok[:, None], other=0.0).to(tl.float32)
-        q, sc = act_quant_block(xt, 1, EMULATE)
-        tl.store(q_ptr + r * sq + col, q, mask=ok[:, None])
-        tl.store(s_ptr + r * ss + blk, sc, mask=ok)
-        let_next_kernel_launch(PDL)
-
-
 # ---------------------------------------------------------------------------------- launch
 
 
@@ -436,27 +347,14 @@ _WORKSPACES: dict[str, SplitKWorkspace] = {}
 
 
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
-            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None,
-            xs3: torch.Tensor | None = None,
-            pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous); ``xs3``
-    [M, G, Kg / 128] float32: x3 is e4m3, quantised before the launch (act_fp8 tiles);
-    ``pair`` (G = 1): a second weight, its scales and its output [M, N2] on the same x, in the
-    same launch (its rows follow the first weight's: the tiles and splits of N1 + N2 rows)."""
+            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None) -> None:
+    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous)."""
     M, G, Kg = x3.shape
-    R = y3.shape[2] + (0 if pair is None else pair[0].shape[0])
-    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device), act_fp8=xs3 is not None)
+    R = y3.shape[2]
+    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device))
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
         raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")
-    if cfg.gemv and (cfg.block_m != 1 or not cfg.swap):
-        raise ValueError(f"gemv needs block_m=1 and swap=True, got block_m={cfg.block_m}, "
-                         f"swap={cfg.swap}")
-    if cfg.gemv and cfg.act_fp8:
-        raise ValueError("act_fp8 runs fp8 MMAs; gemv has none: choose one")
-    if xs3 is not None and not cfg.act_fp8:
-        raise ValueError("pre-quantised (e4m3) x runs the act_fp8 tiles: the config has "
-                         "act_fp8=False")
     n_tiles = R // bn
     m_tiles = -(-M // cfg.block_m)
     m_ws = m_tiles * cfg.block_m
@@ -470,102 +368,40 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc_f32 = scale.dtype == torch.float32
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
-    extra: dict = {}
-    if xs3 is not None:
-        extra.update(xs_ptr=xs3, sxs_m=xs3.stride(0), sxs_g=xs3.stride(1), ACT_PRE=True)
-    if pair is not None:
-        w2, s2, y2 = pair
-        n1 = y3.shape[2]
-        if G != 1 or n1 % bn or (s2.dtype == torch.float32) != sc_f32:
-            raise ValueError(f"a weight pair needs G = 1, block_n={bn} dividing N1={n1}, and "
-                             f"both scales float32 or both e8m0 ({scale.dtype}, {s2.dtype})")
-        sc2 = s2 if sc_f32 else s2.view(torch.uint8)
-        extra.update(w2_ptr=w2, sc2_ptr=sc2, stride_sc2=sc2.stride(0), y2_ptr=y2,
-                     sy2m=y2.stride(0), N1=n1, PAIR=True)
     _fp8_gemm_kernel[grid](
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        DOT_PREC="ieee" if _INTERPRET else "tf32", GEMV=cfg.gemv, ACT_FP8=cfg.act_fp8,
-        INTERP=_INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device), **extra,
+        DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_FP8=cfg.act_fp8, INTERP=_INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 
 
-def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None,
-             x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x as the kernel sees it: quantised per 128 (§6.3, exact in bf16) under ``act_fp8``;
-    a pre-quantised x times its scales."""
-    if x_scale is not None:
-        return (x.float().unflatten(-1, (-1, BLOCK)) * x_scale[..., None]).flatten(-2)
+def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None) -> torch.Tensor:
+    """x as the kernel sees it: quantised per 128 (§6.3, exact in bf16) under ``act_fp8``."""
     return fp8_block_sim(x, BLOCK) if config is not None and config.act_fp8 else x
 
 
-def _use_kernel(x: torch.Tensor, x_scale: torch.Tensor | None = None) -> bool:
-    """The kernel takes the call (Triton, and CUDA or the interpreter); checks x's dtype:
-    bf16, or e4m3 with float32 block scales [..., K / 128] (a pre-quantised x)."""
+def _use_kernel(x: torch.Tensor) -> bool:
+    """The kernel takes the call (Triton, and CUDA or the interpreter); x must then be bf16."""
     use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
-    if x_scale is None and use and x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype} (an e4m3 x needs "
-                         "x_scale)")
-    if x_scale is not None:
-        want = (*x.shape[:-1], x.shape[-1] // BLOCK)
-        if x.dtype != torch.float8_e4m3fn or x_scale.dtype != torch.float32 or \
-                tuple(x_scale.shape) != want:
-            raise ValueError(f"a pre-quantised x is float8_e4m3fn with float32 x_scale {want}, "
-                             f"got x {x.dtype}, x_scale {x_scale.dtype} "
-                             f"{tuple(x_scale.shape)}")
+    if use and x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 for the kernel, got {x.dtype}")
     return use
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The §6.3 activation quantisation of x [..., K] (bf16, K a multiple of 128) once: (xq
-    float8_e4m3fn [..., K], x_scale float32 [..., K / 128]) with xq * x_scale (per 128-block)
-    equal to ``fp8_block_sim(x, 128)`` - the values the ``act_fp8`` GEMM quantises in its loop,
-    for :func:`fp8_linear` / :func:`fp8_grouped_linear`'s ``x_scale`` form. One launch (one
-    program per row and 8 blocks) on CUDA or under the interpreter, else PyTorch."""
-    from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, round_e4m3
-    from dsv4.layers.quant_sim import pow2_block_scale
-
-    if x.dtype != torch.bfloat16 or x.dim() < 1 or x.shape[-1] % BLOCK or x.stride(-1) != 1:
-        raise ValueError(f"quantize_activations: bf16 [..., K] with K a multiple of {BLOCK} and "
-                         f"contiguous rows, got {x.dtype} {tuple(x.shape)}")
-    k = x.shape[-1]
-    nb = k // BLOCK
-    if not (triton_available() and (x.device.type == "cuda" or _INTERPRET)):
-        v = x.float().unflatten(-1, (nb, BLOCK))
-        sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
-        q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
-        return q.flatten(-2).to(torch.float8_e4m3fn), sigma.squeeze(-1)
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    # interpreted: the kernel writes the e4m3 values as float32 (no fp8 arithmetic there)
-    q = torch.empty(rows, k, device=x.device,
-                    dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn)
-    sc = torch.empty(rows, nb, device=x.device, dtype=torch.float32)
-    if rows:
-        ch = 8
-        _act_quant_kernel[(rows, -(-nb // ch))](x2, x2.stride(0), q, q.stride(0), sc,
-                                                sc.stride(0), nb, CH=ch, EMULATE=_INTERPRET,
-                                                num_warps=4, **pdl_args(x.device))
-    return q.to(torch.float8_e4m3fn).view(x.shape), sc.view(*x.shape[:-1], nb)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                config: Fp8GemmConfig | None = None,
-               workspace: SplitKWorkspace | None = None,
-               x_scale: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scale)^T, without materialising the dequantised weight.
 
     ``x`` bf16 [M, K] (rows may be strided, columns contiguous); ``weight`` float8_e4m3fn [N, K]
     contiguous; ``scale`` [N/128, K/128] (e8m0 / uint8 bytes / float32). ``out`` (optional)
     [M, N] bf16 or float32 with contiguous columns. A split-K launch uses ``workspace`` (default:
     one per device, shared: do not run two launches concurrently on different streams; grow it
-    with one eager call before CUDA-graph capture). ``x_scale`` [M, K/128] float32: x is already
-    quantised (e4m3, :func:`quantize_activations`) and runs the act_fp8 tiles without the
-    in-loop quantisation (the same result as act_fp8 on the bf16 x).
+    with one eager call before CUDA-graph capture).
     """
     _check_weight(weight, scale)
     N, K = weight.shape
@@ -575,66 +411,29 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     y = out if out is not None else torch.empty(M, N, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, N) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {N}] bf16/float32, got {tuple(y.shape)} {y.dtype}")
-    use = _use_kernel(x, x_scale)
+    use = _use_kernel(x)
     if M == 0:
         return y
     if not use:
-        y.copy_(fp8_linear_reference(_act_sim(x, config, x_scale), weight, scale, y.dtype))
+        y.copy_(fp8_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
         return y
     x = x if x.stride(1) == 1 else x.contiguous()
     if y.stride(1) != 1:
         raise ValueError("out must have contiguous columns")
     _launch(x.unsqueeze(1), weight.contiguous(), scale.contiguous(), y.unsqueeze(1), config,
-            workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1))
+            workspace)
     return y
-
-
-def fp8_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
-                    second: tuple[torch.Tensor, torch.Tensor], *,
-                    config: Fp8GemmConfig | None = None,
-                    workspace: SplitKWorkspace | None = None,
-                    x_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ W1^T, x @ W2^T) in one launch for two fp8 weights ``first`` = (weight, scale) and
-    ``second`` of the same K read by the same x (``wq_b`` and the indexer's ``wq_b`` both
-    multiply the normalised q latent): the programs of both, one tile rule over N1 + N2 rows,
-    each output exactly :func:`fp8_linear`'s with the same config. bf16 outputs [M, N1] and
-    [M, N2]; ``x`` / ``x_scale`` as :func:`fp8_linear`. No weight is copied or stacked."""
-    (w1, s1), (w2, s2) = first, second
-    _check_weight(w1, s1)
-    _check_weight(w2, s2)
-    K = w1.shape[1]
-    if w2.shape[1] != K or x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"a weight pair needs one K: weights {tuple(w1.shape)} and "
-                         f"{tuple(w2.shape)}, x {tuple(x.shape)}")
-    M = x.shape[0]
-    use = _use_kernel(x, x_scale)
-    y1 = torch.empty(M, w1.shape[0], device=x.device, dtype=torch.bfloat16)
-    y2 = torch.empty(M, w2.shape[0], device=x.device, dtype=torch.bfloat16)
-    if M == 0:
-        return y1, y2
-    if not use:
-        xs = _act_sim(x, config, x_scale)
-        return (fp8_linear_reference(xs, w1, s1, y1.dtype),
-                fp8_linear_reference(xs, w2, s2, y2.dtype))
-    x = x if x.stride(1) == 1 else x.contiguous()
-    # config None: _launch chooses one over both weights' rows (N1 + N2)
-    _launch(x.unsqueeze(1), w1.contiguous(), s1.contiguous(), y1.unsqueeze(1), config,
-            workspace, None if x_scale is None else x_scale.contiguous().unsqueeze(1),
-            (w2.contiguous(), s2.contiguous(), y2))
-    return y1, y2
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                        out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                        config: Fp8GemmConfig | None = None,
-                       workspace: SplitKWorkspace | None = None,
-                       x_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """y [M, G, R] with y[:, g] = x[:, g] @ (W rows g*R .. g*R+R-1)^T, one launch (``wo_a``).
 
     ``x`` bf16 [M, G, Kg] (last dim contiguous; e.g. o [M, H, d] viewed as [M, G, H/G*d]);
     ``weight`` float8_e4m3fn [G*R, Kg]; ``scale`` [G*R/128, Kg/128]; R and Kg multiples of 128
     (so every group owns whole scale blocks). ``out`` optional [M, G, R], last dim contiguous.
-    ``x_scale`` [M, G, Kg/128] float32: a pre-quantised e4m3 x (as :func:`fp8_linear`).
     """
     _check_weight(weight, scale)
     if x.dim() != 3 or x.shape[2] != weight.shape[1] or weight.shape[0] % x.shape[1]:
@@ -647,19 +446,17 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     y = out if out is not None else torch.empty(M, G, R, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, G, R) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {G}, {R}] bf16/float32, got {tuple(y.shape)}")
-    use = _use_kernel(x, x_scale)
+    use = _use_kernel(x)
     if M == 0:
         return y
     if not use:
-        y.copy_(fp8_grouped_linear_reference(_act_sim(x, config, x_scale), weight, scale,
-                                             y.dtype))
+        y.copy_(fp8_grouped_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
         return y
     if x.stride(2) != 1:
         x = x.contiguous()
     if y.stride(2) != 1:
         raise ValueError("out must have a contiguous last dim")
-    _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace,
-            None if x_scale is None else x_scale.contiguous())
+    _launch(x, weight.contiguous(), scale.contiguous(), y, config, workspace)
     return y
 
 

@@ -86,9 +86,6 @@ WIDE_SCAN_BLOCK = 4096
 """... and on rows at least this wide (:func:`choose_scan`)."""
 SCAN_WARPS = 8
 """Warps of the top-k program."""
-MAX_HOLD = 4096
-"""Most entries a top-k program holds in registers for its passes (``topk_entries(hold=True)``:
-16 a thread at ``SCAN_WARPS``)."""
 MAX_SPLIT = 16
 """Most programs a top-k row may be cut into (the ``split`` override)."""
 PREFERRED_SPLIT = 8
@@ -451,10 +448,8 @@ if triton_available():
     @triton.jit(do_not_specialize=["width"])
     def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
                      KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
-                     DB: tl.constexpr = 8, HOLD: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
-        """Program t: query t's top K (module docstring). HOLD (the host's promise: width <=
-        BLOCK): the row is read once into registers for every pass."""
+                     DB: tl.constexpr = 8, PDL: tl.constexpr = False):
+        """Program t: query t's top K (module docstring)."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         row = s_ptr + t.to(tl.int64) * sst
@@ -468,34 +463,27 @@ if triton_available():
         # prefix 0 is the lowest key, which no score has (it is a NaN's), so all are above it
         prefix = take_n * 0
         need = take_n
-        if HOLD:
-            m = lanes < visible
-            key = _order_key(tl.load(row + lanes, mask=m, other=0.0))
-            if visible > K:
-                prefix, need = _radix_select_held(key ^ -2147483648, m, need, DB)
-            _take_chunk(out, take_n * 0, take_n * 0, lanes, key, m, prefix ^ -2147483648, need)
-        else:
-            if visible > K:
-                prefix, need = _radix_select(row, visible, need, lanes, BLOCK, DB)
-            kth = prefix ^ -2147483648
-            # compaction: every entry above the k-th key, then the lowest-indexed equal ones
-            taken = take_n * 0
-            ties = take_n * 0
-            for c in range(0, visible, BLOCK):
-                offs = c + lanes
-                m = offs < visible
-                key = _order_key(tl.load(row + offs, mask=m, other=0.0))
-                # (what _take_chunk does, inline: through the helper this kernel spilled 8
-                # bytes at 4096-score iterations, sm_90)
-                eq = m & (key == kth)
-                eq_i = eq.to(tl.int32)
-                take = ((m & (key > kth))
-                        | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need)))
-                take_i = take.to(tl.int32)
-                dst = taken + tl.cumsum(take_i, axis=0) - take_i
-                tl.store(out + dst, offs.to(tl.int64), mask=take)
-                taken += tl.sum(take_i, axis=0)
-                ties += tl.sum(eq_i, axis=0)
+        if visible > K:
+            prefix, need = _radix_select(row, visible, need, lanes, BLOCK, DB)
+        kth = prefix ^ -2147483648
+        # compaction: every entry above the k-th key, then the lowest-indexed equal ones
+        taken = take_n * 0
+        ties = take_n * 0
+        for c in range(0, visible, BLOCK):
+            offs = c + lanes
+            m = offs < visible
+            key = _order_key(tl.load(row + offs, mask=m, other=0.0))
+            # (what _take_chunk does, inline: through the helper this kernel spilled 8
+            # bytes at 4096-score iterations, sm_90)
+            eq = m & (key == kth)
+            eq_i = eq.to(tl.int32)
+            take = ((m & (key > kth))
+                    | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need)))
+            take_i = take.to(tl.int32)
+            dst = taken + tl.cumsum(take_i, axis=0) - take_i
+            tl.store(out + dst, offs.to(tl.int64), mask=take)
+            taken += tl.sum(take_i, axis=0)
+            ties += tl.sum(eq_i, axis=0)
         _write_taken(row, out, take_n, K, KP, SORT, False)
         let_next_kernel_launch(PDL)
 
@@ -503,8 +491,7 @@ if triton_available():
     def _topk_split_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, arr_ptr, width, chunk,
                            K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
                            BLOCK: tl.constexpr, MBLOCK: tl.constexpr, SORT: tl.constexpr,
-                           DB: tl.constexpr = 8, HOLD: tl.constexpr = False,
-                           PDL: tl.constexpr = False):
+                           DB: tl.constexpr = 8, PDL: tl.constexpr = False):
         """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
         chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads),
         each with its score in the row's score half of the workspace; then it counts itself in
@@ -513,8 +500,7 @@ if triton_available():
         block (``MBLOCK``): one read of them for every radix pass - and sets the count back to
         zero (a held counter tensor serves the next launch). Any entry of
         the row's top K is in its chunk's top K (the same order: score, then lower index), so
-        the selection is the one-program kernel's. HOLD (the host's promise: chunk <= BLOCK):
-        the chunk is read once into registers for every pass."""
+        the selection is the one-program kernel's."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         c = tl.program_id(1)
@@ -531,26 +517,17 @@ if triton_available():
         # indices: the merge reads them in one coalesced load, not through the indices
         cscore = (cand + P * K).to(tl.pointer_type(tl.float32))
         slots = cand + c * K
-        if HOLD:
-            m = lanes < n
-            x = tl.load(row + lo + lanes, mask=m, other=0.0)
-            key = _order_key(x)
-            if n > K:
-                prefix, need = _radix_select_held(key ^ -2147483648, m, need, DB)
-            _take_candidates(cand, cscore, c * K, take_n * 0, take_n * 0, lo + lanes, x, key,
-                             m, prefix ^ -2147483648, need)
-        else:
-            if n > K:
-                prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
-            kth = prefix ^ -2147483648
-            taken = take_n * 0
-            ties = take_n * 0
-            for i in range(0, n, BLOCK):
-                offs = i + lanes
-                m = offs < n
-                x = tl.load(row + lo + offs, mask=m, other=0.0)
-                taken, ties = _take_candidates(cand, cscore, c * K, taken, ties, lo + offs, x,
-                                               _order_key(x), m, kth, need)
+        if n > K:
+            prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
+        kth = prefix ^ -2147483648
+        taken = take_n * 0
+        ties = take_n * 0
+        for i in range(0, n, BLOCK):
+            offs = i + lanes
+            m = offs < n
+            x = tl.load(row + lo + offs, mask=m, other=0.0)
+            taken, ties = _take_candidates(cand, cscore, c * K, taken, ties, lo + offs, x,
+                                           _order_key(x), m, kth, need)
         ks = tl.arange(0, KP)
         tl.store(slots + ks, tl.full([KP], -1, tl.int32), mask=(ks >= take_n) & (ks < K))
         # every thread's candidates written before the count (the release), and the merging
@@ -675,23 +652,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     return s
 
 
-def _held_block(hold: bool, n: int, block: int | None) -> int:
-    """The scan block of a program holding its ``n`` entries in registers (``hold``), or 0
-    where it streams them (``hold`` off, or more than ``MAX_HOLD`` entries)."""
-    if not hold or n > MAX_HOLD:
-        return 0
-    held = max(16, 1 << (n - 1).bit_length())
-    if block is not None and block < held:
-        raise ValueError(f"topk_entries: hold=True holds {n} entries a program in a block of "
-                         f"{held}: block must be at least that or None, got {block}")
-    return block or held
-
-
 def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bool = True,
                  out: torch.Tensor | None = None, block: int | None = None,
                  num_warps: int | None = None, split: int | None = None,
                  merge_block: int | None = None, digit_bits: int | None = None,
-                 arrivals: torch.Tensor | None = None, hold: bool = False) -> torch.Tensor:
+                 arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
@@ -705,10 +670,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     when the launch starts and is zero again after it (:func:`indexer_scores` zeroes it with
     ``zero=``; a caller may also keep one zeroed tensor for all its calls on one stream; left
     out, a zeroed tensor is made - one more launch). Nonzero counts are not detected: the rows
-    would not be merged. ``hold`` (a speed option, off by default until timed): a program
-    whose row (one program) or chunk (split) is at most ``MAX_HOLD`` entries reads it once
-    into registers for every radix pass, its scan block widened to the row's or chunk's
-    width (a ``block`` given must be at least that); wider ones stream as without it."""
+    would not be merged."""
     for name, b in (("block", block), ("merge_block", merge_block)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 16
                               or b & (b - 1)):
@@ -722,8 +684,6 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{split!r}")
     if digit_bits is not None and (isinstance(digit_bits, bool) or digit_bits not in (2, 4, 8)):
         raise ValueError(f"topk_entries: digit_bits must be 2, 4 or 8, got {digit_bits!r}")
-    if not isinstance(hold, bool):
-        raise ValueError(f"topk_entries: hold must be a bool, got {hold!r}")
     _check_available(scores.device)
     t, width = scores.shape
     o = out if out is not None else torch.empty(t, topk, device=scores.device,
@@ -738,12 +698,10 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
         split = choose_split(width, topk, t, n_sm)
     if split == 1:
         auto_block, auto_warps = choose_scan(width)
-        held = _held_block(hold, width, block)
-        scan = held or block or auto_block
         _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
-                           BLOCK=scan, SORT=sort,
+                           BLOCK=block or auto_block, SORT=sort,
                            DB=digit_bits or choose_digit_bits(1, block or auto_block),
-                           HOLD=held > 0, num_warps=num_warps or auto_warps,
+                           num_warps=num_warps or auto_warps,
                            **pdl_args(scores.device))
         return o
     if arrivals is None:
@@ -755,14 +713,13 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
                          f"{arrivals.device}")
     chunk = -(-width // split)
     auto_block, auto_warps = choose_scan(chunk)
-    held = _held_block(hold, chunk, block)
     # per row: P * topk candidate entries (int32), then their scores (float32 bits)
     cand = torch.empty(t, 2 * split * topk, device=scores.device, dtype=torch.int32)
     _topk_split_kernel[(t, split)](
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
-        chunk, K=topk, KP=kp, P=split, BLOCK=held or block or auto_block,
+        chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
         MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,
-        DB=digit_bits or choose_digit_bits(split, block or auto_block), HOLD=held > 0,
+        DB=digit_bits or choose_digit_bits(split, block or auto_block),
         num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
@@ -771,13 +728,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
                  rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
                  workspace_bytes: int = 256 << 20, sort: bool = True,
-                 split: int | None = None, hold: bool = False) -> torch.Tensor:
+                 split: int | None = None) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
     ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
-    arrival counts, so the step stays two launches. ``sort`` and ``hold`` as in
-    :func:`topk_entries`."""
+    arrival counts, so the step stays two launches. ``sort`` as in :func:`topk_entries`."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
@@ -794,6 +750,5 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
                            tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
                            zero=arr)
-        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr,
-                     hold=hold)
+        topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
     return out

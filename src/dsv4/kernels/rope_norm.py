@@ -3,9 +3,7 @@
 Entry points (inputs on a CUDA device, or CPU tensors under ``TRITON_INTERPRET=1``):
 
 * ``latent_norms(qr_kv, q_weight, kv_weight, eps) -> (qr, kv)``: both weighted RMSNorms of the
-  fused ``[qr | kv]`` latent (``q_norm`` and ``kv_norm``) in one launch;
-  ``latent_norms_q_fp8`` also writes qr quantised for the act_quant fp8 GEMMs (e4m3 + a
-  power-of-two scale per 128, §6.3).
+  fused ``[qr | kv]`` latent (``q_norm`` and ``kv_norm``) in one launch.
 * ``rope_heads(x, positions, inv_freq, ...)``: x [T, H, D] (or [T, D]) -> RoPE at ``positions`` on
   the last ``2 * len(inv_freq)`` dims, optionally after a per-head RMS normalisation (no weight,
   the query heads), inverse (negated sin, the output path), or followed by an E4M3 simulation
@@ -41,7 +39,7 @@ from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
 from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
 
-__all__ = ["kernels_usable", "latent_norms", "latent_norms_q_fp8", "rope_hadamard_fp4",
+__all__ = ["kernels_usable", "latent_norms", "rope_hadamard_fp4",
            "rope_heads", "rope_heads_and_row"]
 
 FP4_BLOCK = 32
@@ -65,7 +63,6 @@ if triton_available():
         FP4_MAX,
         FP8_FLOOR,
         FP8_MAX,
-        act_quant_block,
         pow2,
         rounded,
         scale_exponent,
@@ -105,9 +102,7 @@ if triton_available():
     @triton.jit
     def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps_q,
                              eps_kv, QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
-                             BKV: tl.constexpr, PDL: tl.constexpr = False,
-                             q8_ptr=None, sq8=0, qs_ptr=None, sqs=0,
-                             Q_FP8: tl.constexpr = False, EMULATE: tl.constexpr = False):
+                             BKV: tl.constexpr, PDL: tl.constexpr = False):
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = x_ptr + t * sxt
@@ -119,12 +114,6 @@ if triton_available():
         q_dt = q_ptr.dtype.element_ty
         qv = rounded(xq * rq * wq, q_dt)
         tl.store(q_ptr + t * sqt + oq, qv.to(q_dt), mask=mq)
-        if Q_FP8:  # qr also as the fp8 GEMMs' act_quant input: e4m3 per 128 + the scales
-            q8, sc = act_quant_block(tl.reshape(qv, (BQ // 128, 128)), 1, EMULATE)
-            tl.store(q8_ptr + t * sq8 + tl.reshape(oq, (BQ // 128, 128)), q8,
-                     mask=tl.reshape(mq, (BQ // 128, 128)))
-            ob = tl.arange(0, BQ // 128)
-            tl.store(qs_ptr + t * sqs + ob, sc, mask=ob < QR // 128)
         ok = tl.arange(0, BKV)
         mk = ok < KV
         xk = tl.load(row + QR + ok, mask=mk, other=0.0).to(tl.float32)
@@ -290,29 +279,6 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
     """(q_norm(qr_kv[:, :R]), kv_norm(qr_kv[:, R:])) with R = len(q_weight), in one launch:
     weighted RMSNorms (:class:`dsv4.layers.norm.RMSNorm`), fp32 statistics, outputs in qr_kv's
     dtype."""
-    qr, kv, _ = _latent_norms(qr_kv, q_weight, kv_weight, eps_q, eps_kv, False)
-    return qr, kv
-
-
-def latent_norms_q_fp8(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,
-                       eps_q: float, eps_kv: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`latent_norms` plus qr as the act_quant fp8 GEMMs take it, in the same launch:
-    (qr, kv, (qr_e4m3, qr_scale)) with ``qr_e4m3 * qr_scale`` (per 128) equal to
-    ``fp8_block_sim(qr, 128)`` (dsv4-attention.md §6.3), the scales float32 [T, R / 128] - the
-    ``x_scale`` form of :func:`dsv4.kernels.fp8_linear.fp8_linear`, so ``wq_b`` and the
-    indexer's ``wq_b`` skip their in-loop quantisation. R must be a multiple of 128."""
-    if q_weight.numel() % 128:
-        raise ValueError(f"q_lora_rank {q_weight.numel()} is not a multiple of 128: no fp8 "
-                         "blocks to quantise")
-    qr, kv, q8 = _latent_norms(qr_kv, q_weight, kv_weight, eps_q, eps_kv, True)
-    assert q8 is not None
-    return qr, kv, q8
-
-
-def _latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor,
-                  eps_q: float, eps_kv: float, q_fp8: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     _require(qr_kv)
     qr_rank, kv_dim = q_weight.numel(), kv_weight.numel()
     if qr_kv.dim() != 2 or qr_kv.shape[1] != qr_rank + kv_dim:
@@ -321,24 +287,13 @@ def _latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.
     t = x.shape[0]
     qr = torch.empty(t, qr_rank, dtype=x.dtype, device=x.device)
     kv = torch.empty(t, kv_dim, dtype=x.dtype, device=x.device)
-    fp8: dict = {}
-    q8 = None
-    if q_fp8:
-        # interpreted: the kernel writes the e4m3 values as float32 (no fp8 arithmetic there)
-        q8 = (torch.empty(t, qr_rank, device=x.device,
-                          dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn),
-              torch.empty(t, qr_rank // 128, device=x.device, dtype=torch.float32))
-        fp8 = dict(q8_ptr=q8[0], sq8=q8[0].stride(0), qs_ptr=q8[1], sqs=q8[1].stride(0),
-                   Q_FP8=True, EMULATE=_INTERPRET)
     if t:
         bq, bkv = triton.next_power_of_2(qr_rank), triton.next_power_of_2(kv_dim)
         _latent_norms_kernel[(t,)](
             x, x.stride(0), q_weight.contiguous(), kv_weight.contiguous(), qr, qr.stride(0), kv,
             kv.stride(0), eps_q, eps_kv, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
-            num_warps=8 if bq >= 2048 else 4, **pdl_args(x.device), **fp8)
-    if q8 is not None:
-        q8 = (q8[0].to(torch.float8_e4m3fn), q8[1])
-    return qr, kv, q8
+            num_warps=8 if bq >= 2048 else 4, **pdl_args(x.device))
+    return qr, kv
 
 
 def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,

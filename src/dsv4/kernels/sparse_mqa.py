@@ -138,8 +138,6 @@ class SparseMqaConfig:
     num_warps: int = 8
     num_stages: int = 2
     block_dv: int = 0  # output columns per program (a power of two >= 64 dividing d); 0 = all d
-    prefetch: bool = False  # the next tile's loads issued before this tile's math (block_dv 0);
-    # a probe: slower than the default tiles on the H200 (results/h200/session23_probes/ak/)
 
 
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
@@ -294,38 +292,20 @@ if triton_available():
     def _attend(q, m_i, l_i, acc, st_ptr, idx_ptr, lo, hi, blk_stride, B, qk_scale, c0,
                 D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr,
                 NOPE: tl.constexpr, DR: tl.constexpr, SR: tl.constexpr, DOT_DT: tl.constexpr,
-                DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                DOT_PREC: tl.constexpr):
         """Online softmax over rows lo .. hi of one index list; acc holds output columns
-        c0 .. c0 + DV (DV < D: the scores use whole rows, P.V this program's columns).
-        PREFETCH (whole rows only): the next tile's index and row loads are issued before the
-        current tile is computed (one tile held in registers as stored), for the 1-stage
-        configurations whose loads the compiler does not pipeline."""
-        if PREFETCH:
-            rows, valid = _tile_rows(idx_ptr, lo, hi, BN)
-            e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR)
-            for j in range(lo, hi, BN):
-                cur_valid = valid
-                cur_e = e
-                cur_sb = sb
-                cur_rope = rope
-                rows, valid = _tile_rows(idx_ptr, j + BN, hi, BN)  # the next tile
-                e, sb, rope = _fetch_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR,
-                                          SR)
-                k = _rows_from(cur_e, cur_sb, cur_rope, D, FP8, NOPE, BN, DOT_DT)
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, k, cur_valid, qk_scale,
-                                             DOT_DT, DOT_PREC)
-        else:
-            for j in range(lo, hi, BN):
-                rows, valid = _tile_rows(idx_ptr, j, hi, BN)
-                k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
-                               DOT_DT)
-                if DV == D:
-                    v = k
-                else:  # this program's output columns of the same rows (from the cache)
-                    v = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR,
-                                   BN, DOT_DT, c0, DV)
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_DT,
-                                             DOT_PREC)
+        c0 .. c0 + DV (DV < D: the scores use whole rows, P.V this program's columns)."""
+        for j in range(lo, hi, BN):
+            rows, valid = _tile_rows(idx_ptr, j, hi, BN)
+            k = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR, BN,
+                           DOT_DT)
+            if DV == D:
+                v = k
+            else:  # this program's output columns of the same rows (from the cache)
+                v = _load_rows(st_ptr, rows, valid, blk_stride, B, D, FP8, NOPE, DR, SR,
+                               BN, DOT_DT, c0, DV)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k, v, valid, qk_scale, DOT_DT,
+                                         DOT_PREC)
         return m_i, l_i, acc
 
     @triton.jit
@@ -353,7 +333,6 @@ if triton_available():
         D: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
         SPLIT: tl.constexpr, FP8: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr,
         SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
-        PREFETCH: tl.constexpr = False,
         PDL: tl.constexpr = False,
         pos_ptr=None, freq_ptr=None, ROPE_NOPE2: tl.constexpr = -1,
     ):
@@ -380,12 +359,12 @@ if triton_available():
         j1 = tl.minimum(j0 + chunk, W + KC)
         m_i, l_i, acc = _attend(q, m_i, l_i, acc, win_ptr, widx_ptr + t.to(tl.int64) * swi,
                                 tl.minimum(j0, W), tl.minimum(j1, W), w_blk, B, qk_scale, c0,
-                                D, DV, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC, PREFETCH)
+                                D, DV, BN, FP8, NOPE, DR, SR, DOT_DT, DOT_PREC)
         if KC > 0:
             m_i, l_i, acc = _attend(q, m_i, l_i, acc, cmp_ptr, cidx_ptr + t.to(tl.int64) * sci,
                                     tl.maximum(j0, W) - W, tl.maximum(j1, W) - W, c_blk, B,
                                     qk_scale, c0, D, DV, BN, FP8, NOPE, DR, SR, DOT_DT,
-                                    DOT_PREC, PREFETCH)
+                                    DOT_PREC)
         if SPLIT:  # partial (acc, max, sum) for the combine kernel
             row = (split * T + t).to(tl.int64) * H + heads  # ws[split, t, h]
             tl.store(ws_acc + row[:, None] * D + cols[None, :], acc, mask=h_mask[:, None])
@@ -540,9 +519,6 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if dv & (dv - 1) or dv < 64 or d % dv:
         raise ValueError(f"block_dv={cfg.block_dv} must be 0 or a power of two >= 64 dividing "
                          f"the head dim {d}")
-    if cfg.prefetch and dv != d:
-        raise ValueError(f"prefetch needs whole rows per program (block_dv 0), got block_dv="
-                         f"{cfg.block_dv}")
     sink_f = sink.to(torch.float32).contiguous()
     rope_args: dict[str, object] = {}
     if inverse_rope is not None:  # in whichever launch writes o
@@ -564,7 +540,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         D=d, DV=dv, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n,
         DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, PREFETCH=cfg.prefetch, **pdl_args(q.device),
+        num_stages=cfg.num_stages, **pdl_args(q.device),
         **({} if split > 1 else rope_args),
     )
     if split > 1:

@@ -41,6 +41,7 @@ from dsv4.config import ATTENTION_BACKENDS, DSV4Config
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
     from dsv4.cache.step import CacheStep
+    from dsv4.stages import Selection
 
 @dataclass(frozen=True)
 class BackendChoice:
@@ -164,39 +165,39 @@ def kernel_store(store: PagedStore, fmt: str) -> torch.Tensor:
     return torch.as_strided(data, (nb, bb), (bb, 1), data.storage_offset())
 
 
-def _operands(layer: DeepseekV4Attention, step: CacheStep, selection: torch.Tensor | None,
-              fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def _operands(step: CacheStep, selection: Selection, fmt: str
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+    """(window store, compressed store or None, its selected rows or None, block size) as the
+    kernels take them."""
     stores = step.pool.stores
     kv = stores["kv"]
     win = kernel_store(kv, fmt)
-    cmp = None
-    if selection is not None and "compressed" in stores:
-        cmp = kernel_store(stores["compressed"], fmt)
-    return win, layer._window_rows(step), cmp, kv.block_size
+    if selection.entry_rows is None or "compressed" not in stores:
+        return win, None, None, kv.block_size
+    return win, kernel_store(stores["compressed"], fmt), selection.entry_rows, kv.block_size
 
 
 def triton_forward_mqa(layer: DeepseekV4Attention, q: torch.Tensor, step: CacheStep,
-                       selection: torch.Tensor | None, fmt: str,
+                       selection: Selection, fmt: str,
                        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> torch.Tensor:
     """``forward_mqa`` through :func:`dsv4.kernels.sparse_mqa.sparse_mqa` (its torch reference
     off CUDA without Triton's interpreter); ``inverse_rope`` (positions, inv_freq) as there."""
     from dsv4.kernels.sparse_mqa import sparse_mqa
 
-    win, win_rows, cmp, block = _operands(layer, step, selection, fmt)
-    return sparse_mqa(q, win, win_rows, cmp, selection if cmp is not None else None,
-                      layer.attn_sink, layer.cfg.softmax_scale, fmt, block,
-                      inverse_rope=inverse_rope)
+    win, cmp, cmp_rows, block = _operands(step, selection, fmt)
+    return sparse_mqa(q, win, selection.window_rows, cmp, cmp_rows, layer.attn_sink,
+                      layer.cfg.softmax_scale, fmt, block, inverse_rope=inverse_rope)
 
 
 def flashmla_forward_mqa(layer: DeepseekV4Attention, q: torch.Tensor, step: CacheStep,
-                         selection: torch.Tensor | None, fmt: str) -> torch.Tensor:
+                         selection: Selection, fmt: str) -> torch.Tensor:
     """``forward_mqa`` through FlashMLA (decode kernel on fp8_ds_mla, prefill kernel on bf16)."""
     from dsv4.kernels.flashmla_backend import flashmla_sparse_mqa
 
-    win, win_rows, cmp, block = _operands(layer, step, selection, fmt)
-    return flashmla_sparse_mqa(q, win, win_rows, cmp, selection if cmp is not None else None,
-                               layer.attn_sink, layer.cfg.softmax_scale, fmt, block)
+    win, cmp, cmp_rows, block = _operands(step, selection, fmt)
+    return flashmla_sparse_mqa(q, win, selection.window_rows, cmp, cmp_rows, layer.attn_sink,
+                               layer.cfg.softmax_scale, fmt, block)
 
 
 def format_key(stores: dict[str, PagedStore]) -> tuple[object, ...]:

@@ -1,13 +1,12 @@
-"""The ``cuda`` platform's fused elementwise stages of a step (:mod:`dsv4.kernels.rope_norm`).
+"""The ``cuda`` platform's fused elementwise work of a step (:mod:`dsv4.kernels.rope_norm`).
 
 The base layer runs the latent norms, the query heads' RMS + RoPE, the kv rows' RoPE (+ fp8
 simulation), the indexer queries' RoPE + numerics and the output path's inverse RoPE as ~100
-small PyTorch kernels per decode step; here each stage is one Triton launch with the same math
-(the query heads and the kv rows one launch together where the platform runs both,
-:func:`fused_query_heads_and_kv_rows`)
-(fp32 statistics and rotation, the layer dtype out). Each function takes the layer and the stage's
-input and returns what the override point returns; :func:`elementwise_usable` is the host-side
-test (no device sync) that the layer and tensor qualify.
+small PyTorch kernels per decode step; here each is one Triton launch with the same math (fp32
+statistics and rotation, the layer dtype out), the query heads and the kv rows one launch
+together (:func:`fused_query_heads_and_kv_rows`). Each function takes the layer and its input;
+:func:`elementwise_usable` is the host-side test (no device sync) that the layer and tensor
+qualify.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 from dsv4.kernels.rope_norm import (
     kernels_usable,
     latent_norms,
-    latent_norms_q_fp8,
     rope_hadamard_fp4,
     rope_heads,
     rope_heads_and_row,
@@ -46,35 +44,13 @@ def fused_latent_norms(layer: DeepseekV4Attention, qr_kv: torch.Tensor
                         layer.kv_norm.eps)
 
 
-def fused_latent_norms_q_fp8(layer: DeepseekV4Attention, qr_kv: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor,
-                                        tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`fused_latent_norms` plus qr in e4m3 with its per-128 scales (§6.3), one launch."""
-    return latent_norms_q_fp8(qr_kv, layer.q_norm.weight, layer.kv_norm.weight,
-                              layer.q_norm.eps, layer.kv_norm.eps)
-
-
-def fused_query_heads(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
-                      ) -> torch.Tensor:
-    """Per-head RMS normalisation + RoPE of the ``wq_b`` output q [T, heads * head_dim]."""
-    heads = q.unflatten(-1, (layer.n_heads, layer.head_dim))
-    return rope_heads(heads, pos, _inv_freq(layer), norm_eps=layer.cfg.rms_norm_eps)
-
-
-def fused_kv_rows(layer: DeepseekV4Attention, kv: torch.Tensor, pos: torch.Tensor
-                  ) -> torch.Tensor:
-    """RoPE of the kv rows [T, head_dim], and under ``simulate_quant`` the fp8 block-64
-    simulation of the nope dims."""
-    sim = layer.cfg.simulate_quant
-    return rope_heads(kv, pos, _inv_freq(layer), fp8_dims=layer.head_dim - layer.rope_dim,
-                      fp8_block=KV_FP8_BLOCK if sim else 0)
-
-
 def fused_query_heads_and_kv_rows(layer: DeepseekV4Attention, q: torch.Tensor,
                                   kv: torch.Tensor, pos: torch.Tensor
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fused_query_heads` of q and :func:`fused_kv_rows` of kv in one launch (the same
-    values bit for bit: the same per-row math, one more column of programs for the rows)."""
+    """The query heads [T, heads, head_dim] - per-head RMS normalisation + RoPE of the ``wq_b``
+    output q [T, heads * head_dim] - and the kv rows [T, head_dim] - RoPE, and under
+    ``simulate_quant`` the fp8 block-64 simulation of the nope dims - in one launch (a column
+    of programs for the rows)."""
     heads = q.unflatten(-1, (layer.n_heads, layer.head_dim))
     sim = layer.cfg.simulate_quant
     return rope_heads_and_row(heads, kv, pos, _inv_freq(layer), norm_eps=layer.cfg.rms_norm_eps,

@@ -39,7 +39,6 @@ from dsv4.kernels.fp8_linear import (
     fp8_dequantize,
     fp8_grouped_linear,
     fp8_linear,
-    fp8_linear_pair,
     sm_count,
 )
 from dsv4.layers.linear import Linear, grouped_linear
@@ -116,46 +115,20 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
     return not name.startswith("indexer.") or layer.indexer is not None
 
 
-def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
-             x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
     kernel, or (long calls) a one-pass dequantised copy and cuBLAS. ``act_quant``: x quantised
     as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim`` before
-    cuBLAS. ``x_fp8`` (with ``act_quant``): x already quantised that way (e4m3, float32 scales
-    per 128: :func:`dsv4.kernels.rope_norm.latent_norms_q_fp8`), which the streaming kernel
-    then reads instead of quantising x in its loop - the same result."""
+    cuBLAS."""
     assert lin.scale is not None
     n, k = lin.weight.shape
     if x.shape[0] <= FP8_GEMM_MAX_TOKENS:
         cfg = (choose_fp8_config(x.shape[0], n, k, sm_count(x.device), act_fp8=True)
                if act_quant else None)
-        if act_quant and x_fp8 is not None:
-            return fp8_linear(x_fp8[0], lin.weight, lin.scale, config=cfg, x_scale=x_fp8[1])
         return fp8_linear(x, lin.weight, lin.scale, config=cfg)
     if act_quant:
         x = fp8_block_sim(x, BLOCK)
     return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
-
-
-def fp8_query_pair(layer: DeepseekV4Attention, qr: torch.Tensor,
-                   x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``wq_b`` and the indexer's ``wq_b`` on the same qr [T, q_lora_rank] in one streaming
-    launch (T <= :data:`FP8_GEMM_MAX_TOKENS`; both weights fp8 in the canonical layout):
-    (q [T, heads * head_dim], idx_q [T, index_heads * index_head_dim]), bf16. One tile rule
-    over both weights' rows, so the indexer's product may sum its K blocks in another order than
-    its own launch would (fp32, ~1e-7 relative); under ``act_quant`` the §6.3 numerics, on
-    ``x_fp8`` (qr already quantised) where given."""
-    assert layer.indexer is not None
-    a, b = layer.wq_b, layer.indexer.wq_b
-    assert a.scale is not None and b.scale is not None
-    n = a.weight.shape[0] + b.weight.shape[0]
-    act = layer.cfg.act_quant
-    cfg = choose_fp8_config(qr.shape[0], n, a.weight.shape[1], sm_count(qr.device), act_fp8=act)
-    if act and x_fp8 is not None:
-        return fp8_linear_pair(x_fp8[0], (a.weight, a.scale), (b.weight, b.scale), config=cfg,
-                               x_scale=x_fp8[1])
-    return fp8_linear_pair(qr, (a.weight, a.scale), (b.weight, b.scale), config=cfg)
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:

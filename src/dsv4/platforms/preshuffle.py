@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.layers.fp8 import e8m0_to_float
@@ -41,12 +42,14 @@ class PreshuffleAttention(DeepseekV4Attention):
         self.register_buffer("_wqa_wkv_scale", None, persistent=False)
         self.register_buffer("_wo_b_scale", None, persistent=False)
 
+    @override
     def _fused_wqa_wkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
         scale = self._wqa_wkv_scale
         if not isinstance(scale, torch.Tensor):
             return super()._fused_wqa_wkv_gemm(x)
         return preshuffled_gemm(self.fused_wqa_wkv.weight, scale, x, self.cfg.act_quant)
 
+    @override
     def _o_proj(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         scale = self._wo_b_scale
         if not isinstance(scale, torch.Tensor):
@@ -55,6 +58,7 @@ class PreshuffleAttention(DeepseekV4Attention):
         return preshuffled_gemm(self.wo_b.weight, scale, self._wo_a_grouped(o),
                                 self.cfg.act_quant)
 
+    @override
     @torch.no_grad()
     def _after_weights_changed(self) -> None:
         super()._after_weights_changed()
