@@ -20,6 +20,13 @@
 # case without programmatic dependent launch). Where these results live in the tree and what
 # they mean: benchmarks/results/README.md, docs/performance.md.
 set -u
+case "${1:-}" in
+suite | verify | decode | prefill | kernels) ;;
+*)
+    echo "usage: bash benchmarks/gpu_check.sh suite|verify|decode|prefill|kernels" >&2
+    exit 2
+    ;;
+esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl/*.whl \
@@ -77,9 +84,5 @@ kernels)
         --out "$OUT/gemm-probes" --only gemm --quick
     step input-projections/log.txt 180 python3 -m dsv4 bench input-proj \
         --out "$OUT/input-projections" --quick
-    ;;
-*)
-    echo "usage: bash benchmarks/gpu_check.sh suite|verify|decode|prefill|kernels" >&2
-    exit 2
     ;;
 esac
