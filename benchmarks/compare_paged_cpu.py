@@ -10,7 +10,7 @@ the same machine load, and keeps the fastest of ``--rounds`` runs per cell:
 
     git worktree add --detach /tmp/before 244a6bf     # the last commit before the paged cache
     python benchmarks/compare_paged_cpu.py --before /tmp/before/src --after src \\
-        --out benchmarks/results/cpu
+        --out DIR
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ def main() -> None:
 
 def commit_cost() -> None:
     """Host time of ``CacheStep.commit`` (lengths advanced, window blocks released) of a
-    one-token-per-sequence step, 16 sequences, by context: the same at any context since
-    session 35 (a release scans the blocks above the slot's watermark only)."""
+    one-token-per-sequence step, 16 sequences, by context: the same at any context since the
+    per-slot release watermark (769fe49: a release scans the blocks above the slot's watermark
+    only)."""
     cfg = DSV4Config.preset("tiny").replace(max_position_embeddings=65536)
     layer = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(0), dtype=torch.bfloat16)
     m = 16

@@ -51,9 +51,9 @@ VARIANTS = {
     "auto hold": dict(hold=True), "auto hold b8": dict(hold=True, digit_bits=8),
     "auto hold b4": dict(hold=True, digit_bits=4),
 }
-"""Name -> topk_entries keywords. Session 26 (one program per row): 4096 x 8 beat 1024 x 8,
-2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); session 27: the two-level method
-(a 1024-bin coarse histogram) lost everywhere, 2-3x, and was removed."""
+"""Name -> topk_entries keywords. H200 probes of 2026-12-04: with one program per row, 4096 x 8
+beat 1024 x 8, 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); a two-level method (a
+1024-bin coarse histogram) lost everywhere, 2-3x, and was removed (dbc8d43)."""
 TOPKS = (512, 1024)
 """Flash's and Pro's ``index_topk``."""
 
