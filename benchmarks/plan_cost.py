@@ -18,7 +18,7 @@ import torch
 
 from dsv4 import DeepseekV4Attention
 from dsv4.bench.synthetic_cache import fill_history
-from dsv4.cache.step import forget_uploaded_metadata
+from dsv4.cache.step import CacheStep, forget_uploaded_metadata
 from dsv4.config import DSV4Config
 
 
@@ -35,11 +35,11 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for _ in range(60):
                     forget_uploaded_metadata()
-                    pool.begin_step(caches, [1] * m)
+                    CacheStep.plan(pool, caches, [1] * m)
                 first = min(first, (time.perf_counter() - t0) / 60)
                 t0 = time.perf_counter()
                 for _ in range(60):
-                    pool.begin_step(caches, [1] * m)
+                    CacheStep.plan(pool, caches, [1] * m)
                 further = min(further, (time.perf_counter() - t0) / 60)
             print(f"ratio {ratio:3d} M={m:2d}: begin_step {first * 1e6:6.0f} us (first layer), "
                   f"{further * 1e6:6.0f} us (each further layer)", flush=True)
@@ -62,7 +62,7 @@ def commit_cost() -> None:
         for _ in range(5):
             spent = 0.0
             for _ in range(60):
-                step = pool.begin_step(caches, [1] * m)
+                step = CacheStep.plan(pool, caches, [1] * m)
                 t0 = time.perf_counter()
                 step.commit()
                 spent += time.perf_counter() - t0

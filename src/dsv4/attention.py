@@ -286,7 +286,7 @@ class DeepseekV4Attention(nn.Module):
         try:
             for begin, end, part in pieces:
                 idx = [i for i, n in enumerate(part) if n]
-                step = pool.begin_step([caches[i] for i in idx], [part[i] for i in idx])
+                step = CacheStep.plan(pool, [caches[i] for i in idx], [part[i] for i in idx])
                 release = None if len(pieces) == 1 else [txn.window_release_from()[i] for i in idx]
                 y = self._step(x[begin:end], step, release)
                 if len(pieces) == 1:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cache.pool import RingSpec
-from dsv4.cache.step import _decode_metadata, _step_metadata
+from dsv4.cache.step import CacheStep, _decode_metadata, _step_metadata
 
 SPECS = {  # the rings of each layer type (main compressor, indexer compressor)
     0: [],
@@ -71,23 +71,23 @@ def test_layers_planning_the_same_step_share_its_metadata(tiny, make_layer, rati
     pools[2].add_sequence()  # pool 2: slot 0 taken first, its sequences in slots 1 .. 3
     seqs = [[p.add_sequence() for _ in range(3)] for p in pools]
     for p, s in zip(pools, seqs, strict=True):
-        p.begin_step(s, [5, 9, 3]).commit()
+        CacheStep.plan(p, s, [5, 9, 3]).commit()
     forget_uploaded_metadata()
-    a = pools[0].begin_step(seqs[0], [1, 1, 1])
-    b = pools[1].begin_step(seqs[1], [1, 1, 1])
+    a = CacheStep.plan(pools[0], seqs[0], [1, 1, 1])
+    b = CacheStep.plan(pools[1], seqs[1], [1, 1, 1])
     assert b.pos is a.pos and b.tok_slot is a.tok_slot
     assert all(b.jobs[n].keep_dst is a.jobs[n].keep_dst for n in a.jobs)
-    c = pools[2].begin_step(seqs[2], [1, 1, 1])  # other slots: its own
+    c = CacheStep.plan(pools[2], seqs[2], [1, 1, 1])  # other slots: its own
     assert c.pos is not a.pos and not torch.equal(c.tok_slot, a.tok_slot)
     forget_uploaded_metadata()
-    fresh = pools[1].begin_step(seqs[1], [1, 1, 1])
+    fresh = CacheStep.plan(pools[1], seqs[1], [1, 1, 1])
     assert fresh.pos is not a.pos
     _steps_equal(b, fresh)
     a.commit()
-    later = pools[0].begin_step(seqs[0], [1, 1, 1])  # one position on: not the old metadata
+    later = CacheStep.plan(pools[0], seqs[0], [1, 1, 1])  # one position on: not the old metadata
     assert later.pos is not a.pos and torch.equal(later.pos, a.pos + 1)
     forget_uploaded_metadata()
-    _steps_equal(later, pools[0].begin_step(seqs[0], [1, 1, 1]))
+    _steps_equal(later, CacheStep.plan(pools[0], seqs[0], [1, 1, 1]))
 
 
 def test_interleaved_layer_types_each_share_their_own(tiny, make_layer):
@@ -99,9 +99,9 @@ def test_interleaved_layer_types_each_share_their_own(tiny, make_layer):
     pools = [make_layer(tiny, r).new_cache_pool(2, 512) for r in ratios]
     seqs = [[p.add_sequence() for _ in range(2)] for p in pools]
     for p, s in zip(pools, seqs, strict=True):
-        p.begin_step(s, [7, 130]).commit()
+        CacheStep.plan(p, s, [7, 130]).commit()
     forget_uploaded_metadata()
-    steps = [p.begin_step(s, [1, 1]) for p, s in zip(pools, seqs, strict=True)]
+    steps = [CacheStep.plan(p, s, [1, 1]) for p, s in zip(pools, seqs, strict=True)]
     assert steps[2].pos is steps[0].pos and steps[3].pos is steps[1].pos
     assert steps[5].pos is steps[4].pos
     assert steps[1].pos is not steps[0].pos and steps[4].pos is not steps[1].pos
@@ -122,7 +122,7 @@ def test_sharing_can_be_turned_off(tiny, make_layer, monkeypatch):
     prev = step_mod.set_metadata_sharing(False)
     try:
         assert prev is True
-        a, b = (p.begin_step(s, [3, 1]) for p, s in zip(pools, seqs, strict=True))
+        a, b = (CacheStep.plan(p, s, [3, 1]) for p, s in zip(pools, seqs, strict=True))
         assert b.pos is not a.pos and not step_mod._last_uploaded
         _steps_equal(a, b)
     finally:

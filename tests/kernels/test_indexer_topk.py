@@ -56,7 +56,7 @@ def make_step(cfg: DSV4Config, fmt: str, lengths: list[int], counts: list[int], 
     for i, (c, n) in enumerate(zip(caches, lengths, strict=True)):
         if n:
             fill_history([c], n, seed=seed + i)
-    step = pool.begin_step(caches, counts)
+    step = CacheStep.plan(pool, caches, counts)
     job = step.jobs["idx_keys"]
     if job.count:
         g = torch.Generator(device=device).manual_seed(seed + 50)

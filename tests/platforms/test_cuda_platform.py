@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4.cache.step import CacheStep
 from dsv4.platforms.cuda import CudaAttention
 from dsv4.random_weights import random_layer_weights
 
@@ -119,13 +120,13 @@ def test_layers_sharing_a_steps_metadata_on_the_gpu(tiny, ratio):
         assert torch.equal(a, b)
     pools = [lay.new_caches(2, 64) for lay in layers]
     for cs in pools:
-        cs[0].pool.begin_step(cs, [5, 7]).commit()
+        CacheStep.plan(cs[0].pool, cs, [5, 7]).commit()
     forget_uploaded_metadata()
-    first = pools[0][0].pool.begin_step(pools[0], [1, 1])
-    assert pools[1][0].pool.begin_step(pools[1], [1, 1]).pos is first.pos
+    first = CacheStep.plan(pools[0][0].pool, pools[0], [1, 1])
+    assert CacheStep.plan(pools[1][0].pool, pools[1], [1, 1]).pos is first.pos
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        other = pools[1][0].pool.begin_step(pools[1], [1, 1])
+        other = CacheStep.plan(pools[1][0].pool, pools[1], [1, 1])
     torch.cuda.current_stream().wait_stream(side)
     assert other.pos is not first.pos and torch.equal(other.pos, first.pos)

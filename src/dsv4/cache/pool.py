@@ -23,7 +23,6 @@ An :class:`AttentionCache` is one sequence's handle; the layer's forward takes a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,9 +30,6 @@ from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.formats import RowFormat, index_format, kv_format
 from dsv4.cache.store import PagedStore
 from dsv4.config import DSV4Config, ceil_div
-
-if TYPE_CHECKING:
-    from dsv4.cache.step import CacheStep
 
 BLOCK_SIZE = 64
 """Rows per block in every store (FlashMLA's page size): 64 positions of window rows, 64
@@ -333,14 +329,6 @@ class CachePool:
         return {name: s.alloc.num_blocks - s.alloc.num_free for name, s in self.stores.items()}
 
     # ------------------------------------------------------------------ steps
-    def begin_step(self, caches: list[AttentionCache], counts: list[int]) -> CacheStep:
-        """Plan one forward step: ``counts[i]`` new tokens for ``caches[i]`` (all of this pool).
-        Takes the blocks the step writes (raising before anything changes if too few are
-        free) and returns the step's metadata; the caller commits or aborts it."""
-        from dsv4.cache.step import CacheStep
-
-        return CacheStep.plan(self, caches, counts)
-
     def __repr__(self) -> str:
         used = ", ".join(f"{k} {v}/{self.stores[k].alloc.num_blocks}"
                          for k, v in self.blocks_in_use().items())
