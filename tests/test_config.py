@@ -75,3 +75,13 @@ def test_the_keys_of_both_dialects_load_in_silence(tmp_path):
         for d in dicts:
             DSV4Config.from_dict(d)
 
+
+def test_layer_id_must_be_an_int_in_range(tiny):
+    from dsv4 import DeepseekV4Attention
+
+    with pytest.raises(ConfigError, match=r"layer_id='1' is a str: give an int, 0 \.\. 3"):
+        DeepseekV4Attention.build(tiny, "1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="layer_id=True"):
+        tiny.compress_ratio(True)
+    with pytest.raises(ConfigError, match="layer_id 4 is out of range"):
+        DeepseekV4Attention.build(tiny, 4)

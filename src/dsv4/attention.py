@@ -7,7 +7,7 @@ platform may change and what it must keep. Shared code never asks which platform
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -146,8 +146,20 @@ class DeepseekV4Attention(nn.Module):
     def build(cls, cfg: DSV4Config, layer_id: int, platform: str = "reference",
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
               **kwargs: Any) -> DeepseekV4Attention:
-        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)."""
+        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)
+        on ``device``, which must exist here (checked before any tensor is made)."""
         from dsv4.platforms import get_platform
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={device!r} is not a device ({e})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine "
+                             "(build on 'cpu')")
+        n_cuda = torch.cuda.device_count() if dev.type == "cuda" else 0
+        if dev.type == "cuda" and dev.index is not None and dev.index >= n_cuda:
+            raise ValueError(f"device={device!r}: this machine has {n_cuda} CUDA device(s)")
 
         plat = get_platform(platform, device=device)
         return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
@@ -166,8 +178,10 @@ class DeepseekV4Attention(nn.Module):
         """Checkpoint names (relative to the layer) this layer loads."""
         return [s.name for s in official_weight_specs(self)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load official checkpoint tensors (names relative to the layer, e.g. ``wq_a.weight``).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                     ) -> None:
+        """Load official checkpoint tensors (names relative to the layer, e.g. ``wq_a.weight``):
+        a mapping of name -> tensor, or an iterable of (name, tensor) pairs.
 
         Everything is validated first (unknown, duplicate, missing, mis-shaped, mis-typed and
         non-finite tensors are errors naming the tensor); nothing is assigned unless all pass.
@@ -787,6 +801,10 @@ class DeepseekV4Attention(nn.Module):
         if positions.shape[0] != t:
             raise AttentionInputError(f"positions has {positions.shape[0]} entries for T={t} "
                                       "tokens")
+        if not isinstance(cache, (AttentionCache, Sequence)) or isinstance(cache, (str, bytes)):
+            raise AttentionInputError(
+                f"cache has type {type(cache).__name__}: give an AttentionCache, or a list "
+                "with one per sequence (use layer.new_cache() / layer.new_caches(n))")
         caches = [cache] if isinstance(cache, AttentionCache) else list(cache)
         if isinstance(cache, AttentionCache):
             lens = [t] if seq_lens is None else list(seq_lens)

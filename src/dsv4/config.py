@@ -185,7 +185,11 @@ class DSV4Config:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def compress_ratio(self, layer_id: int) -> int:
-        """The compress ratio of a layer: 0 (SWA-only), 4 or 128. MTP layers are SWA-only."""
+        """The compress ratio of a layer: 0 (SWA-only), 4 or 128. MTP layers are SWA-only.
+        ``layer_id`` must be an integer in range (the layer's constructor checks it here)."""
+        if isinstance(layer_id, bool) or not hasattr(layer_id, "__index__"):  # an int, np.int64
+            raise ConfigError(f"layer_id={layer_id!r} is a {type(layer_id).__name__}: give an "
+                              f"int, 0 .. {self.num_layers_with_mtp - 1}")
         if not 0 <= layer_id < self.num_layers_with_mtp:
             raise ConfigError(
                 f"layer_id {layer_id} is out of range: the model has {self.num_hidden_layers} "
