@@ -1,8 +1,9 @@
 """What an installation holds: the shipped model as package data (in the wheel and the sdist,
-found from any directory)."""
+found from any directory), the license, docstrings on the public API."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def built(tmp_path_factory) -> Path:
     (what pip runs without build isolation)."""
     pytest.importorskip("setuptools.build_meta")
     src = tmp_path_factory.mktemp("project")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "src" / "dsv4", src / "src" / "dsv4",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -59,6 +60,7 @@ def test_the_wheel_holds_the_model_and_the_license(built):
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if n.startswith("dsv4/model/tiny-arith/")] == [
         f"dsv4/model/tiny-arith/{f}" for f in MODEL_FILES]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
     assert f"Version: {dsv4.__version__}" in meta.decode()
 
@@ -70,3 +72,43 @@ def test_the_sdist_holds_the_model(built):
     root = sdist.name.removesuffix(".tar.gz")
     for f in MODEL_FILES:
         assert f"{root}/src/dsv4/model/tiny-arith/{f}" in names
+    assert f"{root}/LICENSE" in names
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_license_is_the_apache_2_text_pyproject_declares():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0"
+
+
+def _public_api():
+    from dsv4 import AttentionCache, CachePool, DeepseekV4Attention, DSV4Config
+
+    return [DeepseekV4Attention, DeepseekV4Attention.__init__, DeepseekV4Attention.build,
+            DeepseekV4Attention.load_weights, DeepseekV4Attention.forward,
+            AttentionCache.fork, AttentionCache.free, CachePool.reset, CachePool.read_rows,
+            CachePool.held_bytes, CachePool.blocks_in_use, DSV4Config.replace,
+            DSV4Config.validate, dsv4.load_checkpoint, dsv4.save_checkpoint]
+
+
+@pytest.mark.parametrize("obj", _public_api(), ids=lambda o: o.__qualname__)
+def test_the_public_api_has_docstrings(obj):
+    doc = inspect.getdoc(obj)
+    assert doc and len(doc.split()) >= 12, obj.__qualname__
+
+
+def test_help_of_the_layer_explains_how_to_use_it():
+    from dsv4 import DeepseekV4Attention
+
+    doc = DeepseekV4Attention.__doc__ or ""
+    for word in ("build", "load_checkpoint", "load_weights", "new_cache", "Example"):
+        assert word in doc, word
+    init = inspect.getdoc(DeepseekV4Attention.__init__) or ""
+    assert "placeholder weights" in init  # its own, not torch.nn.Module's

@@ -40,7 +40,35 @@ class AttentionInputError(ValueError):
 
 
 class DeepseekV4Attention(nn.Module):
-    """One DSV4 attention layer (SWA-only, C4A with indexer, or C128A), any device and dtype."""
+    """One DeepSeek-V4 attention layer (SWA-only, C4A with indexer, or C128A, as the config's
+    ``compress_ratios`` give for ``layer_id``), on any device and in bf16, fp32 or fp64.
+
+    Construction: :meth:`build` makes the layer of a platform (``"reference"``, ``"preshuffle"``,
+    ``"cuda"``; ``dsv4.platforms.available()``); whole checkpoints load with
+    :func:`dsv4.load_checkpoint`, which also runs the platform's post-load passes. A layer built
+    by hand holds placeholder weights until :meth:`load_weights` (official tensor names relative
+    to the layer, e.g. ``wq_a.weight``) or ``load_state_dict``; then
+    :func:`dsv4.process_weights_after_loading` applies the platform's passes.
+
+    Caches: :meth:`new_cache` (one sequence), :meth:`new_caches` / :meth:`new_cache_pool` (many
+    sequences in one paged pool, run as one batch). The layer keeps no state between calls; the
+    caches do.
+
+    Forward: ``layer(x, positions, cache, seq_lens=None)`` with ``x`` [T, hidden_size] in the
+    layer dtype and ``positions`` [T] continuing each cache's length. Every input is checked
+    before anything runs (:class:`AttentionInputError` naming the culprit, caches untouched).
+
+    Example::
+
+        cfg = DSV4Config.preset("tiny")
+        layer = DeepseekV4Attention.build(cfg, layer_id=1)            # a C4A layer
+        layer.load_weights(dsv4.random_layer_weights(cfg, 1))          # or a checkpoint's
+        cache = layer.new_cache(max_seq_len=512)
+        y = layer(x, torch.arange(x.shape[0]), cache)                  # prefill
+        y1 = layer(x1, torch.tensor([x.shape[0]]), cache)              # one decode step
+
+    Platforms subclass it and override only the steps in :attr:`OVERRIDE_POINTS`.
+    """
 
     OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = (
         "_run_parallel_input_projections",
@@ -73,6 +101,11 @@ class DeepseekV4Attention(nn.Module):
     def __init__(self, cfg: DSV4Config, layer_id: int, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, offloader: Any = None,
                  aux_streams: Sequence[Any] | None = None, tp_group: Any = None) -> None:
+        """The layer ``layer_id`` of ``cfg`` with placeholder weights, on ``device`` in
+        ``dtype``. Prefer :meth:`build`, which picks the platform's subclass and its shared
+        resources. ``offloader``: where weights live between calls (``dsv4.offload``);
+        ``aux_streams``: CUDA streams for the input GEMMs' overlap; ``tp_group``: a
+        ``torch.distributed`` group for tensor parallelism (this rank's heads only)."""
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype}: supported dtypes are {list(SUPPORTED_DTYPES)}")

@@ -214,6 +214,10 @@ class DSV4Config:
         self.validate()
 
     def validate(self) -> None:  # noqa: C901 - a flat list of rules reads best
+        """Check every field and their combinations; a :class:`ConfigError` names the first
+        field that breaks a rule, and the rule. Runs on construction (and on :meth:`replace`),
+        so a config that exists is valid."""
+
         def need(cond: bool, name: str, rule: str) -> None:
             if not cond:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {rule}")
@@ -370,6 +374,8 @@ class DSV4Config:
         return d
 
     def replace(self, **changes: Any) -> DSV4Config:
+        """A copy with ``changes`` (field names, e.g. ``simulate_quant=False``), validated
+        again: the config is frozen, so this is how a variant is made."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
