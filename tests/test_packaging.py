@@ -1,5 +1,5 @@
 """What an installation holds: the shipped model as package data (in the wheel and the sdist,
-found from any directory), the license, docstrings on the public API."""
+found from any directory), the license, the version, docstrings on the public API."""
 
 from __future__ import annotations
 
@@ -86,6 +86,18 @@ def test_license_is_the_apache_2_text_pyproject_declares():
     assert "END OF TERMS AND CONDITIONS" in text
     project = _pyproject()["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_the_version_has_one_source_and_the_command_prints_it(capsys):
+    from dsv4.cli import main
+
+    pyproject = _pyproject()
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dsv4.__version__"}
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"dsv4 {dsv4.__version__}\n"
 
 
 def _public_api():

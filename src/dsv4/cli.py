@@ -124,7 +124,11 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dsv4 import __version__
+
     p = OneLineArgumentParser(prog="dsv4", description=__doc__)
+    p.add_argument("--version", action="version", version=f"dsv4 {__version__}",
+                   help="print the version and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="log info lines")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the tiny LM's accuracy on every CPU platform, then every "
