@@ -4,6 +4,7 @@ progress, every option has help, --help does not import torch."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -54,8 +55,8 @@ def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):
         main(["bench", suite, "--out", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are "
-                   "in benchmarks/results/h200/)"]
+    assert err == [f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the last H200 "
+                   "run are in benchmarks/results/h200/)"]
 
 
 @pytest.mark.parametrize("suite,bad", [("prefill", ["--reps", "0"]),
@@ -195,3 +196,54 @@ def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(prefix) and match in err[0], err
+
+
+def test_bench_refuses_earlier_results_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """An earlier run's results are never replaced in silence; --overwrite replaces them, and
+    without matplotlib says that no PNG was written (and drops the earlier PNG, which would no
+    longer match)."""
+    argv = ["bench", "kv-memory", "--out", str(tmp_path), "--contexts", "4096", "--models",
+            "flash"]
+    assert main(argv) == 0
+    first = (tmp_path / "kv_memory.json").read_text()
+    (tmp_path / "kv_memory.png").write_bytes(b"an earlier plot")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsv4 bench kv-memory: error: --out ")
+    assert "kv_memory.json, kv_memory.md, kv_memory.png" in err[0]
+    assert (tmp_path / "kv_memory.json").read_text() == first
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main([*argv, "--overwrite"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == ("dsv4 bench kv-memory: warning: matplotlib is not installed (pip "
+                           "install matplotlib), so kv_memory.png was not written")
+    assert not (tmp_path / "kv_memory.png").exists()
+    assert "kv_memory.png" not in out.splitlines()[-1]
+
+
+def _suite_parsers():
+    from dsv4.cli import BENCH_SUITES
+
+    for suite, module in sorted(BENCH_SUITES.items()):
+        yield suite, importlib.import_module(module).parser(f"dsv4 bench {suite}")
+
+
+def _takes_a_value(action):
+    return action.nargs != 0 and action.option_strings and action.dest != "help"
+
+
+def test_every_bench_option_has_help_and_its_default_stated():
+    """Each suite's options are documented (dsv4 bench SUITE --help), and an option with a
+    default says what it is."""
+    missing, no_default = [], []
+    for suite, ap in _suite_parsers():
+        for a in ap._actions:
+            if not a.help:
+                missing.append(f"{suite} {a.dest}")
+            elif _takes_a_value(a) and not a.required and "default" not in a.help:
+                no_default.append(f"{suite} {a.dest}")
+    assert not missing and not no_default, (missing, no_default)
+

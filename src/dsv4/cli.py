@@ -171,12 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
                        "caches in decode (any device)",
                        description="Benchmarks. 'dsv4 bench SUITE --help' lists the suite's "
-                       "own options (--out DIR is required by every suite).")
+                       "own options (--out DIR is required by every suite; a folder holding "
+                       "an earlier run's results is refused unless --overwrite).")
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
                    help="input-proj, decode-step, attention-kernels, prefill (CUDA GPU), "
-                   "pooled-decode, transformers-decode or kv-memory (any device)")
+                   "pooled-decode or kv-memory (any device), transformers-decode (a GPU, or "
+                   "--device cpu with --tiny for a smoke run)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p
