@@ -17,11 +17,11 @@ from dsv4.cli import build_parser, main
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-def one_error_line(capsys, rc, match):
+def one_error_line(capsys, rc, match, command):
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv4: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"dsv4 {command}: error: "), err
     assert match in lines[0], err
     assert "Traceback" not in err
 
@@ -38,14 +38,14 @@ def one_error_line(capsys, rc, match):
     (["verify", "--device", "nonsense"], "--device nonsense: not a device name"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, match):
-    one_error_line(capsys, main(argv), match)
+    one_error_line(capsys, main(argv), match, argv[0])
 
 
 @no_cuda
 @pytest.mark.parametrize("command", [["verify"], ["eval"], ["generate", "--prompt", "a=1;"]])
 def test_cuda_without_cuda_is_one_line(capsys, command):
     one_error_line(capsys, main([*command, "--device", "cuda"]),
-                   "--device cuda: CUDA is not available on this machine")
+                   "--device cuda: CUDA is not available on this machine", command[0])
 
 
 @no_cuda
@@ -175,14 +175,15 @@ def test_generate_states_and_checks_the_trained_format(capsys):
     out, err = capsys.readouterr()
     assert out.splitlines()[0] == "42"
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 1 is outside")
+    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 2 of 2 is "
+                                                   "outside")
     assert "the first filler has 0 chars, trained on 4-90" in lines[0]
 
 
 @pytest.mark.parametrize("argv,prefix,match", [
     (["demo", "--seed", "abc"], "dsv4 demo: error: ", "invalid int value: 'abc'"),
     (["frobnicate"], "dsv4: error: ", "invalid choice: 'frobnicate'"),
-    (["verify", "--nope"], "dsv4: error: ", "unrecognized arguments: --nope"),
+    (["verify", "--nope"], "dsv4 verify: error: ", "unrecognized arguments: --nope"),
     (["bench", "decode-step", "--out", "x", "--ms", "0"], "dsv4 bench decode-step: error: ",
      "expected comma-separated positive integers"),
     (["bench", "kv-memory", "--out", "x", "--models", "foo"], "dsv4 bench kv-memory: error: ",
@@ -247,3 +248,32 @@ def test_every_bench_option_has_help_and_its_default_stated():
                 no_default.append(f"{suite} {a.dest}")
     assert not missing and not no_default, (missing, no_default)
 
+
+def test_eval_runs_a_platform_given_twice_once(capfd):
+    assert main(["eval", "--platform", "reference", "--platform", "reference",
+                 "--problems", "2"]) in (0, 1)
+    err = capfd.readouterr().err
+    assert "[eval 2/2] reference fusion on eager" in err and "[eval 3/" not in err
+
+
+def test_generate_says_why_an_answer_is_empty(capsys, monkeypatch):
+    """A model that stops at once (<eos> first) leaves its line empty: stderr says why."""
+    import dsv4.model.generate as gen
+
+    monkeypatch.setattr(gen, "generate", lambda model, prompts, n: ["" for _ in prompts])
+    good = "a=12;qwerty uiop zxcv b=30;lkjh gfds mnxv cxzq a+b="
+    assert main(["generate", "--prompt", good, "--only-answer"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n"
+    assert err.strip() == ("dsv4 generate: warning: prompt 1 of 1: the model ended its answer at "
+                           "once (its first token was <eos>), so the answer is empty")
+
+
+def test_errors_of_every_subcommand_name_it(capsys, tmp_path):
+    """One prefix style: ``dsv4 <subcommand>: error:`` (argparse's own, ours, and the ones
+    from a model folder)."""
+    assert main(["generate", "--prompt", "", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"dsv4 generate: error: --model {tmp_path}: "
+                                              "holds no config.json")
+    assert main(["verify", "--platform", "int8"]) == 2
+    assert capsys.readouterr().err.startswith("dsv4 verify: error: unknown platform 'int8'")

@@ -19,6 +19,9 @@ NO_CUDA = not torch.cuda.is_available()
 # (id, argv, prog, what the line says); cwd holds README.md (a file), folder/ (empty),
 # full/notes.txt (someone's file) and earlier/kv_memory.json (an earlier run's results)
 CASES = [
+    ("demo-typo-model", ["demo", "--model", "typo-folder"], "dsv4 demo",
+     "--model typo-folder: does not exist"),
+    ("demo-empty-model", ["demo", "--model", "folder"], "dsv4 demo", "holds no config.json"),
     ("kv-memory-out-file", ["bench", "kv-memory", "--out", "README.md"], "dsv4 bench kv-memory",
      "--out README.md: is a file, not a folder"),
     ("kv-memory-out-proc", ["bench", "kv-memory", "--out", "/proc/nope"],
@@ -26,6 +29,12 @@ CASES = [
     ("kv-memory-earlier-results", ["bench", "kv-memory", "--out", "earlier"],
      "dsv4 bench kv-memory", "holds the results of an earlier run (kv_memory.json); give "
      "another folder, or --overwrite"),
+    ("eval-json-missing-dir", ["eval", "--json", "missing/dir/out.json"], "dsv4 eval",
+     "--json missing/dir/out.json: folder missing/dir does not exist"),
+    ("eval-json-folder", ["eval", "--json", "folder"], "dsv4 eval",
+     "--json folder: is a folder; give a file name"),
+    ("eval-missing-model", ["eval", "--model", "/nonexistent"], "dsv4 eval",
+     "--model /nonexistent: does not exist"),
     ("pooled-decode-ms-0", ["bench", "pooled-decode", "--out", "o", "--ms", "0"],
      "dsv4 bench pooled-decode", "argument --ms: '0'"),
     ("attention-kernels-report-only-missing",
@@ -33,6 +42,12 @@ CASES = [
      "dsv4 bench attention-kernels", "--out missing: holds no results.json"),
     ("prefill-report-only-missing", ["bench", "prefill", "--report-only", "--out", "folder"],
      "dsv4 bench prefill", "--out folder: holds no prefill.json"),
+    ("generate-meta", ["generate", "--prompt", "a=1;", "--device", "meta"], "dsv4 generate",
+     "--device meta: the meta device holds no data"),
+    ("generate-model-file", ["generate", "--prompt", "a=1;", "--model", "README.md"],
+     "dsv4 generate", "--model README.md: is a file, not a model folder"),
+    ("verify-unknown-option", ["verify", "--nope"], "dsv4 verify",
+     "unrecognized arguments: --nope"),
 ]
 if NO_CUDA:
     CASES += [

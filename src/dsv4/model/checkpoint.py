@@ -129,6 +129,16 @@ def read_lm_tensors(folder: Path, cfg: TinyLMConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_model_folder(folder: Path) -> None:
+    """A :class:`CheckpointError` unless ``folder`` is an existing folder (a file given for the
+    folder is named as such, not as missing)."""
+    if folder.is_file():
+        raise CheckpointError(f"{folder} is a file, not a model folder (give the folder that "
+                              "holds config.json and the *.safetensors shards)")
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+
+
 def load_tiny_lm(folder: str | Path, platform: str = "reference",
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  passes: Sequence[str] | None = None, **attn_overrides: Any) -> TinyLM:
@@ -136,8 +146,7 @@ def load_tiny_lm(folder: str | Path, platform: str = "reference",
     classes and post-load ``passes``, default: the platform's own), the rest from its shard.
     ``attn_overrides``: runtime options of the attention config, e.g. ``simulate_quant=False``."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"model folder {folder} does not exist")
+    check_model_folder(folder)
     try:
         cfg = TinyLMConfig.from_pretrained(folder, **attn_overrides)
     except ConfigError as e:

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv4.model.paths import default_model_dir
+from dsv4.model.paths import MODEL_NAME, default_model_dir
 from dsv4.model.task import HELDOUT_SIZE, describe_format, format_problem
-from dsv4.usage import UsageError, check_at_least, resolve_device
+from dsv4.usage import UsageError, check_at_least, check_output_file, resolve_device
 
 DTYPE_NAMES = ("bf16", "fp32", "fp64")
 
@@ -36,8 +36,31 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def check_model_dir(option: str, folder: Path) -> None:
+    """A tiny-LM folder to read, checked before any work: it exists, is a folder and holds a
+    config.json. The shipped model missing is a broken installation, and said so."""
+    folder = Path(folder)
+    if folder == default_model_dir() and not (folder / "config.json").is_file():
+        raise UsageError(f"{option}: the shipped model {MODEL_NAME} is missing from this "
+                         f"installation (expected at {folder}); reinstall dsv4, or give "
+                         f"{option} FOLDER")
+    if not folder.exists():
+        raise UsageError(f"{option} {folder}: does not exist")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {folder}: is a file, not a model folder (give the folder "
+                         "that holds config.json and the *.safetensors shards)")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{option} {folder}: holds no config.json (not a model folder)")
+
+
+def unique(names: list[str] | None) -> list[str] | None:
+    """A repeated option's values without repeats (first occurrence kept): ``--platform X
+    --platform X`` runs X once."""
+    return None if names is None else list(dict.fromkeys(names))
+
+
 # The end-to-end check that sets the exit code of `dsv4 eval` / `dsv4 demo`: the shipped model's
-# goals (models/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
+# goals (dsv4/model/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
 # scores ~0 and fails it by far; so does a near-tie flip on more than one problem.
 MIN_ACCURACY, MAX_GAP, MIN_AGREEMENT = 0.95, 1, 0.999
 
@@ -111,7 +134,7 @@ def _user_errors(fn: Any) -> Any:
         try:
             return int(fn(args))
         except (ValueError, RuntimeError) as e:  # CheckpointError, PromptError, ConfigError, ...
-            print(f"dsv4: error: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"dsv4 {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
 
     return run
@@ -129,34 +152,44 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--decode-batch {args.decode_batch}: give a positive number, or 0 for "
                          "all sequences in one forward")
     check_problems(args.problems)
+    check_model_dir("--model", args.model)
+    if args.json is not None:
+        check_output_file("--json", args.json)  # before the eval, not after it
     device = _device(args.device)
     batch = -1 if args.decode_batch is None else (args.decode_batch or None)
     from dsv4.model.evaluate import parse_cache_format
 
-    formats = [parse_cache_format(f) for f in args.cache_format or ["auto/auto"]]
-    return run_model_eval(args.model, args.platform, device, args.problems, args.dtype,
+    formats = list(dict.fromkeys(parse_cache_format(f)
+                                 for f in args.cache_format or ["auto/auto"]))
+    return run_model_eval(args.model, unique(args.platform), device, args.problems, args.dtype,
                           args.json, batch, formats, args.act_quant)
 
 
 @_user_errors
 def _cmd_generate(args: argparse.Namespace) -> int:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_model_dir("--model", args.model)
     device = _device(args.device)
     from dsv4.model.checkpoint import load_tiny_lm
-    from dsv4.model.generate import generate
+    from dsv4.model.generate import generate, prompt_name
 
     model = load_tiny_lm(args.model, platform=args.platform, device=device,
                          dtype=torch_dtype(args.dtype))
     spec = model.cfg.task
+    n = len(args.prompt)
     for i, prompt in enumerate(args.prompt):
         problem = format_problem(prompt, spec)
         if problem is not None:
-            print(f"dsv4 generate: warning: prompt {i} is outside the format the model was "
-                  f"trained on ({problem}); expect a wrong answer. Trained format: "
+            print(f"dsv4 generate: warning: {prompt_name(i, n)} is outside the format the model "
+                  f"was trained on ({problem}); expect a wrong answer. Trained format: "
                   f"{describe_format(spec)}", file=sys.stderr, flush=True)
-    for prompt, out in zip(args.prompt, generate(model, args.prompt, args.max_new_tokens),
-                           strict=True):
-        print(f"{prompt}{out}" if not args.only_answer else out)
+    outs = generate(model, args.prompt, args.max_new_tokens)
+    for i, (prompt, out) in enumerate(zip(args.prompt, outs, strict=True)):
+        if not out:  # one output line per prompt stays; say why this one is empty
+            print(f"dsv4 generate: warning: {prompt_name(i, n)}: the model ended its answer at "
+                  "once (its first token was <eos>), so the answer is empty", file=sys.stderr,
+                  flush=True)
+        print(f"{prompt}{out}" if not args.only_answer else out, flush=True)
     return 0
 
 
@@ -179,7 +212,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-MODEL_HELP = "the tiny LM folder (default: the shipped models/tiny-arith)"
+MODEL_HELP = f"the tiny LM folder (default: the shipped {MODEL_NAME}, inside the dsv4 package)"
 
 
 def add_commands(sub: Any) -> None:
