@@ -249,6 +249,15 @@ def test_every_bench_option_has_help_and_its_default_stated():
     assert not missing and not no_default, (missing, no_default)
 
 
+def test_train_tiny_options_state_their_defaults():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    t = sub.choices["train-tiny"]
+    lacking = [a.dest for a in t._actions if _takes_a_value(a) and not a.required
+               and a.help is not argparse.SUPPRESS and "default" not in (a.help or "")]
+    assert not lacking
+
+
 def test_eval_runs_a_platform_given_twice_once(capfd):
     assert main(["eval", "--platform", "reference", "--platform", "reference",
                  "--problems", "2"]) in (0, 1)

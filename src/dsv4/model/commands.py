@@ -12,7 +12,14 @@ from typing import Any
 
 from dsv4.model.paths import MODEL_NAME, default_model_dir
 from dsv4.model.task import HELDOUT_SIZE, describe_format, format_problem
-from dsv4.usage import UsageError, check_at_least, check_output_file, resolve_device
+from dsv4.usage import (
+    UsageError,
+    check_at_least,
+    check_output_dir,
+    check_output_file,
+    check_positive,
+    resolve_device,
+)
 
 DTYPE_NAMES = ("bf16", "fp32", "fp64")
 
@@ -194,18 +201,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from dsv4.model.checkpoint import save_tiny_lm
-    from dsv4.model.train import TrainSettings, save_report, train_tiny
-
+    # every check before the training: its result must not be lost to a bad --out
+    check_positive("--seconds", args.seconds, "the training time budget")
+    check_positive("--lr", args.lr, "the peak learning rate")
     check_at_least("--batch", args.batch, 1)
     check_at_least("--max-steps", args.max_steps, 0)
+    check_output_dir("--out", args.out)
+    device = _device(args.device)
+    from dsv4.folder_swap import foreign_entries
+    from dsv4.model.checkpoint import is_tiny_lm_file, save_tiny_lm
+    from dsv4.model.train import TrainSettings, train_tiny
+
+    if args.out.is_dir() and foreign_entries(args.out, is_tiny_lm_file):
+        raise UsageError(f"--out {args.out}: holds other files than a tiny-LM folder's "
+                         f"({', '.join(foreign_entries(args.out, is_tiny_lm_file))}); give an "
+                         "empty or new folder (a tiny-LM folder there is replaced)")
     settings = TrainSettings(seconds=args.seconds, batch=args.batch, lr=args.lr, seed=args.seed,
-                             device=_device(args.device), max_steps=args.max_steps)
+                             device=device, max_steps=args.max_steps)
     model, report = train_tiny(settings, log=lambda s: print(s, flush=True))
     report["command"] = " ".join(["dsv4", *sys.argv[1:]]) if args.command_line is None \
         else args.command_line
-    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out)
-    save_report(report, args.out)
+    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out, report=report)
     print(json.dumps({"saved": [str(f) for f in files],
                       "accuracy": report["heldout_accuracy_checkpoint_numerics"]}))
     return 0
@@ -261,13 +277,22 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--only-answer", action="store_true", help="print the continuation only")
     g.set_defaults(func=_cmd_generate)
     t = sub.add_parser("train-tiny", help="train the tiny arithmetic LM (a GPU: a few minutes)",
-                       description="Train the tiny arithmetic LM and write its folder.")
-    t.add_argument("--out", type=Path, required=True, help="folder to write the model into")
-    t.add_argument("--seconds", type=float, default=200.0, help="training time budget")
-    t.add_argument("--batch", type=int, default=256, help="sequences per step")
-    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    t.add_argument("--seed", type=int, default=0, help="random seed")
+                       description="Train the tiny arithmetic LM and write its folder. After "
+                       "the training, the held-out problems are answered twice (checkpoint "
+                       "numerics, float) for the report; on a CPU that takes minutes.")
+    t.add_argument("--out", type=Path, required=True,
+                   help="folder to write the model into: new, empty, or a tiny-LM folder "
+                   "(replaced); checked before the training")
+    t.add_argument("--seconds", type=float, default=200.0,
+                   help="time budget of the training loop, > 0 (default 200; the held-out "
+                   "evaluation after it comes on top)")
+    t.add_argument("--batch", type=int, default=256, help="problems per step (default 256)")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, > 0 (default "
+                   "2e-3)")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     t.add_argument("--device", default=None, help=DEVICE_HELP)
-    t.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
+    t.add_argument("--max-steps", type=int, default=0,
+                   help="stop after N steps if the time budget has not run out first (default "
+                   "0: no step limit)")
     t.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_train)
