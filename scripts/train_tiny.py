@@ -26,7 +26,7 @@ def run_variant(out: Path, seconds: float, device: str, batch: int, spec: str,
     import torch
 
     from dsv4.model.checkpoint import save_tiny_lm
-    from dsv4.model.train import TrainSettings, save_report, train_tiny
+    from dsv4.model.train import TrainSettings, train_tiny
 
     kw: dict[str, float | int | str] = {}
     for item in filter(None, spec.split(",")):
@@ -38,8 +38,7 @@ def run_variant(out: Path, seconds: float, device: str, batch: int, spec: str,
     model, report = train_tiny(settings, log=lambda s: print(f"[{spec}] {s}", flush=True))
     report["command"] = command
     report["variant"] = spec
-    save_tiny_lm(model.export_tensors(fp8=True), model.cfg, out)
-    save_report(report, out)
+    save_tiny_lm(model.export_tensors(fp8=True), model.cfg, out, report=report)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
                out.parent / f"{out.name}_float_state.pt")
 

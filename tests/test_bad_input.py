@@ -78,6 +78,9 @@ def c4(tiny, make_layer):
     ("too_long", r"exceed the cache's max_seq_len=64"),
     ("foreign_cache", r"cache 0 belongs to layer 2"),
     ("seq_lens", r"seq_lens=\[2, 2\]"),
+    ("cache_none", r"cache has type NoneType: give an AttentionCache"),
+    ("cache_str", r"cache has type str: give an AttentionCache"),
+    ("cache_in_list", r"cache 0 is a NoneType, not an AttentionCache"),
 ])
 def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
     layer, cache = c4
@@ -108,6 +111,12 @@ def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
         cache_arg = make_layer(tiny, 128).new_cache(64)
     elif case == "seq_lens":
         cache_arg, kwargs = [cache, layer.new_cache(8)], {"seq_lens": [2, 2]}
+    elif case == "cache_none":
+        cache_arg = None
+    elif case == "cache_str":
+        cache_arg = "cache"  # was taken for 5 caches, one per character
+    elif case == "cache_in_list":
+        cache_arg, kwargs = [None], {"seq_lens": [5]}
     state, csnap = snapshot_state(layer), snapshot_cache(cache)
     with pytest.raises(AttentionInputError, match=match):
         layer(x, pos, cache_arg, **kwargs)
@@ -173,6 +182,43 @@ def test_load_weights_validates_before_assigning(tiny, make_layer, case, match):
     with pytest.raises(WeightLoadError, match=match):
         layer.load_weights(pairs)
     assert_same_state(layer, snap)
+
+
+@pytest.mark.parametrize("form", ["dict", "pairs", "generator"])
+def test_load_weights_takes_a_mapping_or_pairs(tiny, form):
+    layer_id, w = _weights(tiny)
+    weights = {"dict": w, "pairs": list(w.items()), "generator": (kv for kv in w.items())}[form]
+    layer = DeepseekV4Attention.build(tiny, layer_id)
+    layer.load_weights(weights)
+    assert torch.equal(layer.attn_sink, w["attn_sink"])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda w: w["attn_sink"], r"weights must be a mapping of name -> tensor .* got Tensor"),
+    (lambda w: "wq_a.weight", r"weights must be a mapping .* got str"),
+    (lambda w: list(w), r"an element that is the string 'wq_a.weight', not a \(name, tensor\)"),
+    (lambda w: [tuple(w.items())[0][1]], r"an element that is Tensor, not a \(name, tensor\)"),
+    (lambda w: 7, r"weights must be a mapping .* got int"),
+])
+def test_load_weights_says_what_it_expects(tiny, make_layer, bad, match):
+    layer = make_layer(tiny, 4)
+    _, w = _weights(tiny)
+    snap = snapshot_state(layer)
+    with pytest.raises(WeightLoadError, match=match):
+        layer.load_weights(bad(w))
+    assert_same_state(layer, snap)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_build_on_a_missing_device_names_it(tiny, device):
+    with pytest.raises(ValueError, match=f"device='{device}': CUDA is not available"):
+        DeepseekV4Attention.build(tiny, 0, device=device)
+
+
+def test_build_on_a_device_that_is_no_device_names_it(tiny):
+    with pytest.raises(ValueError, match="device='gpu0' is not a device"):
+        DeepseekV4Attention.build(tiny, 0, device="gpu0")
 
 
 def test_config_rejects_impossible_combinations():

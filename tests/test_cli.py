@@ -4,6 +4,7 @@ progress, every option has help, --help does not import torch."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -16,11 +17,11 @@ from dsv4.cli import build_parser, main
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
-def one_error_line(capsys, rc, match):
+def one_error_line(capsys, rc, match, command):
     err = capsys.readouterr().err
     assert rc == 2, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv4: error: "), err
+    assert len(lines) == 1 and lines[0].startswith(f"dsv4 {command}: error: "), err
     assert match in lines[0], err
     assert "Traceback" not in err
 
@@ -37,14 +38,14 @@ def one_error_line(capsys, rc, match):
     (["verify", "--device", "nonsense"], "--device nonsense: not a device name"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, match):
-    one_error_line(capsys, main(argv), match)
+    one_error_line(capsys, main(argv), match, argv[0])
 
 
 @no_cuda
 @pytest.mark.parametrize("command", [["verify"], ["eval"], ["generate", "--prompt", "a=1;"]])
 def test_cuda_without_cuda_is_one_line(capsys, command):
     one_error_line(capsys, main([*command, "--device", "cuda"]),
-                   "--device cuda: CUDA is not available on this machine")
+                   "--device cuda: CUDA is not available on this machine", command[0])
 
 
 @no_cuda
@@ -54,8 +55,8 @@ def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):
         main(["bench", suite, "--out", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are "
-                   "in benchmarks/results/h200/)"]
+    assert err == [f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the last H200 "
+                   "run are in benchmarks/results/h200/)"]
 
 
 @pytest.mark.parametrize("suite,bad", [("prefill", ["--reps", "0"]),
@@ -174,14 +175,15 @@ def test_generate_states_and_checks_the_trained_format(capsys):
     out, err = capsys.readouterr()
     assert out.splitlines()[0] == "42"
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 1 is outside")
+    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 2 of 2 is "
+                                                   "outside")
     assert "the first filler has 0 chars, trained on 4-90" in lines[0]
 
 
 @pytest.mark.parametrize("argv,prefix,match", [
     (["demo", "--seed", "abc"], "dsv4 demo: error: ", "invalid int value: 'abc'"),
     (["frobnicate"], "dsv4: error: ", "invalid choice: 'frobnicate'"),
-    (["verify", "--nope"], "dsv4: error: ", "unrecognized arguments: --nope"),
+    (["verify", "--nope"], "dsv4 verify: error: ", "unrecognized arguments: --nope"),
     (["bench", "decode-step", "--out", "x", "--ms", "0"], "dsv4 bench decode-step: error: ",
      "expected comma-separated positive integers"),
     (["bench", "kv-memory", "--out", "x", "--models", "foo"], "dsv4 bench kv-memory: error: ",
@@ -195,3 +197,92 @@ def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(prefix) and match in err[0], err
+
+
+def test_bench_refuses_earlier_results_unless_overwrite(tmp_path, capsys, monkeypatch):
+    """An earlier run's results are never replaced in silence; --overwrite replaces them, and
+    without matplotlib says that no PNG was written (and drops the earlier PNG, which would no
+    longer match)."""
+    argv = ["bench", "kv-memory", "--out", str(tmp_path), "--contexts", "4096", "--models",
+            "flash"]
+    assert main(argv) == 0
+    first = (tmp_path / "kv_memory.json").read_text()
+    (tmp_path / "kv_memory.png").write_bytes(b"an earlier plot")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsv4 bench kv-memory: error: --out ")
+    assert "kv_memory.json, kv_memory.md, kv_memory.png" in err[0]
+    assert (tmp_path / "kv_memory.json").read_text() == first
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main([*argv, "--overwrite"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == ("dsv4 bench kv-memory: warning: matplotlib is not installed (pip "
+                           "install matplotlib), so kv_memory.png was not written")
+    assert not (tmp_path / "kv_memory.png").exists()
+    assert "kv_memory.png" not in out.splitlines()[-1]
+
+
+def _suite_parsers():
+    from dsv4.cli import BENCH_SUITES
+
+    for suite, module in sorted(BENCH_SUITES.items()):
+        yield suite, importlib.import_module(module).parser(f"dsv4 bench {suite}")
+
+
+def _takes_a_value(action):
+    return action.nargs != 0 and action.option_strings and action.dest != "help"
+
+
+def test_every_bench_option_has_help_and_its_default_stated():
+    """Each suite's options are documented (dsv4 bench SUITE --help), and an option with a
+    default says what it is."""
+    missing, no_default = [], []
+    for suite, ap in _suite_parsers():
+        for a in ap._actions:
+            if not a.help:
+                missing.append(f"{suite} {a.dest}")
+            elif _takes_a_value(a) and not a.required and "default" not in a.help:
+                no_default.append(f"{suite} {a.dest}")
+    assert not missing and not no_default, (missing, no_default)
+
+
+def test_train_tiny_options_state_their_defaults():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    t = sub.choices["train-tiny"]
+    lacking = [a.dest for a in t._actions if _takes_a_value(a) and not a.required
+               and a.help is not argparse.SUPPRESS and "default" not in (a.help or "")]
+    assert not lacking
+
+
+def test_eval_runs_a_platform_given_twice_once(capfd):
+    assert main(["eval", "--platform", "reference", "--platform", "reference",
+                 "--problems", "2"]) in (0, 1)
+    err = capfd.readouterr().err
+    assert "[eval 2/2] reference fusion on eager" in err and "[eval 3/" not in err
+
+
+def test_generate_says_why_an_answer_is_empty(capsys, monkeypatch):
+    """A model that stops at once (<eos> first) leaves its line empty: stderr says why."""
+    import dsv4.model.generate as gen
+
+    monkeypatch.setattr(gen, "generate", lambda model, prompts, n: ["" for _ in prompts])
+    good = "a=12;qwerty uiop zxcv b=30;lkjh gfds mnxv cxzq a+b="
+    assert main(["generate", "--prompt", good, "--only-answer"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n"
+    assert err.strip() == ("dsv4 generate: warning: prompt 1 of 1: the model ended its answer at "
+                           "once (its first token was <eos>), so the answer is empty")
+
+
+def test_errors_of_every_subcommand_name_it(capsys, tmp_path):
+    """One prefix style: ``dsv4 <subcommand>: error:`` (argparse's own, ours, and the ones
+    from a model folder)."""
+    assert main(["generate", "--prompt", "", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"dsv4 generate: error: --model {tmp_path}: "
+                                              "holds no config.json")
+    assert main(["verify", "--platform", "int8"]) == 2
+    assert capsys.readouterr().err.startswith("dsv4 verify: error: unknown platform 'int8'")

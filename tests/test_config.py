@@ -32,3 +32,56 @@ def test_layer_of_ratio_finds_an_mtp_layer_when_no_hidden_layer_has_the_ratio(ti
     assert torch.isfinite(layer(x, torch.arange(5), layer.new_cache(16)).float()).all()
     with pytest.raises(ConfigError, match="no layer has compress ratio 4"):
         tiny.replace(compress_ratios=(0, 128, 128, 0)).layer_of_ratio(4)
+
+
+@pytest.mark.parametrize("typo,meant", [("kv_cache_dtyp", "kv_cache_dtype"),
+                                        ("index_topK", "index_topk"),
+                                        ("sliding_windw", "sliding_window")])
+def test_a_near_miss_of_a_key_warns_naming_the_intended_one(typo, meant):
+    from dsv4.config import _TINY, UnknownConfigKeyWarning
+
+    value = DSV4Config.preset("tiny").to_dict()[meant] if meant != "kv_cache_dtype" else "bf16"
+    with pytest.warns(UnknownConfigKeyWarning, match=rf"'{typo}' \(did you mean '{meant}'\?\)"):
+        cfg = DSV4Config.from_dict({**_TINY, typo: value})
+    assert cfg == DSV4Config.preset("tiny")  # ignored, as the warning says
+
+
+def test_an_unknown_key_warns_even_without_a_near_miss():
+    from dsv4.config import _TINY, UnknownConfigKeyWarning
+
+    with pytest.warns(UnknownConfigKeyWarning, match=r"'attention_flavour' unknown to dsv4"):
+        DSV4Config.from_dict({**_TINY, "attention_flavour": "spicy"})
+
+
+def test_the_keys_of_both_dialects_load_in_silence(tmp_path):
+    """transformers' own DeepseekV4Config (MoE, hyper-connection and generic keys the layer does
+    not use), a save_pretrained config.json, the official-dialect presets and the shipped tiny
+    model's config.json: no warning."""
+    import json
+    import warnings
+
+    from dsv4.model.paths import default_model_dir
+
+    dicts = [DSV4Config.preset(name).to_dict(dialect) for name in ("tiny", "flash", "pro")
+             for dialect in ("official", "transformers")]
+    dicts.append(json.loads((default_model_dir() / "config.json").read_text()))
+    transformers = pytest.importorskip("transformers")
+    dicts.append(transformers.DeepseekV4Config().to_dict())
+    transformers.DeepseekV4Config(num_hidden_layers=2, layer_types=[
+        "sliding_attention", "compressed_sparse_attention"]).save_pretrained(tmp_path)
+    dicts.append(json.loads((tmp_path / "config.json").read_text()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for d in dicts:
+            DSV4Config.from_dict(d)
+
+
+def test_layer_id_must_be_an_int_in_range(tiny):
+    from dsv4 import DeepseekV4Attention
+
+    with pytest.raises(ConfigError, match=r"layer_id='1' is a str: give an int, 0 \.\. 3"):
+        DeepseekV4Attention.build(tiny, "1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="layer_id=True"):
+        tiny.compress_ratio(True)
+    with pytest.raises(ConfigError, match="layer_id 4 is out of range"):
+        DeepseekV4Attention.build(tiny, 4)

@@ -361,4 +361,4 @@ def test_bench_decode_step_tp_command_line(monkeypatch: pytest.MonkeyPatch,
     assert "| tiny | C4 | 2 | 1 |" in (tmp_path / "decode_step_tp.md").read_text()
     if torch.cuda.device_count() < 2:
         with pytest.raises(SystemExit, match="needs 2 CUDA GPUs"):
-            main(["--out", str(tmp_path), "--tp", "2"])
+            main(["--out", str(tmp_path), "--tp", "2", "--overwrite"])

@@ -160,9 +160,14 @@ def test_transformers_names_match_the_transformers_model() -> None:
 
 def test_a_save_pretrained_folder_loads(tmp_path: Path) -> None:
     """save_pretrained undoes transformers' load renames: model.layers.{i}.attn.<official>, with
-    the attention's kv_norm written as attn.norm."""
+    the attention's kv_norm written as attn.norm. transformers keeps no MTP layer while its
+    config declares one: by default the layers the folder holds load, and a warning names the
+    MTP layer left out; asking for that layer by id is an error saying how to load the rest."""
     pytest.importorskip("transformers")
     import sys
+    import warnings
+
+    from dsv4.checkpoint import MissingMTPLayersWarning
 
     sys.path.insert(0, str(Path(__file__).parent / "integrations"))
     from tiny_hf import tiny_model
@@ -171,9 +176,16 @@ def test_a_save_pretrained_folder_loads(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path)
     stored = _tensors(tmp_path)
     assert "model.layers.0.attn.norm.weight" in stored
-    with pytest.raises(CheckpointError, match="no tensor for layer 3"):
-        load_checkpoint(tmp_path, dtype=torch.float32)  # transformers writes no MTP layer
-    stack = load_checkpoint(tmp_path, layers=[0, 1, 2], dtype=torch.float32)
+    assert DSV4Config.from_pretrained(tmp_path).num_nextn_predict_layers == 1
+    with pytest.warns(MissingMTPLayersWarning, match=r"without MTP layer\(s\) \[3\]"):
+        default = load_checkpoint(tmp_path, dtype=torch.float32)
+    assert default.layer_ids == [0, 1, 2]
+    with pytest.raises(CheckpointError, match=r"no tensor for layer 3 .*it is an MTP layer.*"
+                       r"layers=None"):
+        load_checkpoint(tmp_path, layers=[0, 3], dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the layers asked for by id: nothing to say
+        stack = load_checkpoint(tmp_path, layers=[0, 1, 2], dtype=torch.float32)
     state = model.state_dict()
     for i in range(3):
         assert torch.equal(stack[i].kv_norm.weight,

@@ -62,6 +62,7 @@ __all__ = [
     "save_checkpoint",
 ]
 __version__ = "0.1.0"
+"""The package version (pyproject.toml reads it from here; ``dsv4 --version`` prints it)."""
 
 
 def __getattr__(name: str) -> Any:

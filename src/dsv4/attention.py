@@ -9,7 +9,7 @@ change and what it must keep. Shared code never asks which platform it runs on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,7 +43,35 @@ class AttentionInputError(ValueError):
 
 
 class DeepseekV4Attention(nn.Module):
-    """One DSV4 attention layer (SWA-only, C4A with indexer, or C128A), any device and dtype."""
+    """One DeepSeek-V4 attention layer (SWA-only, C4A with indexer, or C128A, as the config's
+    ``compress_ratios`` give for ``layer_id``), on any device and in bf16, fp32 or fp64.
+
+    Construction: :meth:`build` makes the layer of a platform (``"reference"``, ``"preshuffle"``,
+    ``"cuda"``; ``dsv4.platforms.available()``); whole checkpoints load with
+    :func:`dsv4.load_checkpoint`, which also runs the platform's post-load passes. A layer built
+    by hand holds placeholder weights until :meth:`load_weights` (official tensor names relative
+    to the layer, e.g. ``wq_a.weight``) or ``load_state_dict``; then
+    :func:`dsv4.process_weights_after_loading` applies the platform's passes.
+
+    Caches: :meth:`new_cache` (one sequence), :meth:`new_caches` / :meth:`new_cache_pool` (many
+    sequences in one paged pool, run as one batch). The layer keeps no state between calls; the
+    caches do.
+
+    Forward: ``layer(x, positions, cache, seq_lens=None)`` with ``x`` [T, hidden_size] in the
+    layer dtype and ``positions`` [T] continuing each cache's length. Every input is checked
+    before anything runs (:class:`AttentionInputError` naming the culprit, caches untouched).
+
+    Example::
+
+        cfg = DSV4Config.preset("tiny")
+        layer = DeepseekV4Attention.build(cfg, layer_id=1)            # a C4A layer
+        layer.load_weights(dsv4.random_layer_weights(cfg, 1))          # or a checkpoint's
+        cache = layer.new_cache(max_seq_len=512)
+        y = layer(x, torch.arange(x.shape[0]), cache)                  # prefill
+        y1 = layer(x1, torch.tensor([x.shape[0]]), cache)              # one decode step
+
+    Platforms subclass it and override only the steps in :attr:`OVERRIDE_POINTS`.
+    """
 
     OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = OVERRIDE_POINTS
     """What a platform may override: the six stages of a step and the fine points they call
@@ -54,6 +82,11 @@ class DeepseekV4Attention(nn.Module):
     def __init__(self, cfg: DSV4Config, layer_id: int, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.bfloat16, offloader: Any = None,
                  aux_streams: Sequence[Any] | None = None, tp_group: Any = None) -> None:
+        """The layer ``layer_id`` of ``cfg`` with placeholder weights, on ``device`` in
+        ``dtype``. Prefer :meth:`build`, which picks the platform's subclass and its shared
+        resources. ``offloader``: where weights live between calls (``dsv4.offload``);
+        ``aux_streams``: CUDA streams for the input GEMMs' overlap; ``tp_group``: a
+        ``torch.distributed`` group for tensor parallelism (this rank's heads only)."""
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={dtype}: supported dtypes are {list(SUPPORTED_DTYPES)}")
@@ -127,8 +160,20 @@ class DeepseekV4Attention(nn.Module):
     def build(cls, cfg: DSV4Config, layer_id: int, platform: str = "reference",
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
               **kwargs: Any) -> DeepseekV4Attention:
-        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)."""
+        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)
+        on ``device``, which must exist here (checked before any tensor is made)."""
         from dsv4.platforms import get_platform
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device={device!r} is not a device ({e})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine "
+                             "(build on 'cpu')")
+        n_cuda = torch.cuda.device_count() if dev.type == "cuda" else 0
+        if dev.type == "cuda" and dev.index is not None and dev.index >= n_cuda:
+            raise ValueError(f"device={device!r}: this machine has {n_cuda} CUDA device(s)")
 
         plat = get_platform(platform, device=device)
         return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
@@ -147,8 +192,10 @@ class DeepseekV4Attention(nn.Module):
         """Checkpoint names (relative to the layer) this layer loads."""
         return [s.name for s in official_weight_specs(self)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load official checkpoint tensors (names relative to the layer, e.g. ``wq_a.weight``).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                     ) -> None:
+        """Load official checkpoint tensors (names relative to the layer, e.g. ``wq_a.weight``):
+        a mapping of name -> tensor, or an iterable of (name, tensor) pairs.
 
         Everything is validated first (unknown, duplicate, missing, mis-shaped, mis-typed and
         non-finite tensors are errors naming the tensor); nothing is assigned unless all pass.
@@ -818,6 +865,10 @@ class DeepseekV4Attention(nn.Module):
         if positions.shape[0] != t:
             raise AttentionInputError(f"positions has {positions.shape[0]} entries for T={t} "
                                       "tokens")
+        if not isinstance(cache, (AttentionCache, Sequence)) or isinstance(cache, (str, bytes)):
+            raise AttentionInputError(
+                f"cache has type {type(cache).__name__}: give an AttentionCache, or a list "
+                "with one per sequence (use layer.new_cache() / layer.new_caches(n))")
         caches = [cache] if isinstance(cache, AttentionCache) else list(cache)
         if isinstance(cache, AttentionCache):
             lens = [t] if seq_lens is None else list(seq_lens)

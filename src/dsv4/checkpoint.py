@@ -12,6 +12,7 @@ import json
 import logging
 import numbers
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint folder, index or shard is missing, corrupt or inconsistent."""
+
+
+class MissingMTPLayersWarning(UserWarning):
+    """``load_checkpoint(folder)`` without ``layers`` loaded every layer but the MTP layers,
+    which the folder does not hold (transformers' ``save_pretrained`` writes none)."""
 
 
 class AttentionStack(nn.Module):
@@ -102,9 +108,12 @@ def _open(path: Path) -> Any:
 
 
 def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[int],
-                       tp: TPInfo | None = None) -> dict[int, dict[str, torch.Tensor]]:
+                       tp: TPInfo | None = None, optional: Iterable[int] = ()
+                       ) -> dict[int, dict[str, torch.Tensor]]:
     """Official-name tensors (relative to each layer) of the requested layers' attention; with
-    ``tp``, only this rank's part of each split tensor is read from the file."""
+    ``tp``, only this rank's part of each split tensor is read from the file. A layer of
+    ``optional`` that the folder has no tensor for is left out of the result; any other such
+    layer is a :class:`CheckpointError`."""
     folder = Path(folder)
     mapping = _shard_map(folder)
     try:  # official name -> stored name (official or one of transformers' spellings)
@@ -127,22 +136,38 @@ def read_layer_tensors(folder: str | Path, cfg: DSV4Config, layer_ids: Iterable[
                         out[i][rel] = transformers_names.as_checkpoint_dtype(rel, out[i][rel])
                 except (SafetensorError, OSError, ValueError) as e:
                     raise CheckpointError(f"cannot read tensor {full!r} from {shard}: {e}") from e
-    for i, tensors in out.items():
-        if not tensors:
-            raise CheckpointError(f"{folder} has no tensor for layer {i} (prefix {wanted[i]!r})")
+    optional = set(optional)
+    for i, tensors in list(out.items()):
+        if tensors:
+            continue
+        if i in optional:
+            del out[i]
+            continue
+        hint = ""
+        if i >= cfg.num_hidden_layers:
+            hint = (": it is an MTP layer, and the checkpoint holds none (transformers' "
+                    "DeepseekV4ForCausalLM keeps no MTP layers, while its config declares "
+                    f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}); load the "
+                    "others with layers=None (the layers it holds) or a list without "
+                    f"{sorted(j for j in wanted if j >= cfg.num_hidden_layers)}")
+        raise CheckpointError(f"{folder} has no tensor for layer {i} (prefix {wanted[i]!r})"
+                              + hint)
     return out
 
 
 def _requested_layers(folder: Path, cfg: DSV4Config, layers: Sequence[int] | None
-                     ) -> list[int]:
+                     ) -> tuple[list[int], list[int]]:
     """The layer ids to load: ``layers``, else the ones the folder records (a folder written by
-    ``save_checkpoint`` from a partial stack), else every layer of the model."""
+    ``save_checkpoint`` from a partial stack), else every layer of the model; and of those, the
+    ones the folder may lack (the MTP layers, in that last case: transformers' checkpoints hold
+    none)."""
     if layers is None:
         saved = None
         if (folder / "config.json").is_file():
             saved = read_config_json(folder).get(SAVED_LAYERS_KEY)
         if saved is None:
-            return list(range(cfg.num_layers_with_mtp))
+            return (list(range(cfg.num_layers_with_mtp)),
+                    list(range(cfg.num_hidden_layers, cfg.num_layers_with_mtp)))
         if not isinstance(saved, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in saved):
             raise CheckpointError(f"{folder}/config.json: {SAVED_LAYERS_KEY} must be a list of "
@@ -164,7 +189,7 @@ def _requested_layers(folder: Path, cfg: DSV4Config, layers: Sequence[int] | Non
         raise CheckpointError(f"layers={ids!r}: duplicate layer id(s) {dups}")
     for i in ids:
         cfg.compress_ratio(i)  # range check with a clear message
-    return [int(i) for i in ids]
+    return [int(i) for i in ids], []
 
 
 def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
@@ -173,7 +198,9 @@ def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
                     cfg: DSV4Config | None = None, passes: Sequence[str] | None = None,
                     tp_group: Any = None, **build_kwargs: Any) -> AttentionStack:
     """Build and load the attention layers ``layers`` of a checkpoint folder (default: the layers
-    a ``save_checkpoint`` folder records, else all).
+    a ``save_checkpoint`` folder records, else all; then MTP layers the folder does not hold, as
+    in a transformers ``save_pretrained`` folder, are left out with a
+    :class:`MissingMTPLayersWarning` naming them; a layer asked for by id must be there).
 
     Each layer is built, loaded and (with ``process``) run through the platform's post-load
     passes (or ``passes``) and its offloader before the next is read. Any error (config,
@@ -192,13 +219,21 @@ def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
             raise CheckpointError(f"checkpoint folder {folder} does not exist")
         try:
             cfg = cfg or DSV4Config.from_pretrained(folder)
-            ids = _requested_layers(folder, cfg, layers)
+            ids, optional = _requested_layers(folder, cfg, layers)
         except ConfigError as e:
             raise CheckpointError(f"{folder}: {e}") from e
     tp = None if tp_group is None else TPInfo.create(cfg, tp_group)  # same config everywhere
     built: dict[int, DeepseekV4Attention] = {}
     with agreement(tp, f"loading {folder}"):  # no collective inside: a failing rank skips none
-        tensors = read_layer_tensors(folder, cfg, ids, tp)
+        tensors = read_layer_tensors(folder, cfg, ids, tp, optional=optional)
+        absent = [i for i in ids if i not in tensors]
+        if absent:  # only MTP layers may be absent, and only when no list was given
+            warnings.warn(MissingMTPLayersWarning(
+                f"{folder} holds no MTP layer: loaded layers {[i for i in ids if i in tensors]}"
+                f" without MTP layer(s) {absent} (config num_nextn_predict_layers="
+                f"{cfg.num_nextn_predict_layers}; transformers' DeepseekV4ForCausalLM keeps "
+                "none)"), stacklevel=2)
+            ids = [i for i in ids if i in tensors]
         from dsv4.passes import process_weights_after_loading
         from dsv4.platforms import get_platform
 

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from dsv4.model.commands import MODEL_HELP, check_model_dir, check_problems, progress, unique
 from dsv4.model.commands import add_commands as add_model_commands
-from dsv4.model.commands import check_problems, progress
 from dsv4.model.paths import default_model_dir
 from dsv4.usage import (
     OneLineArgumentParser,
@@ -33,22 +33,22 @@ BENCH_SUITES = {
     "kv-memory": "dsv4.bench.kv_memory",
 }
 CPU_SUITES = ("pooled-decode", "transformers-decode", "kv-memory")
-"""Suites that run on any device (the others need a CUDA GPU)."""
+"""Suites that run on the CPU (transformers-decode only when told: --device cpu; the others
+need a CUDA GPU)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     check_at_least("--tokens", args.tokens, 1)
     check_at_least("--chunk", args.chunk, 1)
     check_problems(args.problems)
+    check_model_dir("--model", args.model)  # the end-to-end check was asked for: it must run
+    if args.checkpoint is not None:
+        check_model_dir("--checkpoint", args.checkpoint)
     from dsv4.demo import format_demo, run_demo
     from dsv4.model.commands import run_model_eval
 
     # First the end-to-end signal: the shipped tiny LM on every CPU platform x fusion.
-    if (args.model / "config.json").is_file():
-        model_rc = run_model_eval(args.model, None, "cpu", args.problems, "bf16", None)
-    else:
-        print(f"no trained model at {args.model}: skipping the end-to-end evaluation")
-        model_rc = 0
+    model_rc = run_model_eval(args.model, None, "cpu", args.problems, "bf16", None)
     print()
     t0 = time.perf_counter()
     rows = run_demo(tokens=args.tokens, chunk=args.chunk, seed=args.seed,
@@ -70,6 +70,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from dsv4.platforms import get_platform
     from dsv4.tp_launch import under_torchrun
 
+    args.platform = unique(args.platform)
     for name in args.platform or []:
         get_platform(name, device)  # unknown / unavailable: one line, before any work
     if args.tp > 1 or under_torchrun():
@@ -124,7 +125,11 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dsv4 import __version__
+
     p = OneLineArgumentParser(prog="dsv4", description=__doc__)
+    p.add_argument("--version", action="version", version=f"dsv4 {__version__}",
+                   help="print the version and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="log info lines")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the tiny LM's accuracy on every CPU platform, then every "
@@ -141,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--checkpoint", type=Path, default=None,
                    help="a checkpoint folder (config.json + safetensors) instead of random weights")
     d.add_argument("--model", type=Path, default=default_model_dir(),
-                   help="the tiny LM folder evaluated first (default: models/tiny-arith)")
+                   help=f"{MODEL_HELP}; evaluated first, its check is part of the exit code")
     d.add_argument("--problems", type=int, default=400,
                    help="held-out problems it answers (1..400, default 400)")
     d.set_defaults(func=_cmd_demo)
@@ -167,12 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "strategy and the full-layer decode step (GPU), per-sequence vs pooled "
                        "caches in decode (any device)",
                        description="Benchmarks. 'dsv4 bench SUITE --help' lists the suite's "
-                       "own options (--out DIR is required by every suite).")
+                       "own options (--out DIR is required by every suite; a folder holding "
+                       "an earlier run's results is refused unless --overwrite).")
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
                    help="input-proj, decode-step, attention-kernels, prefill (CUDA GPU), "
-                   "pooled-decode, transformers-decode or kv-memory (any device)")
+                   "pooled-decode or kv-memory (any device), transformers-decode (a GPU, or "
+                   "--device cpu with --tiny for a smoke run)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p
@@ -181,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    prog = command_prog(args)
     if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)}\n")
     args.extra = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -192,8 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         message = user_error_message(e)
         if message is None:
             raise  # an internal error keeps its traceback
-        print(f"dsv4: error: {' '.join(message.split())}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
+
+
+def command_prog(args: argparse.Namespace) -> str:
+    """The name errors start with: ``dsv4 eval``, ``dsv4 bench kv-memory``, ... (as argparse's
+    own errors of that subcommand or suite)."""
+    suite = getattr(args, "suite", None) if args.command == "bench" else None
+    return " ".join(["dsv4", args.command, *([suite] if suite else [])])
 
 
 if __name__ == "__main__":

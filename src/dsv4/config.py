@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +24,58 @@ RUNTIME_OPTIONS = ("simulate_quant", "act_quant", "multi_stream_token_threshold"
 """Options of this package (not model keys) that a config dict may carry."""
 
 
+MODEL_KEYS = ("compress_ratios", "rope_scaling", "quantization_config")
+"""Official config keys that are not dataclass fields of their own name."""
+OTHER_KNOWN_KEYS = frozenset({
+    # the rest of the official Hugging Face config of the DeepSeek-V3 / V4 family (the model
+    # around the attention: MoE, hyper-connections, generation defaults), ignored here
+    "model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
+    "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "initializer_range",
+    "use_cache", "tie_word_embeddings", "attention_bias", "attention_dropout",
+    "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "routed_scaling_factor", "scoring_func", "topk_method",
+    "norm_topk_prob", "n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq",
+    "ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp", "kv_lora_rank",
+    "qk_nope_head_dim", "v_head_dim", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+    "n_hash_layers", "swiglu_limit", "expert_dtype", "scale_fmt",
+    # written by this package: save_checkpoint's layer list, the tiny LM's own keys
+    "dsv4_saved_layers", "tokenizer", "task",
+})
+"""Keys a config may carry that the attention does not use: never reported as unknown."""
+
+
 class ConfigError(ValueError):
     """A configuration value or combination is invalid; the message names the field."""
+
+
+class UnknownConfigKeyWarning(UserWarning):
+    """A config key that neither dialect knows (a typo, most likely): it was ignored, so its
+    setting did not take effect. The message names the key and the key it is closest to."""
+
+
+def warn_unknown_keys(d: Mapping[str, Any], stacklevel: int = 3) -> list[str]:
+    """Warn (:class:`UnknownConfigKeyWarning`) about every key of ``d`` that no dialect knows,
+    naming the key dsv4 reads that it is closest to (``kv_cache_dtyp`` -> ``kv_cache_dtype``);
+    returns those keys. transformers' and the official model keys that the attention does not
+    use are known, and pass in silence."""
+    import difflib
+
+    from dsv4.dialects.transformers_config import TRANSFORMERS_KEYS
+
+    ours = [f.name for f in dataclasses.fields(DSV4Config)] + list(MODEL_KEYS)
+    known = {*ours, *OTHER_KNOWN_KEYS, *TRANSFORMERS_KEYS}
+    unknown = [k for k in d if k not in known]
+    if unknown:
+        parts = []
+        for k in unknown:  # the closest key dsv4 reads (case aside), else any known key
+            close = (difflib.get_close_matches(str(k), ours, n=1, cutoff=0.75)
+                     or difflib.get_close_matches(str(k).lower(), ours, n=1, cutoff=0.75)
+                     or difflib.get_close_matches(str(k), sorted(known), n=1, cutoff=0.75))
+            parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        warnings.warn(UnknownConfigKeyWarning(
+            f"config key(s) {', '.join(parts)} unknown to dsv4 and ignored (their settings did "
+            "not take effect)"), stacklevel=stacklevel)
+    return unknown
 
 
 @dataclass(frozen=True)
@@ -134,7 +185,11 @@ class DSV4Config:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def compress_ratio(self, layer_id: int) -> int:
-        """The compress ratio of a layer: 0 (SWA-only), 4 or 128. MTP layers are SWA-only."""
+        """The compress ratio of a layer: 0 (SWA-only), 4 or 128. MTP layers are SWA-only.
+        ``layer_id`` must be an integer in range (the layer's constructor checks it here)."""
+        if isinstance(layer_id, bool) or not hasattr(layer_id, "__index__"):  # an int, np.int64
+            raise ConfigError(f"layer_id={layer_id!r} is a {type(layer_id).__name__}: give an "
+                              f"int, 0 .. {self.num_layers_with_mtp - 1}")
         if not 0 <= layer_id < self.num_layers_with_mtp:
             raise ConfigError(
                 f"layer_id {layer_id} is out of range: the model has {self.num_hidden_layers} "
@@ -159,6 +214,10 @@ class DSV4Config:
         self.validate()
 
     def validate(self) -> None:  # noqa: C901 - a flat list of rules reads best
+        """Check every field and their combinations; a :class:`ConfigError` names the first
+        field that breaks a rule, and the rule. Runs on construction (and on :meth:`replace`),
+        so a config that exists is valid."""
+
         def need(cond: bool, name: str, rule: str) -> None:
             if not cond:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {rule}")
@@ -240,9 +299,13 @@ class DSV4Config:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], **overrides: Any) -> DSV4Config:
-        """Build from an HF ``config.json`` dict of DeepSeek-V4 (unknown keys are ignored)."""
+        """Build from an HF ``config.json`` dict of DeepSeek-V4, in the official or the
+        transformers dialect. Keys of the model around the attention are ignored; a key that
+        neither dialect has (a typo such as ``sliding_windw``) is ignored with an
+        :class:`UnknownConfigKeyWarning` naming the key it is closest to."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        warn_unknown_keys(d)
         from dsv4.dialects import transformers_config as tf
 
         if tf.is_transformers_config(d):
@@ -311,6 +374,8 @@ class DSV4Config:
         return d
 
     def replace(self, **changes: Any) -> DSV4Config:
+        """A copy with ``changes`` (field names, e.g. ``simulate_quant=False``), validated
+        again: the config is frozen, so this is how a variant is made."""
         return dataclasses.replace(self, **changes)
 
     @classmethod

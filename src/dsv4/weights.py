@@ -7,7 +7,7 @@ the two shards of ``compressor.fused_wkv_wgate`` (likewise for the indexer's com
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,13 +107,25 @@ def _nonfinite(t: torch.Tensor) -> bool:
 
 
 def validate_layer_weights(layer: DeepseekV4Attention,
-                           weights: Iterable[tuple[str, torch.Tensor]]
+                           weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
                            ) -> list[tuple[WeightSpec, torch.Tensor]]:
     """Check every tensor against the layer's specs; returns (spec, tensor) pairs to assign."""
     specs = {s.name: s for s in official_weight_specs(layer)}
     where = f"layer {layer.layer_id} (compress_ratio {layer.compress_ratio})"
+    expected = ("a mapping of name -> tensor (e.g. a state dict) or an iterable of (name, tensor) "
+                "pairs")
+    if isinstance(weights, Mapping):
+        weights = weights.items()
+    elif isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
+        raise WeightLoadError(f"{where}: weights must be {expected}, got "
+                              f"{type(weights).__name__}")
     given: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
+    for item in weights:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            shown = type(item).__name__ if not isinstance(item, str) else f"the string {item!r}"
+            raise WeightLoadError(f"{where}: weights must be {expected}; got an element that is "
+                                  f"{shown}, not a (name, tensor) pair")
+        name, tensor = item
         if name in given:
             raise WeightLoadError(f"{where}: tensor {name!r} was given twice")
         if name not in specs:
@@ -163,7 +175,8 @@ def assign_layer_weights(pairs: list[tuple[WeightSpec, torch.Tensor]]) -> None:
 
 
 def load_layer_weights(layer: DeepseekV4Attention,
-                       weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                       weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                       ) -> None:
     assign_layer_weights(validate_layer_weights(layer, weights))
 
 

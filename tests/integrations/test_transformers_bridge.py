@@ -101,6 +101,34 @@ def test_left_padded_batch_equals_each_row_alone(model: Any, reference: Any) -> 
     assert (padded - alone).abs().max().item() < 1e-5 * alone.abs().max().item()
 
 
+def test_a_padded_row_matches_its_unpadded_run_with_dsv4_not_with_transformers(
+        model: Any, reference: Any) -> None:
+    """What the module docstring (and the README beside its example) tells a user comparing
+    the two on a left-padded batch: unmodified transformers' padded row differs from its own
+    unpadded run, dsv4's equals it. If transformers' row ever matches, the note is stale."""
+    import dsv4.integrations.transformers as bridge
+
+    b = reference["b"][:, :40]
+    pad = 3
+    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), b], dim=1)
+    mask = (torch.arange(ids.shape[1]) >= pad).long()[None]
+
+    def padded_vs_alone() -> float:
+        with torch.no_grad():
+            padded = model(ids, attention_mask=mask, use_cache=False).logits[0, pad:]
+            alone = model(b, use_cache=False).logits[0]
+        return (padded - alone).abs().max().item() / alone.abs().max().item()
+
+    assert padded_vs_alone() > 1e-2  # transformers' own attention
+    handle = use_dsv4_attention(model)
+    try:
+        assert padded_vs_alone() < 1e-5
+    finally:
+        handle.restore()
+    assert "dsv4 is the one that matches an unpadded run" in " ".join(
+        (bridge.__doc__ or "").split())
+
+
 def test_sampling_matches_transformers_with_the_same_seed(model: Any, reference: Any) -> None:
     a = reference["a"][:, :40]
     torch.manual_seed(7)

@@ -268,7 +268,7 @@ def test_cli_reports_bad_input_in_one_line(capsys, tmp_path):
     from dsv4.cli import main
 
     assert main(["generate", "--prompt", ""]) == 2
-    assert "error: prompt 0 is empty" in capsys.readouterr().err
+    assert "dsv4 generate: error: prompt 1 of 1 is empty" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["eval", "--decode-batch", "-3"]) == 2

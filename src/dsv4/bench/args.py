@@ -5,7 +5,12 @@ traceback."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from dsv4.usage import UsageError, check_output_dir
 
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 """Layer types by name: their compress ratio."""
@@ -39,13 +44,60 @@ def choice_list(valid: Iterable[str], what: str) -> Callable[[str], list[str]]:
 
 def require_cuda(suite: str) -> None:
     """Exit (code 2, one line on stderr) when this machine has no CUDA GPU. Each GPU suite calls
-    it after parsing its arguments and after the modes that need none (``--report-only``, the
-    CPU dry run of ``decode-step --tp``), so those run, and bad arguments are named, anywhere."""
-    import sys
-
+    it after parsing and checking its arguments and after the modes that need none
+    (``--report-only``, the CPU dry run of ``decode-step --tp``), so those run, and bad
+    arguments are named, anywhere."""
     import torch
 
     if not torch.cuda.is_available():
-        print(f"dsv4 bench {suite} needs a CUDA GPU (the results of the last H200 run are in "
-              "benchmarks/results/h200/)", file=sys.stderr)
+        print(f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the last H200 run "
+              "are in benchmarks/results/h200/)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def add_out_options(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--out`` (the results folder, ``what`` it receives) and ``--overwrite``: every suite
+    takes both, and checks them with :func:`check_out` before any work."""
+    ap.add_argument("--out", required=True, type=Path,
+                    help=f"folder for {what} (created if needed; one that holds results of an "
+                    "earlier run is refused unless --overwrite)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the results of an earlier run in --out (default: refuse)")
+
+
+def check_out(out: Path, results: Iterable[str], overwrite: bool) -> None:
+    """Before any work: ``--out`` can be created or written in, and holds none of the files
+    ``results`` (what this run would write) unless ``overwrite``: earlier results are never
+    replaced silently. A :class:`UsageError` naming them otherwise."""
+    check_output_dir("--out", out)
+    earlier = sorted(name for name in results if (out / name).exists())
+    if earlier and not overwrite:
+        raise UsageError(f"--out {out}: holds the results of an earlier run "
+                         f"({', '.join(earlier)}); give another folder, or --overwrite to "
+                         "replace them")
+
+
+def check_report_source(out: Path, results: str) -> None:
+    """``--report-only``: the results file the report is remade from exists, and the folder
+    can be written in (the report replaces the earlier one: that is what was asked for)."""
+    if not (Path(out) / results).is_file():
+        raise UsageError(f"--out {out}: holds no {results} to remake the report from (run the "
+                         "suite without --report-only first)")
+    check_output_dir("--out", out)
+
+
+def pyplot(suite: str, png: str | Path) -> Any:
+    """matplotlib's pyplot on the Agg backend, or None after one line on stderr saying that the
+    PNG ``png`` is not written (matplotlib, the ``bench`` extra, is optional); an earlier run's
+    PNG there is removed then, as it would not show the new results."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        Path(png).unlink(missing_ok=True)
+        print(f"dsv4 bench {suite}: warning: matplotlib is not installed (pip install "
+              f"matplotlib), so {Path(png).name} was not written", file=sys.stderr, flush=True)
+        return None
+    return plt

@@ -33,6 +33,13 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4.bench.args import (
+    add_out_options,
+    check_out,
+    check_report_source,
+    pyplot,
+    require_cuda,
+)
 from dsv4.usage import OneLineArgumentParser
 
 ATTN_MODELS = {"flash": (64, 512), "pro": (128, 1024)}  # heads, compressed rows per query
@@ -346,12 +353,14 @@ def markdown_tables(res: dict) -> list[str]:
     return lines
 
 
+RESULTS = ("results.json", "summary.md", "fraction_of_floor.png")
+"""The files a run writes into ``--out``."""
+
+
 def plot(res: dict, out_dir: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("attention-kernels", os.path.join(out_dir, "fraction_of_floor.png"))
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     att = [r for r in res["rows"] if r["section"] == "attention" and r.get("us")]
     for impl in sorted({r["impl"] for r in att}):
@@ -370,21 +379,31 @@ def plot(res: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "fraction_of_floor.png"), dpi=110)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    add_out_options(ap, "results.json, summary.md and fraction_of_floor.png")
     ap.add_argument("--quick", action="store_true", help="fewer contexts and M")
-    ap.add_argument("--only", choices=["attention", "gemm"], default=None)
+    ap.add_argument("--only", choices=["attention", "gemm"], default=None,
+                    help="run one section only (default: both)")
     ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
     ap.add_argument("--report-only", action="store_true",
                     help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
     args = ap.parse_args(argv)
+    with ap.usage_errors():
+        if args.report_only:
+            check_report_source(args.out, "results.json")
+        else:
+            check_out(args.out, RESULTS, args.overwrite)
+    args.out = str(args.out)
     if args.report_only:
         with open(os.path.join(args.out, "results.json")) as f:
             _report(json.load(f), args.out)
         return 0
-    from dsv4.bench.args import require_cuda
-
     require_cuda("attention-kernels")
     from dsv4.bench.input_proj import measure_copy_bw, time_graph
 
@@ -417,8 +436,9 @@ def _report(res: dict, out_dir: str) -> None:
         f.write(text)
     try:
         plot(res, out_dir)
-    except Exception as ex:  # matplotlib missing: the table is the result
-        print(f"plot skipped: {ex!r}")
+    except Exception as ex:  # noqa: BLE001 - the table is the result; say why no PNG
+        print(f"dsv4 bench attention-kernels: warning: fraction_of_floor.png was not written "
+              f"({ex!r})", file=sys.stderr)
     print(text)
 
 

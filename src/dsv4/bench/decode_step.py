@@ -52,7 +52,15 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
+from dsv4.bench.args import (
+    LAYER_RATIO,
+    add_out_options,
+    check_out,
+    choice_list,
+    int_list,
+    pyplot,
+    require_cuda,
+)
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
@@ -64,7 +72,7 @@ from dsv4.kernels.launch import (
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
 from dsv4.random_weights import random_layer_weights
-from dsv4.usage import OneLineArgumentParser
+from dsv4.usage import OneLineArgumentParser, check_at_least
 
 _BOTH_PASSES = ("compressor_fusion", "fuse_input_projections")
 
@@ -406,14 +414,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Fraction of floor per case and strategy (PNG); False when matplotlib is missing."""
-    try:
-        import matplotlib
+RESULTS = ("decode_step.json", "decode_step.md", "decode_step.partial.json",
+           "decode_step_profile.md", "fraction_of_floor.png")
+TP_RESULTS = ("decode_step_tp.json", "decode_step_tp.md")
+"""The files a run (with ``--tp``: a TP run) writes into ``--out``."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Fraction of floor per case and strategy (PNG); False (said on stderr) when matplotlib is
+    missing."""
+    plt = pyplot("decode-step", path)
+    if plt is None:
         return False
     timed = [r for r in rows if "fraction" in r]
     cases = sorted({(r["model"], r["layer_type"], r["context"], r["M"]) for r in timed})
@@ -437,10 +448,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path,
-                    help="folder for the JSON and markdown results")
+    add_out_options(ap, "decode_step.json, .md and fraction_of_floor.png (with --tp: "
+                    "decode_step_tp.json and .md)")
     ap.add_argument("--models", default=["flash", "pro"],
                     type=choice_list(PRESET_NAMES, "model preset"),
                     help="comma-separated model presets (default flash,pro)")
@@ -460,7 +471,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
-    ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="timed repetitions, median taken (default 7)")
     ap.add_argument("--cold-l2", action="store_true",
                     help="time each replay alone after reading a buffer of twice the L2 size "
                     "(a model's next layer finds none of this layer's weights in L2; default: "
@@ -477,12 +489,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
                     "or started by torchrun): the cuda_plan step per rank, with and without "
-                    "its all-reduce (dsv4.bench.decode_step_tp)")
+                    "its all-reduce (dsv4.bench.decode_step_tp; default 1: none)")
     ap.add_argument("--dry-run", action="store_true",
                     help="with --tp: run the TP step on the CPU over gloo, eager, tiny preset "
                     "(checks the plumbing; the times mean nothing)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
     args = ap.parse_args(argv)
-    if args.tp != 1 or args.dry_run or "WORLD_SIZE" in os.environ:
+    tp_run = args.tp != 1 or args.dry_run or "WORLD_SIZE" in os.environ
+    with ap.usage_errors():
+        check_at_least("--reps", args.reps, 1)
+        if args.context is not None:
+            check_at_least("--context", args.context, 1)
+        check_out(args.out, TP_RESULTS if tp_run else RESULTS, args.overwrite)
+    if tp_run:
         from dsv4.bench.decode_step_tp import main_tp
 
         if args.context is None:

@@ -25,10 +25,18 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+from dsv4.bench.args import (
+    add_out_options,
+    check_out,
+    choice_list,
+    int_list,
+    require_cuda,
+)
 from dsv4.kernels.fused_input_proj import (
     KernelConfig,
     choose_config,
@@ -506,23 +514,35 @@ def summarize(res, out_dir):
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None, prog=None):
+RESULTS = ("results.json", "summary.md", "fraction_of_floor.png", "fraction_of_floor_eager.png",
+           "tune.json", "calibration.json")
+"""The files a run (of any mode) writes into ``--out``."""
+
+
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="folder for the JSON, markdown and PNG results")
+    add_out_options(ap, "results.json, summary.md and the PNGs")
     ap.add_argument("--quick", action="store_true", help="fewer M and layer types")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs instead")
-    ap.add_argument("--models", default=",".join(MODELS),
+    ap.add_argument("--models", default=list(MODELS), type=choice_list(MODELS, "model"),
                     help=f"comma-separated model presets (default {','.join(MODELS)})")
-    ap.add_argument("--layers", default=",".join(LAYERS),
+    ap.add_argument("--layers", default=list(LAYERS), type=choice_list(LAYERS, "layer type"),
                     help=f"comma-separated layer types (default {','.join(LAYERS)})")
-    ap.add_argument("--ms", default=",".join(map(str, MS)),
-                    help="comma-separated token counts M per call")
+    ap.add_argument("--ms", default=list(MS), type=int_list,
+                    help=f"comma-separated token counts M per call (default "
+                    f"{','.join(map(str, MS))})")
     ap.add_argument("--pdl", action="store_true", help="also time fused4_dsv4_pdl")
     ap.add_argument("--calibrate", action="store_true",
                     help="copy-of-same-bytes calibration and fp8 tile probes instead")
-    args = ap.parse_args(argv)
-    from dsv4.bench.args import require_cuda
+    return ap
 
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
+    args = ap.parse_args(argv)
+    with ap.usage_errors():
+        check_out(args.out, RESULTS, args.overwrite)
+    args.out = str(args.out)
     require_cuda("input-proj")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -533,17 +553,16 @@ def main(argv=None, prog=None):
     print(f"{res['gpu']} torch {torch.__version__} copy bw {copy_bw / 1e12:.3f} TB/s", flush=True)
     if args.tune:
         tune(dev, copy_bw, args.out, args.quick)
-        return
+        return 0
     if args.calibrate:
         calibrate(dev, copy_bw, args.out)
-        return
+        return 0
     t0 = time.time()
     streams = [torch.cuda.Stream() for _ in range(3)]
-    ms = [int(m) for m in args.ms.split(",")]
-    layers = args.layers.split(",")
+    ms, layers = list(args.ms), list(args.layers)
     if args.quick:
         ms, layers = [1, 4, 16, 64, 256], ["C4"]
-    for model in args.models.split(","):
+    for model in args.models:
         for layer in layers:
             for fp8 in (False, True):
                 packs = build_packs(model, layer, fp8, dev)
@@ -567,11 +586,14 @@ def main(argv=None, prog=None):
     try:
         from dsv4.bench.plot_input_proj import plot
 
-        plot(res, args.out)
-    except Exception as ex:  # the plot can be made later from results.json
-        print(f"plot skipped: {ex!r}")
+        for mode in ("graph", "eager"):
+            plot(res, args.out, mode)
+    except Exception as ex:  # noqa: BLE001 - python -m dsv4.bench.plot_input_proj OUT remakes it
+        print(f"dsv4 bench input-proj: warning: the plots were not written ({ex!r})",
+              file=sys.stderr)
     with open(os.path.join(args.out, "summary.md")) as f:
         print(f.read())
+    return 0
 
 
 if __name__ == "__main__":

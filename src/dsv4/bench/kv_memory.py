@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import choice_list, int_list
+from dsv4.bench.args import add_out_options, check_out, choice_list, int_list, pyplot
 from dsv4.cache.pool import CachePool
 from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.usage import OneLineArgumentParser
@@ -94,13 +94,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
+RESULTS = ("kv_memory.json", "kv_memory.md", "kv_memory.png")
+"""The files a run writes into ``--out``."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Write the PNG; False (said on stderr) when matplotlib is missing."""
+    plt = pyplot("kv-memory", path)
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, model in zip(axes, MODELS, strict=True):
@@ -123,15 +124,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON, md and PNG")
+    add_out_options(ap, "kv_memory.json, .md and .png")
     ap.add_argument("--contexts", default=list(CONTEXTS), type=int_list,
                     help="comma-separated token counts (default 4096,65536,1048576)")
     ap.add_argument("--models", default=list(MODELS),
                     type=choice_list(PRESET_NAMES, "model preset"),
                     help="comma-separated presets (default flash,pro)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
     args = ap.parse_args(argv)
+    with ap.usage_errors():
+        check_out(args.out, RESULTS, args.overwrite)
     rows = [measure(m, kv, index, n) for m in args.models for kv, index in FORMATS
             for n in args.contexts]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,15 @@ import json
 import os
 import sys
 
+from dsv4.bench.args import pyplot
 
-def plot(res: dict, out_dir: str, mode: str = "graph") -> str:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(res: dict, out_dir: str, mode: str = "graph") -> str | None:
+    """Write the PNG of one mode; its path, or None (said on stderr) without matplotlib."""
+    path = os.path.join(out_dir, f"fraction_of_floor{'' if mode == 'graph' else '_' + mode}.png")
+    plt = pyplot("input-proj", path)
+    if plt is None:
+        return None
 
     rows = [r for r in res["rows"] if r.get("mode") == mode and r.get("us")
             and r["layer_type"] in ("C4", "C128", "SWA")]
@@ -48,7 +51,6 @@ def plot(res: dict, out_dir: str, mode: str = "graph") -> str:
     axes[0][0].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{res.get('gpu', '')}: copy bw {res.get('copy_bw_TBps', 0):.2f} TB/s")
     fig.tight_layout()
-    path = os.path.join(out_dir, f"fraction_of_floor{'' if mode == 'graph' else '_' + mode}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

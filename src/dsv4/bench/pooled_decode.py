@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ from typing import Any
 import torch
 
 from dsv4.attention import DeepseekV4Attention
+from dsv4.bench.args import add_out_options, check_out, int_list, pyplot
 from dsv4.cache.pool import AttentionCache
-from dsv4.config import DSV4Config
+from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.random_weights import random_layer_weights
-from dsv4.usage import OneLineArgumentParser
+from dsv4.usage import OneLineArgumentParser, check_at_least, resolve_device
 
 
 def _sync(device: torch.device) -> None:
@@ -62,20 +62,33 @@ def measure(layer: DeepseekV4Attention, m: int, context: int, steps: int, reps: 
     return statistics.median(times), first
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+RESULTS = ("pooled_decode.json", "pooled_decode.md", "pooled_decode.png")
+"""The files a run writes into ``--out``."""
+
+
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path,
-                    help="folder for pooled_decode.json, .md and .png (created if needed)")
-    ap.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    add_out_options(ap, "pooled_decode.json, .md and .png")
+    ap.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
+                    help="model preset (default tiny)")
     ap.add_argument("--device", default="cpu", help="device to time on (default cpu)")
-    ap.add_argument("--ms", default="1,4,16,64,128",
+    ap.add_argument("--ms", default=[1, 4, 16, 64, 128], type=int_list,
                     help="comma-separated sequences per decode step (default 1,4,16,64,128)")
     ap.add_argument("--context", type=int, default=200,
                     help="prompt tokens per sequence before decoding (default 200)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per run (default 8)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions, median taken (default 3)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
+    with ap.usage_errors():
+        for option in ("context", "steps", "reps"):
+            check_at_least(f"--{option}", getattr(args, option), 1)
+        dev = torch.device(resolve_device(args.device))
+        check_out(args.out, RESULTS, args.overwrite)
     cfg = DSV4Config.preset(args.preset)
     rows: list[dict[str, Any]] = []
     for ratio in sorted(set(cfg.compress_ratios)):
@@ -84,7 +97,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         layer.load_weights(random_layer_weights(cfg, layer_id).items())
         measure(layer, 2, args.context, 2, 1, True)  # warm-up (first calls, allocator)
         measure(layer, 2, args.context, 2, 1, False)
-        for m in (int(v) for v in args.ms.split(",")):
+        for m in args.ms:
             single, y_single = measure(layer, m, args.context, args.steps, args.reps, False)
             pooled, y_pooled = measure(layer, m, args.context, args.steps, args.reps, True)
             err = float((y_pooled.double() - y_single.double()).norm()
@@ -113,21 +126,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     png = args.out / "pooled_decode.png"
     if _plot(rows, png):
         written.append(png)
-    else:
-        print(f"no plot: matplotlib is not installed (pip install matplotlib), so {png.name} "
-              "was not written", file=sys.stderr, flush=True)
     print("wrote " + ", ".join(str(p) for p in written), flush=True)
     return 0
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
-    """Write the plot; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Write the plot; False (said on stderr) when matplotlib is missing."""
+    plt = pyplot("pooled-decode", path)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for ratio in sorted({r["ratio"] for r in rows}):

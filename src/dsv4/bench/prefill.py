@@ -42,6 +42,7 @@ import functools
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,10 +50,19 @@ from typing import Any
 
 import torch
 
-from dsv4.bench.args import LAYER_RATIO, choice_list, int_list, require_cuda
+from dsv4.bench.args import (
+    LAYER_RATIO,
+    add_out_options,
+    check_out,
+    check_report_source,
+    choice_list,
+    int_list,
+    pyplot,
+    require_cuda,
+)
 from dsv4.bench.attention_kernels import rel
 from dsv4.config import ATTENTION_BACKENDS, DSV4Config
-from dsv4.usage import OneLineArgumentParser
+from dsv4.usage import OneLineArgumentParser, check_positive
 
 ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640, 1152)]
 """(heads, queries, rows each) of the attention table."""
@@ -581,11 +591,14 @@ def _tf(r: dict[str, Any]) -> str:
     return f"{r['tflops']:.0f}" if "tflops" in r else "-"
 
 
-def plot(res: dict[str, Any], out: Path) -> None:
-    import matplotlib
+RESULTS = ("prefill.json", "prefill.md", "prefill.png", "prefill_profile.md")
+"""The files a run writes into ``--out``."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(res: dict[str, Any], out: Path) -> None:
+    plt = pyplot("prefill", out / "prefill.png")
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     single = [r for r in res.get("layer_rows", []) if r.get("mode") == "single" and "ms" in r]
@@ -623,17 +636,18 @@ def write_report(res: dict[str, Any], out: Path) -> str:
     (out / "prefill.md").write_text(text)
     try:
         plot(res, out)
-    except Exception as ex:  # matplotlib missing: the table is the result
-        print(f"plot skipped: {ex!r}")
+    except Exception as ex:  # noqa: BLE001 - the table is the result; say why no PNG
+        print(f"dsv4 bench prefill: warning: prefill.png was not written ({ex!r})",
+              file=sys.stderr)
     return text
 
 
 # ---------------------------------------------------------------------------------- CLI
 
 
-def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path, help="folder for prefill.json/.md/.png")
+    add_out_options(ap, "prefill.json, .md and .png")
     ap.add_argument("--models", default=["flash", "pro"],
                     type=choice_list(("flash", "pro"), "model"),
                     help="comma-separated presets (default flash,pro)")
@@ -643,7 +657,8 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     ap.add_argument("--tokens", default=[4096, 16384, 65536, 131072], type=int_list,
                     help="tokens of the single-call prefills (default 4096,16384,65536,131072)")
     ap.add_argument("--chunk", type=int, default=8192,
-                    help="chunked prefill: tokens of the appended chunk (0: no chunked row)")
+                    help="chunked prefill: tokens of the appended chunk (default 8192; 0: no "
+                    "chunked row)")
     ap.add_argument("--context", type=int, default=65536,
                     help="chunked prefill: tokens already in the cache (default 65536)")
     ap.add_argument("--attention-backend", default=["torch"],
@@ -652,17 +667,26 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     ap.add_argument("--step-kernels", default=["on"], type=choice_list(("on", "off"), "value"),
                     help="comma-separated on / off: the cuda platform's step kernels (the Triton "
                     "indexer, compressor, cache writes; off: their PyTorch path) (default on)")
-    ap.add_argument("--reps", type=int, default=3, help="timed calls per row (median)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="timed calls per row, median taken (default 3)")
     ap.add_argument("--check-tokens", type=int, default=1024,
-                    help="tokens of the output check against the torch backend")
+                    help="tokens of the output check against the torch backend (default 1024)")
     ap.add_argument("--max-case-seconds", type=float, default=60.0,
-                    help="skip a larger single call when the last one predicts more than this")
-    ap.add_argument("--only", choices=["layer", "attention"], default=None)
+                    help="skip a larger single call when the last one predicts more than this "
+                    "(default 60)")
+    ap.add_argument("--only", choices=["layer", "attention"], default=None,
+                    help="run one section only (default: both)")
     ap.add_argument("--profile", action="store_true",
                     help="also write prefill_profile.md: the kernel table of one call of each "
                     "timed single-call layer row")
     ap.add_argument("--report-only", action="store_true",
                     help="remake prefill.md / .png from OUT/prefill.json; no GPU needed")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """The arguments, checked (a usage error, exit code 2, before any work)."""
+    ap = parser(prog)
     args = ap.parse_args(argv)
     for name in ("chunk", "context"):
         if getattr(args, name) < 0:
@@ -671,6 +695,12 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
         ap.error("--chunk needs --context > 0 (or --chunk 0)")
     if args.reps < 1 or args.check_tokens < 1:
         ap.error("--reps and --check-tokens must be >= 1")
+    with ap.usage_errors():
+        check_positive("--max-case-seconds", args.max_case_seconds)
+        if args.report_only:
+            check_report_source(args.out, "prefill.json")
+        else:
+            check_out(args.out, RESULTS, args.overwrite)
     return args
 
 

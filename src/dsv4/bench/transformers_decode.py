@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dsv4.usage import OneLineArgumentParser
+from dsv4.bench.args import add_out_options, check_out, int_list, pyplot
+from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least, resolve_device
 
 FLASH_SCHEDULE = ["sliding_attention"] * 2 + [
     "compressed_sparse_attention", "heavily_compressed_attention"] * 20 + [
@@ -174,8 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                               args.vocab)
     model = build_model(kwargs, args.device, dtype, args.seed)
     cfg = model.config
-    batches = [int(b) for b in args.batches.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    batches, contexts = list(args.batches), list(args.contexts)
     need = max(contexts) + args.warmup + args.steps + 1
 
     def chunk_for(b: int, c: int) -> int:
@@ -257,12 +256,9 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Write the PNG; False (said on stderr) when matplotlib is missing."""
+    plt = pyplot("transformers-decode", path)
+    if plt is None:
         return False
     rows = result["rows"]
     labels = [f"B={r['batch']}\nctx={r['context']}" for r in rows]
@@ -285,30 +281,76 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+RESULTS = ("transformers_decode.json", "transformers_decode.md", "transformers_decode.png")
+"""The files a run writes into ``--out``."""
+
+
+def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--platform", default="cuda", help="dsv4 platform (dsv4.platforms)")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "float32"])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=8, help="routed experts (Flash: 256)")
-    ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--contexts", default="4096,32768")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--prefill-chunk", type=int, default=0, help="0: automatic")
-    ap.add_argument("--check-steps", type=int, default=8)
-    ap.add_argument("--check-prompt", type=int, default=300)
-    ap.add_argument("--no-strict", dest="strict", action="store_false")
+    add_out_options(ap, "transformers_decode.json, .md and .png")
+    ap.add_argument("--device", default=None,
+                    help="cpu, cuda or cuda:N (default: cuda; on a machine without a GPU give "
+                    "--device cpu, with --tiny for a smoke run)")
+    ap.add_argument("--platform", default=None,
+                    help="dsv4 platform (dsv4.platforms; default: cuda on a GPU, else reference)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "float32"],
+                    help="weights and activations (default bf16)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="layers of the Flash-shaped model (default 4: SWA, SWA, C4A, C128A)")
+    ap.add_argument("--experts", type=int, default=8,
+                    help="routed experts (default 8; Flash: 256)")
+    ap.add_argument("--vocab", type=int, default=129280, help="vocabulary size (default 129280)")
+    ap.add_argument("--batches", default=[1, 16], type=int_list,
+                    help="comma-separated sequences per decode step (default 1,16)")
+    ap.add_argument("--contexts", default=[4096, 32768], type=int_list,
+                    help="comma-separated cached tokens per sequence (default 4096,32768)")
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="untimed decode steps before them (default 4)")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="tokens per prefill forward (default 0: automatic)")
+    ap.add_argument("--check-steps", type=int, default=8,
+                    help="greedy tokens that must agree before timing (default 8)")
+    ap.add_argument("--check-prompt", type=int, default=300,
+                    help="prompt tokens of that check (default 300)")
+    ap.add_argument("--no-strict", dest="strict", action="store_false",
+                    help="time even when the greedy check disagrees (default: stop)")
     ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke run)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that can be checked before the model is built (UsageError otherwise)."""
+    import importlib.util
+
+    for option in ("layers", "experts", "vocab", "steps", "check_steps", "check_prompt"):
+        check_at_least(f"--{option.replace('_', '-')}", getattr(args, option), 1)
+    for option in ("warmup", "prefill_chunk"):
+        check_at_least(f"--{option.replace('_', '-')}", getattr(args, option), 0)
+    if args.device is None and not torch.cuda.is_available():
+        raise UsageError("no CUDA GPU here: give --device cpu (with --tiny for a CPU smoke run) "
+                         "or run on a GPU")
+    args.device = resolve_device(args.device)
+    if args.platform is None:
+        args.platform = "cuda" if torch.device(args.device).type == "cuda" else "reference"
+    from dsv4.platforms import get_platform
+    from dsv4.platforms.registry import PlatformUnavailableError, UnknownPlatformError
+
+    try:
+        get_platform(args.platform, args.device)
+    except (UnknownPlatformError, PlatformUnavailableError) as e:
+        raise UsageError(f"--platform {args.platform}: {e}") from None
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("needs transformers (pip install 'dsv4[transformers]')")
+    check_out(args.out, RESULTS, args.overwrite)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
     args = ap.parse_args(argv)
-    if args.steps <= 0 or args.check_steps <= 0:
-        ap.error("--steps and --check-steps must be positive")
-    if not all(math.isfinite(float(c)) and int(c) > 0 for c in args.contexts.split(",")):
-        ap.error("--contexts must be positive integers")
+    with ap.usage_errors():
+        check_args(args)
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "transformers_decode.json").write_text(json.dumps(result, indent=1))

@@ -96,9 +96,14 @@ class AttentionCache:
         return n // self.compress_ratio if self.compress_ratio else 0
 
     def fork(self) -> AttentionCache:
+        """A new sequence in the same pool that starts with this one's prefix (for parallel
+        samples or a shared prompt): full blocks are shared, not copied. Needs a free slot; see
+        :meth:`CachePool.fork`."""
         return self.pool.fork(self)
 
     def free(self) -> None:
+        """Give this sequence's blocks and slot back to the pool; the cache cannot be used
+        afterwards (a layer call with it is an error naming it)."""
         self.pool.free(self)
 
     def reset(self) -> None:
@@ -240,6 +245,8 @@ class CachePool:
         self._free_slots.append(slot)
 
     def reset(self, cache: AttentionCache) -> None:
+        """Start a new sequence in ``cache``'s slot: every block goes back, the length is 0;
+        the handle stays usable (unlike :meth:`free`)."""
         slot = self._own(cache, "reset")
         for store in self.stores.values():
             store.release_all(slot)
@@ -291,6 +298,10 @@ class CachePool:
 
     def read_rows(self, cache: AttentionCache, name: str, start: int = 0,
                   end: int | None = None) -> torch.Tensor:
+        """Rows ``start .. end - 1`` of ``cache``'s sequence in store ``name`` (``kv``: window
+        rows by position, only those still held; ``compressed``, ``idx_keys``: entries), read
+        back through the store's format in the layer dtype: for inspecting and testing a cache
+        (:meth:`AttentionCache.rows`)."""
         slot = self._own(cache, "rows")
         if name not in self.stores:
             raise ValueError(f"store {name!r}: this layer's stores are {list(self.stores)}")
@@ -314,6 +325,8 @@ class CachePool:
         return length // self.compress_ratio
 
     def held_bytes(self, cache: AttentionCache) -> int:
+        """Bytes of storage ``cache``'s sequence holds now: its blocks in every store (shared
+        blocks of a fork counted for each holder) plus its compressor rings."""
         slot = self._own(cache, "held_bytes")
         total = sum(store.held_blocks(slot) * store.block_bytes for store in self.stores.values())
         for spec, ring in self.rings.values():
@@ -326,6 +339,8 @@ class CachePool:
         return total + sum(r.numel() * r.element_size() for _, r in self.rings.values())
 
     def blocks_in_use(self) -> dict[str, int]:
+        """Blocks taken per store (``kv``, ``compressed``, ``idx_keys``), over all sequences:
+        with :attr:`num_free_slots`, what the pool has left."""
         return {name: s.alloc.num_blocks - s.alloc.num_free for name, s in self.stores.items()}
 
     # ------------------------------------------------------------------ steps

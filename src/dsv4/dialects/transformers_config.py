@@ -48,6 +48,35 @@ _PASSTHROUGH = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head
                 "simulate_quant", "multi_stream_token_threshold")
 
 
+TRANSFORMERS_KEYS = frozenset({
+    *_MARKERS, *_PASSTHROUGH, "model_type", "architectures", "rope_theta", "compress_rope_theta",
+    "qk_rope_head_dim", "rope_scaling", "attention_bias", "attention_dropout",
+    # the rest of transformers' DeepseekV4Config (5.x): the model around the attention
+    "hc_mult", "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "moe_intermediate_size",
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "norm_topk_prob",
+    "routed_scaling_factor", "scoring_func", "swiglu_limit", "router_aux_loss_coef",
+    "router_jitter_noise", "output_router_logits", "mlp_bias", "hidden_act",
+    "initializer_range", "use_cache", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+    # PretrainedConfig's own (4.x and 5.x), written by to_dict / save_pretrained
+    "_name_or_path", "_attn_implementation", "_commit_hash", "transformers_version", "dtype",
+    "torch_dtype", "auto_map", "id2label", "label2id", "num_labels", "problem_type",
+    "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder", "finetuning_task", "tokenizer_class", "prefix", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "pruned_heads", "torchscript",
+    "use_bfloat16", "tf_legacy_loss", "output_scores", "return_dict_in_generate",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "base_model_tp_plan", "base_model_pp_plan",
+})
+"""Every top-level key a transformers DeepSeek-V4 ``config.json`` may carry; most describe the
+model around the attention and are ignored, none is reported as unknown."""
+
+
 def is_transformers_config(d: Mapping[str, Any]) -> bool:
     """Whether ``d`` is written in the transformers dialect (it has one of its own keys)."""
     return any(k in d for k in _MARKERS)

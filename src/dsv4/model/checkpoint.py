@@ -15,7 +15,8 @@ Layout (what ``save_tiny_lm`` writes)::
 from __future__ import annotations
 
 import json
-import tempfile
+import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from dsv4.checkpoint import (
     save_checkpoint,
 )
 from dsv4.config import ConfigError
+from dsv4.folder_swap import FolderOwnershipError, replace_folder
 from dsv4.model.config import TinyLMConfig
 from dsv4.model.lm import TinyLM
 from dsv4.model.paths import default_model_dir
@@ -58,14 +60,28 @@ def lm_tensor_shapes(cfg: TinyLMConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: str | Path
-                 ) -> list[Path]:
-    """Write a complete model folder from official-name tensors (checkpoint dtypes).
+TINY_LM_FILES = (ATTN_SHARD, LM_SHARD, INDEX_FILE, "config.json", "train_report.json",
+                 "loss_curve.png")
+"""The files of a tiny-LM folder that :func:`save_tiny_lm` (and ``dsv4 train-tiny``) write and
+may replace; a folder holding anything else is refused."""
+
+
+def is_tiny_lm_file(name: str) -> bool:
+    return name in TINY_LM_FILES
+
+
+def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: str | Path,
+                 report: dict[str, Any] | None = None) -> list[Path]:
+    """Write a complete model folder from official-name tensors (checkpoint dtypes), with the
+    training ``report`` (``train_report.json``, ``loss_curve.png``) when given.
 
     The attention tensors are loaded into reference layers and written by ``save_checkpoint``,
-    so the folder holds exactly what that function produces for them."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    so the folder holds exactly what that function produces for them. As ``save_checkpoint``
+    does, the files are written into a temporary sibling that then replaces ``folder``: it holds
+    exactly this model afterwards (or, on a failure, what it held before), every file with the
+    mode the user's umask gives. A folder holding other files than :data:`TINY_LM_FILES` is
+    refused (:class:`CheckpointError` naming them) before anything is written. Returns the
+    files written."""
     layers = {}
     for i in range(cfg.num_layers):
         prefix = layer_prefix(cfg.attn, i)
@@ -73,22 +89,37 @@ def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: st
         layer.load_weights((k[len(prefix):], t) for k, t in tensors.items()
                            if k.startswith(prefix))
         layers[i] = layer
-    for stale in (folder / "model.safetensors", folder / INDEX_FILE):
-        stale.unlink(missing_ok=True)
-    # save_checkpoint owns the folder it writes: write the attention there, move its shard here
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        save_checkpoint(AttentionStack(cfg.attn, layers), Path(tmp) / "attention")
-        (Path(tmp) / "attention" / "model.safetensors").replace(folder / ATTN_SHARD)
     shapes = lm_tensor_shapes(cfg)
     lm = {name: tensors[name].to(torch.bfloat16).contiguous() for name in shapes}
-    save_file(lm, str(folder / LM_SHARD), metadata={"format": "pt"})
-    with safe_open(str(folder / ATTN_SHARD), framework="pt") as f:
-        attn_names = list(f.keys())
-    weight_map = {**{n: ATTN_SHARD for n in attn_names}, **{n: LM_SHARD for n in lm}}
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                indent=1))
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    return [folder / ATTN_SHARD, folder / LM_SHARD, folder / INDEX_FILE, folder / "config.json"]
+
+    def write(tmp: Path) -> list[Path]:
+        # config.json first: an ordinary file, so its mode is what the user's umask gives; every
+        # other file gets the same (the safetensors writer may create private files)
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        # save_checkpoint owns the folder it writes: write the attention there, move its shard
+        save_checkpoint(AttentionStack(cfg.attn, layers), tmp / "attention")
+        (tmp / "attention" / "model.safetensors").replace(tmp / ATTN_SHARD)
+        shutil.rmtree(tmp / "attention")
+        save_file(lm, str(tmp / LM_SHARD), metadata={"format": "pt"})
+        with safe_open(str(tmp / ATTN_SHARD), framework="pt") as f:
+            attn_names = list(f.keys())
+        weight_map = {**{n: ATTN_SHARD for n in attn_names}, **{n: LM_SHARD for n in lm}}
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                 indent=1))
+        written = [tmp / ATTN_SHARD, tmp / LM_SHARD, tmp / INDEX_FILE, tmp / "config.json"]
+        if report is not None:
+            from dsv4.model.train import save_report
+
+            written += save_report(report, tmp)
+        mode = (tmp / "config.json").stat().st_mode & 0o7777
+        for path in written:
+            os.chmod(path, mode)
+        return written
+
+    try:
+        return replace_folder(folder, write, is_tiny_lm_file, what="tiny-LM files")
+    except FolderOwnershipError as e:
+        raise CheckpointError(f"save_tiny_lm: {e}") from e
 
 
 def read_lm_tensors(folder: Path, cfg: TinyLMConfig) -> dict[str, torch.Tensor]:
@@ -129,6 +160,16 @@ def read_lm_tensors(folder: Path, cfg: TinyLMConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_model_folder(folder: Path) -> None:
+    """A :class:`CheckpointError` unless ``folder`` is an existing folder (a file given for the
+    folder is named as such, not as missing)."""
+    if folder.is_file():
+        raise CheckpointError(f"{folder} is a file, not a model folder (give the folder that "
+                              "holds config.json and the *.safetensors shards)")
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
+
+
 def load_tiny_lm(folder: str | Path, platform: str = "reference",
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                  passes: Sequence[str] | None = None, **attn_overrides: Any) -> TinyLM:
@@ -136,8 +177,7 @@ def load_tiny_lm(folder: str | Path, platform: str = "reference",
     classes and post-load ``passes``, default: the platform's own), the rest from its shard.
     ``attn_overrides``: runtime options of the attention config, e.g. ``simulate_quant=False``."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"model folder {folder} does not exist")
+    check_model_folder(folder)
     try:
         cfg = TinyLMConfig.from_pretrained(folder, **attn_overrides)
     except ConfigError as e:

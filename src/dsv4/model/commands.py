@@ -10,9 +10,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv4.model.paths import default_model_dir
+from dsv4.model.paths import MODEL_NAME, default_model_dir
 from dsv4.model.task import HELDOUT_SIZE, describe_format, format_problem
-from dsv4.usage import UsageError, check_at_least, resolve_device
+from dsv4.usage import (
+    UsageError,
+    check_at_least,
+    check_output_dir,
+    check_output_file,
+    check_positive,
+    resolve_device,
+)
 
 DTYPE_NAMES = ("bf16", "fp32", "fp64")
 
@@ -36,8 +43,31 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def check_model_dir(option: str, folder: Path) -> None:
+    """A tiny-LM folder to read, checked before any work: it exists, is a folder and holds a
+    config.json. The shipped model missing is a broken installation, and said so."""
+    folder = Path(folder)
+    if folder == default_model_dir() and not (folder / "config.json").is_file():
+        raise UsageError(f"{option}: the shipped model {MODEL_NAME} is missing from this "
+                         f"installation (expected at {folder}); reinstall dsv4, or give "
+                         f"{option} FOLDER")
+    if not folder.exists():
+        raise UsageError(f"{option} {folder}: does not exist")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {folder}: is a file, not a model folder (give the folder "
+                         "that holds config.json and the *.safetensors shards)")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{option} {folder}: holds no config.json (not a model folder)")
+
+
+def unique(names: list[str] | None) -> list[str] | None:
+    """A repeated option's values without repeats (first occurrence kept): ``--platform X
+    --platform X`` runs X once."""
+    return None if names is None else list(dict.fromkeys(names))
+
+
 # The end-to-end check that sets the exit code of `dsv4 eval` / `dsv4 demo`: the shipped model's
-# goals (models/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
+# goals (dsv4/model/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
 # scores ~0 and fails it by far; so does a near-tie flip on more than one problem.
 MIN_ACCURACY, MAX_GAP, MIN_AGREEMENT = 0.95, 1, 0.999
 
@@ -111,7 +141,7 @@ def _user_errors(fn: Any) -> Any:
         try:
             return int(fn(args))
         except (ValueError, RuntimeError) as e:  # CheckpointError, PromptError, ConfigError, ...
-            print(f"dsv4: error: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"dsv4 {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
 
     return run
@@ -129,57 +159,76 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--decode-batch {args.decode_batch}: give a positive number, or 0 for "
                          "all sequences in one forward")
     check_problems(args.problems)
+    check_model_dir("--model", args.model)
+    if args.json is not None:
+        check_output_file("--json", args.json)  # before the eval, not after it
     device = _device(args.device)
     batch = -1 if args.decode_batch is None else (args.decode_batch or None)
     from dsv4.model.evaluate import parse_cache_format
 
-    formats = [parse_cache_format(f) for f in args.cache_format or ["auto/auto"]]
-    return run_model_eval(args.model, args.platform, device, args.problems, args.dtype,
+    formats = list(dict.fromkeys(parse_cache_format(f)
+                                 for f in args.cache_format or ["auto/auto"]))
+    return run_model_eval(args.model, unique(args.platform), device, args.problems, args.dtype,
                           args.json, batch, formats, args.act_quant)
 
 
 @_user_errors
 def _cmd_generate(args: argparse.Namespace) -> int:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_model_dir("--model", args.model)
     device = _device(args.device)
     from dsv4.model.checkpoint import load_tiny_lm
-    from dsv4.model.generate import generate
+    from dsv4.model.generate import generate, prompt_name
 
     model = load_tiny_lm(args.model, platform=args.platform, device=device,
                          dtype=torch_dtype(args.dtype))
     spec = model.cfg.task
+    n = len(args.prompt)
     for i, prompt in enumerate(args.prompt):
         problem = format_problem(prompt, spec)
         if problem is not None:
-            print(f"dsv4 generate: warning: prompt {i} is outside the format the model was "
-                  f"trained on ({problem}); expect a wrong answer. Trained format: "
+            print(f"dsv4 generate: warning: {prompt_name(i, n)} is outside the format the model "
+                  f"was trained on ({problem}); expect a wrong answer. Trained format: "
                   f"{describe_format(spec)}", file=sys.stderr, flush=True)
-    for prompt, out in zip(args.prompt, generate(model, args.prompt, args.max_new_tokens),
-                           strict=True):
-        print(f"{prompt}{out}" if not args.only_answer else out)
+    outs = generate(model, args.prompt, args.max_new_tokens)
+    for i, (prompt, out) in enumerate(zip(args.prompt, outs, strict=True)):
+        if not out:  # one output line per prompt stays; say why this one is empty
+            print(f"dsv4 generate: warning: {prompt_name(i, n)}: the model ended its answer at "
+                  "once (its first token was <eos>), so the answer is empty", file=sys.stderr,
+                  flush=True)
+        print(f"{prompt}{out}" if not args.only_answer else out, flush=True)
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from dsv4.model.checkpoint import save_tiny_lm
-    from dsv4.model.train import TrainSettings, save_report, train_tiny
-
+    # every check before the training: its result must not be lost to a bad --out
+    check_positive("--seconds", args.seconds, "the training time budget")
+    check_positive("--lr", args.lr, "the peak learning rate")
     check_at_least("--batch", args.batch, 1)
     check_at_least("--max-steps", args.max_steps, 0)
+    check_output_dir("--out", args.out)
+    device = _device(args.device)
+    from dsv4.folder_swap import foreign_entries
+    from dsv4.model.checkpoint import is_tiny_lm_file, save_tiny_lm
+    from dsv4.model.train import TrainSettings, train_tiny
+
+    if args.out.is_dir() and foreign_entries(args.out, is_tiny_lm_file):
+        raise UsageError(f"--out {args.out}: holds other files than a tiny-LM folder's "
+                         f"({', '.join(foreign_entries(args.out, is_tiny_lm_file))}); give an "
+                         "empty or new folder (a tiny-LM folder there is replaced)")
     settings = TrainSettings(seconds=args.seconds, batch=args.batch, lr=args.lr, seed=args.seed,
-                             device=_device(args.device), max_steps=args.max_steps)
+                             device=device, max_steps=args.max_steps)
     model, report = train_tiny(settings, log=lambda s: print(s, flush=True))
     report["command"] = " ".join(["dsv4", *sys.argv[1:]]) if args.command_line is None \
         else args.command_line
-    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out)
-    save_report(report, args.out)
+    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out, report=report)
     print(json.dumps({"saved": [str(f) for f in files],
                       "accuracy": report["heldout_accuracy_checkpoint_numerics"]}))
     return 0
 
 
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when available, else cpu)"
-MODEL_HELP = "the tiny LM folder (default: the shipped models/tiny-arith)"
+MODEL_HELP = f"the tiny LM folder (default: the shipped {MODEL_NAME}, inside the dsv4 package)"
 
 
 def add_commands(sub: Any) -> None:
@@ -228,13 +277,22 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--only-answer", action="store_true", help="print the continuation only")
     g.set_defaults(func=_cmd_generate)
     t = sub.add_parser("train-tiny", help="train the tiny arithmetic LM (a GPU: a few minutes)",
-                       description="Train the tiny arithmetic LM and write its folder.")
-    t.add_argument("--out", type=Path, required=True, help="folder to write the model into")
-    t.add_argument("--seconds", type=float, default=200.0, help="training time budget")
-    t.add_argument("--batch", type=int, default=256, help="sequences per step")
-    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    t.add_argument("--seed", type=int, default=0, help="random seed")
+                       description="Train the tiny arithmetic LM and write its folder. After "
+                       "the training, the held-out problems are answered twice (checkpoint "
+                       "numerics, float) for the report; on a CPU that takes minutes.")
+    t.add_argument("--out", type=Path, required=True,
+                   help="folder to write the model into: new, empty, or a tiny-LM folder "
+                   "(replaced); checked before the training")
+    t.add_argument("--seconds", type=float, default=200.0,
+                   help="time budget of the training loop, > 0 (default 200; the held-out "
+                   "evaluation after it comes on top)")
+    t.add_argument("--batch", type=int, default=256, help="problems per step (default 256)")
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, > 0 (default "
+                   "2e-3)")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     t.add_argument("--device", default=None, help=DEVICE_HELP)
-    t.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
+    t.add_argument("--max-steps", type=int, default=0,
+                   help="stop after N steps if the time budget has not run out first (default "
+                   "0: no step limit)")
     t.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_train)

@@ -19,7 +19,7 @@ import torch
 
 from dsv4.checkpoint import CheckpointError
 from dsv4.config import ConfigError
-from dsv4.model.checkpoint import load_tiny_lm
+from dsv4.model.checkpoint import check_model_folder, load_tiny_lm
 from dsv4.model.config import TinyLMConfig
 from dsv4.model.generate import generate_ids
 from dsv4.model.task import Problem, heldout_problems
@@ -145,11 +145,10 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     ``on_start(k, total, name)`` and ``log(row)`` are called before and after each run."""
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
-    names = list(platforms) if platforms else available(device)
+    names = list(dict.fromkeys(platforms)) if platforms else available(device)  # once each
     for name in names:
         get_platform(name, device)  # unknown / unavailable: a clear error before any work
-    if not Path(model_dir).is_dir():
-        raise CheckpointError(f"model folder {model_dir} does not exist")
+    check_model_folder(Path(model_dir))
     try:
         task = TinyLMConfig.from_pretrained(model_dir).task
     except ConfigError as e:

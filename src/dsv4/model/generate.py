@@ -19,20 +19,28 @@ class PromptError(ValueError):
     """A prompt is empty, too long for the model, or holds characters it cannot encode."""
 
 
+def prompt_name(index: int, count: int) -> str:
+    """How messages name ``prompts[index]``: "prompt 1 of 2" (counted from 1)."""
+    return f"prompt {index + 1} of {count}"
+
+
 def encode_prompts(model: TinyLM, prompts: Sequence[str], max_new_tokens: int
                    ) -> list[list[int]]:
+    """Token ids of each prompt (``<bos>`` first), checked; errors count prompts from 1 ("prompt
+    2 of 3"), as a user counts the prompts they gave."""
     tok: CharTokenizer = model.cfg.tokenizer
     limit = model.cfg.max_seq_len
     out = []
     for i, p in enumerate(prompts):
+        name = prompt_name(i, len(prompts))
         if not isinstance(p, str) or not p:
-            raise PromptError(f"prompt {i} is empty: give at least one character")
+            raise PromptError(f"{name} is empty: give at least one character")
         try:
             ids = tok.encode(p, bos=True)
         except ValueError as e:
-            raise PromptError(f"prompt {i}: {e}") from e
+            raise PromptError(f"{name}: {e}") from e
         if len(ids) + max_new_tokens > limit:
-            raise PromptError(f"prompt {i} has {len(ids)} tokens (with <bos>); with "
+            raise PromptError(f"{name} has {len(ids)} tokens (with <bos>); with "
                               f"max_new_tokens={max_new_tokens} that exceeds the model's "
                               f"max_position_embeddings={limit}")
         out.append(ids)

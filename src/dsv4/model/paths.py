@@ -1,16 +1,17 @@
-"""Where the shipped tiny model lives (no torch import: the ``dsv4`` command's help uses it)."""
+"""Where the shipped tiny model lives (no torch import: the ``dsv4`` command's help uses it).
+
+The model ships inside the package (``dsv4/model/tiny-arith``, declared as package data), so a
+regular ``pip install``, a wheel and an editable install all find it from any working directory.
+"""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
+
+MODEL_NAME = "tiny-arith"
 
 
 def default_model_dir() -> Path:
-    """The shipped model: ``models/tiny-arith`` of the repository (or of the installed package's
-    source tree)."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "models" / "tiny-arith"
-        if (candidate / "config.json").is_file():
-            return candidate
-    return here.parents[3] / "models" / "tiny-arith"
+    """The shipped model's folder, ``tiny-arith`` inside the installed ``dsv4.model`` package."""
+    return Path(str(resources.files("dsv4.model").joinpath(MODEL_NAME)))

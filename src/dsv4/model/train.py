@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,8 @@ class TrainSettings:
     seed: int = 0
     device: str = "cpu"
     eval_every_s: float = 30.0
+    log_every_s: float = 10.0
+    """A progress line (step, loss) at least this often, and after the first step."""
     eval_problems: int = 400
     max_steps: int = 0
     """Stop after this many steps as well (0: only the time budget)."""
@@ -95,13 +98,17 @@ def encode_batch(problems: Sequence[Problem], tok: CharTokenizer, device: torch.
 @torch.no_grad()
 def greedy_answers(model: TrainLM, problems: Sequence[Problem], tok: CharTokenizer,
                    quant: QuantOptions = EVAL_QUANT, batch: int = 200, max_new: int = 4,
-                   dtype: torch.dtype = torch.float32) -> list[str]:
+                   dtype: torch.dtype = torch.float32, log: Any = None) -> list[str]:
     """Greedy answers by the training model itself (full re-forward per token, no caches): a
     cheap progress signal during training. The shipped model is scored by :mod:`dsv4.model.eval`
-    through the inference layers instead."""
+    through the inference layers instead. ``log`` gets a line per batch (on a CPU a batch can
+    take a minute)."""
     device = next(model.parameters()).device
     out: list[str] = []
     for s in range(0, len(problems), batch):
+        if log is not None:
+            log(f"answering held-out problems {s + 1}-{min(s + batch, len(problems))} of "
+                f"{len(problems)} ...")
         chunk = problems[s:s + batch]
         seqs = [tok.encode(p.prompt, bos=True) for p in chunk]
         done = [False] * len(seqs)
@@ -156,9 +163,25 @@ def _lr(settings: TrainSettings, step: int, frac: float) -> float:
     return settings.lr * warm * (settings.min_lr_ratio + (1 - settings.min_lr_ratio) * cos)
 
 
+def check_settings(settings: TrainSettings) -> None:
+    """The limits that end the training, checked before it starts: a time budget that is not a
+    positive number would never be reached (or end it at once)."""
+    if not (math.isfinite(settings.seconds) and settings.seconds > 0):
+        raise ValueError(f"seconds={settings.seconds}: the time budget must be a positive number")
+    if not (math.isfinite(settings.lr) and settings.lr > 0):
+        raise ValueError(f"lr={settings.lr}: the learning rate must be a positive number")
+    if settings.max_steps < 0:
+        raise ValueError(f"max_steps={settings.max_steps}: must be >= 0 (0: no step limit)")
+    if settings.batch < 1:
+        raise ValueError(f"batch={settings.batch}: must be at least 1")
+
+
 def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
                log: Any = print) -> tuple[TrainLM, dict[str, Any]]:
-    """Train for ``settings.seconds``; returns the float model and a report (curves, timings)."""
+    """Train for ``settings.seconds`` (and at most ``settings.max_steps`` steps), then score the
+    held-out problems; returns the float model and a report (curves, timings). ``log`` gets the
+    progress lines."""
+    check_settings(settings)
     cfg = dataclasses.replace(cfg or TinyLMConfig.preset(), task=settings.task)
     torch.manual_seed(settings.seed)
     device = torch.device(settings.device)
@@ -183,8 +206,11 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
         prefetch_factor=8 if workers else None, pin_memory=device.type == "cuda"))
     curve: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
+    log(f"training on {device} for {settings.seconds:g} s"
+        + (f" or {settings.max_steps} steps, whichever comes first" if settings.max_steps
+           else "") + f", {settings.batch} problems a step")
     t0 = time.perf_counter()
-    last_eval = t0
+    last_eval = last_log = t0
     step = 0
     phase = "dense"
     while True:
@@ -216,6 +242,10 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
             curve.append({"step": step, "seconds": time.perf_counter() - t0,
                           "ce": float(ce.detach()), "indexer_kl": float(kl.detach()), "lr": lr,
                           "phase_id": ["dense", "sparse", "qat"].index(phase)})
+        if step == 1 or time.perf_counter() - last_log >= settings.log_every_s:
+            last_log = time.perf_counter()  # a heartbeat: a CPU step can take many seconds
+            log(f"step {step} {phase} {last_log - t0:.0f}s ce {float(ce.detach()):.4f} "
+                f"kl {float(kl.detach()):.4f} lr {lr:.2e}")
         if time.perf_counter() - last_eval >= settings.eval_every_s:
             last_eval = time.perf_counter()
             model.eval()
@@ -226,8 +256,10 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
                 f"kl {float(kl.detach()):.4f} lr {lr:.2e} heldout acc {acc:.3f}")
     train_seconds = time.perf_counter() - t0
     model.eval()
-    final_acc = accuracy(greedy_answers(model, heldout, tok), heldout)
-    float_acc = accuracy(greedy_answers(model, heldout, tok, quant=NO_QUANT), heldout)
+    log(f"trained {step} steps in {train_seconds:.0f}s; held-out accuracy of {len(heldout)} "
+        "problems, with checkpoint weights + simulations, then float:")
+    final_acc = accuracy(greedy_answers(model, heldout, tok, log=log), heldout)
+    float_acc = accuracy(greedy_answers(model, heldout, tok, quant=NO_QUANT, log=log), heldout)
     evals.append({"step": step, "seconds": train_seconds, "accuracy": final_acc})
     log(f"done: {step} steps in {train_seconds:.0f}s; held-out accuracy {final_acc:.3f} with "
         f"checkpoint weights + simulations, {float_acc:.3f} float")
@@ -241,8 +273,9 @@ def train_tiny(settings: TrainSettings, cfg: TinyLMConfig | None = None,
     return model, report
 
 
-def save_report(report: dict[str, Any], folder: Path) -> None:
-    """``train_report.json`` and ``loss_curve.png`` (matplotlib, when installed)."""
+def save_report(report: dict[str, Any], folder: Path) -> list[Path]:
+    """``train_report.json`` and ``loss_curve.png`` (matplotlib, when installed; a line on
+    stderr says when it is not); returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train_report.json").write_text(json.dumps(report, indent=1))
     try:
@@ -251,7 +284,9 @@ def save_report(report: dict[str, Any], folder: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        print("dsv4 train-tiny: warning: matplotlib is not installed (pip install matplotlib), "
+              "so loss_curve.png was not written", file=sys.stderr, flush=True)
+        return [folder / "train_report.json"]
     curve = report["curve"]
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     steps = [c["step"] for c in curve]
@@ -276,3 +311,4 @@ def save_report(report: dict[str, Any], folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "loss_curve.png", dpi=110)
     plt.close(fig)
+    return [folder / "train_report.json", folder / "loss_curve.png"]
