@@ -29,7 +29,7 @@ from dsv4.random_weights import random_layer_weights
 kind, ratio, m, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = dsv4.DSV4Config.preset("tiny")
 lid = cfg.layer_of_ratio(ratio)
-layer = dsv4.DeepseekV4Attention.build(cfg, lid, platform="reference", dtype=torch.bfloat16)
+layer = dsv4.build_attention(cfg, lid, platform="reference", dtype=torch.bfloat16)
 layer.load_weights(random_layer_weights(cfg, lid, 0).items())
 g = torch.Generator().manual_seed(0)
 h = cfg.hidden_size

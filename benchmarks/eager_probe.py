@@ -24,7 +24,7 @@ DEV = torch.device("cuda")
 
 
 def make(cfg: dsv4.DSV4Config, layer_id: int) -> dsv4.DeepseekV4Attention:
-    a = dsv4.DeepseekV4Attention.build(cfg, layer_id=layer_id, platform="cuda", device=DEV,
+    a = dsv4.build_attention(cfg, layer_id=layer_id, platform="cuda", device=DEV,
                                        dtype=torch.bfloat16)
     a.load_weights(dsv4.random_layer_weights(cfg, layer_id=layer_id, seed=0).items())
     dsv4.process_weights_after_loading(a)

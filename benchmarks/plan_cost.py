@@ -16,16 +16,16 @@ import time
 
 import torch
 
-from dsv4 import DeepseekV4Attention
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.step import CacheStep, forget_uploaded_metadata
 from dsv4.config import DSV4Config
+from dsv4.platforms import build_attention
 
 
 def main() -> None:
     cfg = DSV4Config.preset("tiny")
     for ratio in (4, 128, 0):
-        layer = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
+        layer = build_attention(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
         for m in (1, 16, 64):
             pool = layer.new_cache_pool(m, 2048)
             caches = [pool.add_sequence() for _ in range(m)]
@@ -52,7 +52,7 @@ def commit_cost() -> None:
     per-slot release watermark (769fe49: a release scans the blocks above the slot's watermark
     only)."""
     cfg = DSV4Config.preset("tiny").replace(max_position_embeddings=65536)
-    layer = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(0), dtype=torch.bfloat16)
+    layer = build_attention(cfg, cfg.layer_of_ratio(0), dtype=torch.bfloat16)
     m = 16
     for context in (600, 8192, 32768):
         pool = layer.new_cache_pool(m, context + 512)

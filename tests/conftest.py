@@ -12,6 +12,7 @@ import torch
 
 from dsv4 import DeepseekV4Attention, DSV4Config
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 RATIOS = (0, 4, 128)
@@ -69,7 +70,7 @@ def make_layer() -> LayerFactory:
     def make(cfg: DSV4Config, ratio: int, dtype: torch.dtype = torch.bfloat16,
              platform: str = "reference", seed: int = 0, **kw: object) -> DeepseekV4Attention:
         layer_id = cfg.layer_of_ratio(ratio)
-        layer = DeepseekV4Attention.build(cfg, layer_id, platform=platform, dtype=dtype, **kw)
+        layer = build_attention(cfg, layer_id, platform=platform, dtype=dtype, **kw)
         layer.load_weights(random_layer_weights(cfg, layer_id, seed).items())
         return layer
 

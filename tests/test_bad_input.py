@@ -12,12 +12,12 @@ from dsv4 import (
     AttentionInputError,
     CheckpointError,
     ConfigError,
-    DeepseekV4Attention,
     DSV4Config,
     WeightLoadError,
     load_checkpoint,
     save_checkpoint,
 )
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 from conftest import random_x
@@ -188,7 +188,7 @@ def test_load_weights_validates_before_assigning(tiny, make_layer, case, match):
 def test_load_weights_takes_a_mapping_or_pairs(tiny, form):
     layer_id, w = _weights(tiny)
     weights = {"dict": w, "pairs": list(w.items()), "generator": (kv for kv in w.items())}[form]
-    layer = DeepseekV4Attention.build(tiny, layer_id)
+    layer = build_attention(tiny, layer_id)
     layer.load_weights(weights)
     assert torch.equal(layer.attn_sink, w["attn_sink"])
 
@@ -213,12 +213,12 @@ def test_load_weights_says_what_it_expects(tiny, make_layer, bad, match):
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_build_on_a_missing_device_names_it(tiny, device):
     with pytest.raises(ValueError, match=f"device='{device}': CUDA is not available"):
-        DeepseekV4Attention.build(tiny, 0, device=device)
+        build_attention(tiny, 0, device=device)
 
 
 def test_build_on_a_device_that_is_no_device_names_it(tiny):
     with pytest.raises(ValueError, match="device='gpu0' is not a device"):
-        DeepseekV4Attention.build(tiny, 0, device="gpu0")
+        build_attention(tiny, 0, device="gpu0")
 
 
 def test_config_rejects_impossible_combinations():
@@ -246,11 +246,11 @@ def test_config_rejects_impossible_combinations():
 
 def test_build_rejects_unknown_platform_and_dtype(tiny):
     with pytest.raises(ValueError, match=r"unknown platform 'rocm'; valid platforms: reference"):
-        DeepseekV4Attention.build(tiny, 0, platform="rocm")
+        build_attention(tiny, 0, platform="rocm")
     with pytest.raises(ValueError, match="dtype=torch.float16"):
-        DeepseekV4Attention.build(tiny, 0, dtype=torch.float16)
+        build_attention(tiny, 0, dtype=torch.float16)
     with pytest.raises(ConfigError, match="layer_id 9 is out of range"):
-        DeepseekV4Attention.build(tiny, 9)
+        build_attention(tiny, 9)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from dsv4.bench.decode_step import (
     markdown_table,
     step_bytes,
 )
+from dsv4.platforms import build_attention
 from dsv4.platforms.registry import _needs_cuda
 
 
@@ -49,13 +50,12 @@ def test_strategies_are_few_and_led_by_the_library_default():
 
 
 def test_floor_counts_the_cache_format_bytes(tiny):
-    from dsv4 import DeepseekV4Attention
     from dsv4.random_weights import random_layer_weights
 
     sizes = {}
     for fmt in ("bf16", "fp8_ds_mla"):
         c = tiny.replace(kv_cache_dtype=fmt)
-        layer = DeepseekV4Attention.build(c, c.layer_of_ratio(4))
+        layer = build_attention(c, c.layer_of_ratio(4))
         layer.load_weights(random_layer_weights(c, layer.layer_id).items())
         sizes[fmt] = step_bytes(layer, 2, 1000)  # type: ignore[arg-type]
     keys = 2 * (tiny.sliding_window + tiny.index_topk)  # rows read by 2 sequences
@@ -84,11 +84,10 @@ def test_bad_strategy_and_layer_names_are_refused(tmp_path):
 def test_launch_origins_names_the_operators_and_undoes_the_step(tiny):
     """The profile's third table (CPU here: the operators of one step by Python stack); the
     step's rows are rolled back."""
-    from dsv4 import DeepseekV4Attention
     from dsv4.bench.decode_step import launch_origins
     from dsv4.random_weights import random_layer_weights
 
-    layer = DeepseekV4Attention.build(tiny, tiny.layer_of_ratio(4))
+    layer = build_attention(tiny, tiny.layer_of_ratio(4))
     layer.load_weights(random_layer_weights(tiny, layer.layer_id).items())
     caches = layer.new_caches(2, 64)
     x = torch.randn(40, tiny.hidden_size).bfloat16()

@@ -19,6 +19,7 @@ from dsv4.bench.prefill import (
     prefill_indices,
 )
 from dsv4.config import DSV4Config
+from dsv4.platforms import build_attention
 
 
 def _brute_force_flops(cfg: DSV4Config, ratio: int, tokens: int, context: int) -> float:
@@ -178,13 +179,12 @@ def _fake_time_calls(fn, reps, dev, before=None):
 def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     """The row builders end to end on the tiny preset (reference layer, CPU): every backend's
     output is checked, single and chunked calls run repeatedly on a fresh / forked cache."""
-    from dsv4 import DeepseekV4Attention
     from dsv4.bench import prefill
 
     built = []
 
     def build(cfg, layer_id, weights, dev, step_kernels=True):
-        layer = DeepseekV4Attention.build(cfg, layer_id, dtype=torch.bfloat16)
+        layer = build_attention(cfg, layer_id, dtype=torch.bfloat16)
         layer.load_weights(weights.items())
         built.append(step_kernels)
         return layer
@@ -247,11 +247,10 @@ def test_profile_tables_name_the_dsv4_lines_behind_host_events():
     """With stacks recorded, each host event row names the dsv4 lines that issued it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dsv4 import DeepseekV4Attention
     from dsv4.bench.prefill import profile_tables
     from dsv4.random_weights import random_layer_weights
 
-    layer = DeepseekV4Attention.build(_TINY, _TINY.layer_of_ratio(4))
+    layer = build_attention(_TINY, _TINY.layer_of_ratio(4))
     layer.load_weights(random_layer_weights(_TINY, layer.layer_id, seed=0).items())
     x = torch.randn(16, _TINY.hidden_size, dtype=layer.dtype)
     cache = layer.new_cache(16)

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 import dsv4.checkpoint as ckpt
-from dsv4 import AttentionStack, DeepseekV4Attention, load_checkpoint, save_checkpoint
+from dsv4 import AttentionStack, load_checkpoint, save_checkpoint
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 from conftest import random_x
@@ -23,7 +24,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def stack(tiny):
     layers = {}
     for i in range(tiny.num_layers_with_mtp):
-        m = DeepseekV4Attention.build(tiny, i)
+        m = build_attention(tiny, i)
         m.load_weights(random_layer_weights(tiny, i, seed=7).items())
         layers[i] = m
     return AttentionStack(tiny, layers)

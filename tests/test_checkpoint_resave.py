@@ -13,17 +13,17 @@ import dsv4.checkpoint as ckpt
 from dsv4 import (
     AttentionStack,
     CheckpointError,
-    DeepseekV4Attention,
     load_checkpoint,
     save_checkpoint,
 )
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 
 def make_stack(cfg, seed, ids=None):
     layers = {}
     for i in ids if ids is not None else range(cfg.num_layers_with_mtp):
-        m = DeepseekV4Attention.build(cfg, i)
+        m = build_attention(cfg, i)
         m.load_weights(random_layer_weights(cfg, i, seed=seed).items())
         layers[i] = m
     return AttentionStack(cfg, layers)

@@ -3,6 +3,7 @@
 import pytest
 
 from dsv4.config import ConfigError, DSV4Config
+from dsv4.platforms import build_attention
 
 
 def test_attention_backend_is_a_checked_runtime_option():
@@ -17,7 +18,6 @@ def test_attention_backend_is_a_checked_runtime_option():
 def test_layer_of_ratio_finds_an_mtp_layer_when_no_hidden_layer_has_the_ratio(tiny):
     import torch
 
-    from dsv4 import DeepseekV4Attention
     from dsv4.random_weights import random_layer_weights
 
     # Pro's hidden layers are all compressed; its one SWA-only attention is the MTP layer's
@@ -26,7 +26,7 @@ def test_layer_of_ratio_finds_an_mtp_layer_when_no_hidden_layer_has_the_ratio(ti
     assert c.layer_of_ratio(4) == 0 and c.layer_of_ratio(128) == 2
     lid = c.layer_of_ratio(0)
     assert lid == c.num_hidden_layers and c.compress_ratio(lid) == 0
-    layer = DeepseekV4Attention.build(c, lid)
+    layer = build_attention(c, lid)
     layer.load_weights(random_layer_weights(c, lid).items())
     x = torch.randn(5, c.hidden_size, dtype=torch.bfloat16)
     assert torch.isfinite(layer(x, torch.arange(5), layer.new_cache(16)).float()).all()
@@ -77,11 +77,10 @@ def test_the_keys_of_both_dialects_load_in_silence(tmp_path):
 
 
 def test_layer_id_must_be_an_int_in_range(tiny):
-    from dsv4 import DeepseekV4Attention
 
     with pytest.raises(ConfigError, match=r"layer_id='1' is a str: give an int, 0 \.\. 3"):
-        DeepseekV4Attention.build(tiny, "1")  # type: ignore[arg-type]
+        build_attention(tiny, "1")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="layer_id=True"):
         tiny.compress_ratio(True)
     with pytest.raises(ConfigError, match="layer_id 4 is out of range"):
-        DeepseekV4Attention.build(tiny, 4)
+        build_attention(tiny, 4)

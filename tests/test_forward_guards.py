@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import AttentionInputError, DeepseekV4Attention, DSV4Config
+from dsv4 import AttentionInputError, DSV4Config
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 from test_bad_input import assert_same_cache, snapshot_cache
 
@@ -14,7 +15,7 @@ from conftest import random_x
 
 
 def test_forward_on_unloaded_layer_names_what_is_missing(tiny):
-    layer = DeepseekV4Attention.build(tiny, 1)
+    layer = build_attention(tiny, 1)
     cache = layer.new_cache(16)
     x = random_x(3, tiny.hidden_size).bfloat16()
     with pytest.raises(AttentionInputError, match=r"layer 1 .*never loaded \(wq_a.weight"):
@@ -26,7 +27,7 @@ def test_forward_on_unloaded_layer_names_what_is_missing(tiny):
 
 def test_load_state_dict_counts_as_loaded(tiny, make_layer):
     src = make_layer(tiny, 128)
-    layer = DeepseekV4Attention.build(tiny, src.layer_id)
+    layer = build_attention(tiny, src.layer_id)
     layer.load_state_dict(src.state_dict())
     x = random_x(4, tiny.hidden_size).bfloat16()
     assert torch.equal(layer(x, torch.arange(4), layer.new_cache(8)),
@@ -71,7 +72,7 @@ def test_check_finite_inputs_is_a_runtime_option():
 @pytest.mark.parametrize("switch", [False, True])
 def test_cuda_checks_only_with_the_switch(tiny, switch):
     cfg = tiny.replace(check_finite_inputs=switch)
-    layer = DeepseekV4Attention.build(cfg, 0, device="cuda")
+    layer = build_attention(cfg, 0, device="cuda")
     layer.load_weights(random_layer_weights(cfg, 0).items())
     x = random_x(2, cfg.hidden_size).bfloat16().cuda()
     x[1, 0] = float("nan")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4 import process_weights_after_loading
 from dsv4.offload import CpuOffloader, NoopOffloader
+from dsv4.platforms import build_attention, default_passes
 from dsv4.random_weights import random_layer_weights
 
 from conftest import random_x
@@ -18,7 +19,7 @@ def ptr(t):
 
 def build(cfg, ratio, device, offloader=None, platform="reference", dtype=torch.bfloat16):
     lid = cfg.layer_of_ratio(ratio)
-    layer = DeepseekV4Attention.build(cfg, lid, platform=platform, device=device, dtype=dtype,
+    layer = build_attention(cfg, lid, platform=platform, device=device, dtype=dtype,
                                       offloader=offloader)
     layer.load_weights(random_layer_weights(cfg, lid, seed=2).items())
     return layer
@@ -26,7 +27,7 @@ def build(cfg, ratio, device, offloader=None, platform="reference", dtype=torch.
 
 def check_offload_with_fusion(cfg, device, platform):
     plain = build(cfg, 4, device, platform=platform)
-    process_weights_after_loading(plain, passes=["compressor_fusion", *plain.default_passes()])
+    process_weights_after_loading(plain, passes=["compressor_fusion", *default_passes(plain)])
     if platform == "cuda":
         # an offloaded cuda layer runs the base path's fp8 linears and no input-stage graph
         # (weights move around each call): the plain layer the same way, so the bits compare.
@@ -38,7 +39,7 @@ def check_offload_with_fusion(cfg, device, platform):
     layer = build(cfg, 4, device, off, platform=platform)
     report = process_weights_after_loading(layer,
                                            passes=["compressor_fusion",
-                                                   *layer.default_passes()])
+                                                   *default_passes(layer)])
     assert report.changed["compressor_fusion"] == [layer.layer_id]  # fusion stays on
     main, idx = layer.fused_compressor_params()
     fused = layer._fused_compressor_weight

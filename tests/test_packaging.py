@@ -103,7 +103,7 @@ def test_the_version_has_one_source_and_the_command_prints_it(capsys):
 def _public_api():
     from dsv4 import AttentionCache, CachePool, DeepseekV4Attention, DSV4Config
 
-    return [DeepseekV4Attention, DeepseekV4Attention.__init__, DeepseekV4Attention.build,
+    return [DeepseekV4Attention, DeepseekV4Attention.__init__, dsv4.build_attention,
             DeepseekV4Attention.load_weights, DeepseekV4Attention.forward,
             AttentionCache.fork, AttentionCache.free, CachePool.reset, CachePool.read_rows,
             CachePool.held_bytes, CachePool.blocks_in_use, DSV4Config.replace,
@@ -120,7 +120,7 @@ def test_help_of_the_layer_explains_how_to_use_it():
     from dsv4 import DeepseekV4Attention
 
     doc = DeepseekV4Attention.__doc__ or ""
-    for word in ("build", "load_checkpoint", "load_weights", "new_cache", "Example"):
+    for word in ("build_attention", "load_checkpoint", "load_weights", "new_cache", "Example"):
         assert word in doc, word
     init = inspect.getdoc(DeepseekV4Attention.__init__) or ""
     assert "placeholder weights" in init  # its own, not torch.nn.Module's

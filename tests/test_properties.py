@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dsv4 import DeepseekV4Attention, DSV4Config
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 from conftest import RATIOS
@@ -24,7 +25,7 @@ SETTINGS = settings(max_examples=12, deadline=None)
 def layer(ratio: int, simulate: bool = True) -> DeepseekV4Attention:
     cfg = CFG.replace(simulate_quant=simulate)
     lid = cfg.layer_of_ratio(ratio)
-    m = DeepseekV4Attention.build(cfg, lid, dtype=torch.float64)
+    m = build_attention(cfg, lid, dtype=torch.float64)
     m.load_weights(random_layer_weights(cfg, lid, seed=3).items())
     return m
 

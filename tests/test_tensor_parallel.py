@@ -22,7 +22,7 @@ from dsv4 import DeepseekV4Attention, DSV4Config, load_checkpoint, save_checkpoi
 from dsv4.contract import structural_violations
 from dsv4.model.checkpoint import ATTN_SHARD, default_model_dir
 from dsv4.offload import CpuOffloader
-from dsv4.platforms import available
+from dsv4.platforms import available, build_attention
 from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPConfigError, TPInfo, config_key, split_problems
 from dsv4.tp_launch import NO_MULTICAST_ENV, spawn
@@ -103,7 +103,7 @@ def _tp2_job(group: Any, out_dir: str, broken: str) -> dict[str, Any]:
     # errors: every rank raises, none hangs
     cfg = DSV4Config.preset("tiny")
     mine = cfg if rank == 0 else cfg.replace(sliding_window=8)
-    res["mismatch"] = _caught(lambda: DeepseekV4Attention.build(mine, 1, tp_group=group))
+    res["mismatch"] = _caught(lambda: build_attention(mine, 1, tp_group=group))
     res["fail_config"] = _caught(lambda: load_checkpoint(
         ARITH if rank == 0 else out / "missing", tp_group=group))
     res["fail_read"] = _caught(lambda: load_checkpoint(
@@ -121,8 +121,8 @@ def _tp4_job(group: Any) -> dict[str, Any]:
                       modes=("prefill", "pooled"), ratios=(4,), fusions=(True,))
     tiny = DSV4Config.preset("tiny")
     return {"rows": rows,
-            "groups": _caught(lambda: DeepseekV4Attention.build(tiny, 1, tp_group=group)),
-            "heads": _caught(lambda: DeepseekV4Attention.build(
+            "groups": _caught(lambda: build_attention(tiny, 1, tp_group=group)),
+            "heads": _caught(lambda: build_attention(
                 tiny.replace(num_attention_heads=6, o_groups=3), 1, tp_group=group))}
 
 
@@ -274,7 +274,7 @@ def test_a_tp_layer_loads_its_slices_from_whole_or_split_tensors() -> None:
     cfg = tp_preset(4)
     full = random_layer_weights(cfg, 1)
     tp = _fake_tp(cfg, 2, 4)
-    a = DeepseekV4Attention.build(cfg, 1, tp_group=tp)
+    a = build_attention(cfg, 1, tp_group=tp)
     a.load_weights(full.items())
     assert a.wq_b.weight.shape == (256, 128) and a.attn_sink.shape == (2,)
     torch.testing.assert_close(a.attn_sink, full["attn_sink"][4:6], rtol=0, atol=0)
@@ -282,7 +282,7 @@ def test_a_tp_layer_loads_its_slices_from_whole_or_split_tensors() -> None:
                        full["wo_b.weight"][:, 256:384].view(torch.uint8))
     assert torch.equal(a.wq_b.scale.view(torch.uint8),
                        full["wq_b.scale"][4:6].view(torch.uint8))
-    b = DeepseekV4Attention.build(cfg, 1, tp_group=tp)
+    b = build_attention(cfg, 1, tp_group=tp)
     b.load_weights((n, tp.take(n, t)) for n, t in full.items())
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), n
@@ -295,9 +295,9 @@ def test_a_tp_layer_loads_its_slices_from_whole_or_split_tensors() -> None:
 def test_a_tpinfo_for_another_config_is_refused() -> None:
     cfg = tp_preset(2)
     with pytest.raises(TPConfigError, match="another config"):
-        DeepseekV4Attention.build(cfg.replace(sliding_window=8), 1, tp_group=_fake_tp(cfg, 0, 2))
+        build_attention(cfg.replace(sliding_window=8), 1, tp_group=_fake_tp(cfg, 0, 2))
     with pytest.raises(TPConfigError, match="not initialised|ProcessGroup"):
-        DeepseekV4Attention.build(cfg, 1, tp_group="group")
+        build_attention(cfg, 1, tp_group="group")
 
 
 def test_a_platform_cannot_drop_the_all_reduce() -> None:
@@ -310,7 +310,7 @@ def test_a_platform_cannot_drop_the_all_reduce() -> None:
 
 
 def test_without_a_group_nothing_is_split_or_reduced(tiny: DSV4Config) -> None:
-    layer = DeepseekV4Attention.build(tiny, 1)
+    layer = build_attention(tiny, 1)
     assert layer.tp is None and layer.n_heads == 4 and layer.o_groups == 2
     y = torch.ones(3, 256, dtype=torch.bfloat16)
     assert layer._tp_all_reduce(y) is y

@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4 import ConfigError, DeepseekV4Attention, DSV4Config, load_checkpoint, save_checkpoint
+from dsv4 import ConfigError, DSV4Config, load_checkpoint, save_checkpoint
 from dsv4.checkpoint import AttentionStack, CheckpointError
 from dsv4.dialects import transformers_names as names
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 
@@ -105,7 +106,7 @@ def test_a_config_written_by_transformers_reads_back(tmp_path: Path) -> None:
 def _stack(cfg: DSV4Config) -> AttentionStack:
     layers = {}
     for i in range(cfg.num_layers_with_mtp):
-        layer = DeepseekV4Attention.build(cfg, i, dtype=torch.bfloat16)
+        layer = build_attention(cfg, i, dtype=torch.bfloat16)
         layer.load_weights(random_layer_weights(cfg, i, seed=3).items())
         layers[i] = layer
     return AttentionStack(cfg, layers)
@@ -152,7 +153,7 @@ def test_transformers_names_match_the_transformers_model() -> None:
     hf = {k for k in model.state_dict() if ".self_attn." in k}
     official = {}
     for i in range(3):
-        layer = DeepseekV4Attention.build(
+        layer = build_attention(
             DSV4Config.from_dict(model.config.to_dict()).replace(fp8_weights=False), i)
         official.update({f"layers.{i}.attn.{n}": None for n in layer.official_weight_names()})
     assert set(names.from_official(official, "transformers")) == hf

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     )
     from dsv4.config import ConfigError, DSV4Config
     from dsv4.passes import PassReport, process_weights_after_loading
+    from dsv4.platforms import build_attention
     from dsv4.random_weights import random_layer_weights
     from dsv4.weights import WeightLoadError
 
@@ -37,6 +38,7 @@ _WHERE = {
     "DeepseekV4Attention": "dsv4.attention",
     "PassReport": "dsv4.passes",
     "WeightLoadError": "dsv4.weights",
+    "build_attention": "dsv4.platforms",
     "load_checkpoint": "dsv4.checkpoint",
     "process_weights_after_loading": "dsv4.passes",
     "random_layer_weights": "dsv4.random_weights",
@@ -55,6 +57,7 @@ __all__ = [
     "DeepseekV4Attention",
     "PassReport",
     "WeightLoadError",
+    "build_attention",
     "load_checkpoint",
     "platforms",
     "process_weights_after_loading",

@@ -46,8 +46,8 @@ class DeepseekV4Attention(nn.Module):
     """One DeepSeek-V4 attention layer (SWA-only, C4A with indexer, or C128A, as the config's
     ``compress_ratios`` give for ``layer_id``), on any device and in bf16, fp32 or fp64.
 
-    Construction: :meth:`build` makes the layer of a platform (``"reference"``, ``"preshuffle"``,
-    ``"cuda"``; ``dsv4.platforms.available()``); whole checkpoints load with
+    Construction: :func:`dsv4.build_attention` makes the layer of a platform (``"reference"``,
+    ``"preshuffle"``, ``"cuda"``; ``dsv4.platforms.available()``); whole checkpoints load with
     :func:`dsv4.load_checkpoint`, which also runs the platform's post-load passes. A layer built
     by hand holds placeholder weights until :meth:`load_weights` (official tensor names relative
     to the layer, e.g. ``wq_a.weight``) or ``load_state_dict``; then
@@ -64,13 +64,13 @@ class DeepseekV4Attention(nn.Module):
     Example::
 
         cfg = DSV4Config.preset("tiny")
-        layer = DeepseekV4Attention.build(cfg, layer_id=1)            # a C4A layer
+        layer = dsv4.build_attention(cfg, layer_id=1)                  # a C4A layer
         layer.load_weights(dsv4.random_layer_weights(cfg, 1))          # or a checkpoint's
         cache = layer.new_cache(max_seq_len=512)
         y = layer(x, torch.arange(x.shape[0]), cache)                  # prefill
         y1 = layer(x1, torch.tensor([x.shape[0]]), cache)              # one decode step
 
-    Platforms subclass it and override only the steps in :attr:`OVERRIDE_POINTS`.
+    Platforms subclass it and override only the stages and points in :attr:`OVERRIDE_POINTS`.
     """
 
     OVERRIDE_POINTS: ClassVar[tuple[str, ...]] = OVERRIDE_POINTS
@@ -156,28 +156,6 @@ class DeepseekV4Attention(nn.Module):
         self._register_load_state_dict_pre_hook(self._stored_layout_pre_hook)
         self.register_load_state_dict_post_hook(_after_load_state_dict)
 
-    @classmethod
-    def build(cls, cfg: DSV4Config, layer_id: int, platform: str = "reference",
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-              **kwargs: Any) -> DeepseekV4Attention:
-        """Build the layer of ``layer_id`` for ``platform`` (see ``dsv4.platforms.available()``)
-        on ``device``, which must exist here (checked before any tensor is made)."""
-        from dsv4.platforms import get_platform
-
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device={device!r} is not a device ({e})") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine "
-                             "(build on 'cpu')")
-        n_cuda = torch.cuda.device_count() if dev.type == "cuda" else 0
-        if dev.type == "cuda" and dev.index is not None and dev.index >= n_cuda:
-            raise ValueError(f"device={device!r}: this machine has {n_cuda} CUDA device(s)")
-
-        plat = get_platform(platform, device=device)
-        return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
-
     @staticmethod
     def shared_build_kwargs(device: torch.device | str) -> dict[str, Any]:
         """Resources one model's layers share (platforms override: e.g. CUDA aux streams)."""
@@ -230,23 +208,6 @@ class DeepseekV4Attention(nn.Module):
         return [pool.add_sequence() for _ in range(n)]
 
     # ------------------------------------------------------------------ post-load state
-    def default_passes(self) -> tuple[str, ...]:
-        """This platform's post-load passes, in order."""
-        from dsv4.platforms.registry import platform_spec
-
-        return platform_spec(self.platform_name).pass_names
-
-    def prepare_compressor_gemm_fusion(self) -> bool:
-        """Upstream's entry point: run the compressor fusion pass on this layer; True if fused.
-        (The pass is looked up by name in the pass registry, imported here on first use.)"""
-        from dsv4.passes.pipeline import PASSES
-
-        plan = PASSES["compressor_fusion"].plan(self)
-        if callable(plan):
-            plan()
-            return True
-        return False
-
     def fused_compressor_params(self) -> list[nn.Parameter]:
         """The two parameters that view the fused compressor buffer (C4 layers)."""
         assert self.compressor is not None and self.indexer is not None
@@ -985,3 +946,10 @@ def _split_steps(counts: list[int], step_tokens: int) -> list[tuple[int, int, li
 def _short(t: torch.Tensor) -> str:
     v = t.tolist()
     return str(v) if len(v) <= 6 else f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)} tokens)"
+
+
+def attention_layers(module: nn.Module) -> list[DeepseekV4Attention]:
+    """The attention layers of ``module`` (itself, if it is one), in module order."""
+    if isinstance(module, DeepseekV4Attention):
+        return [module]
+    return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]

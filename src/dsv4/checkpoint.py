@@ -8,31 +8,27 @@ plus ``config.json``, so a saved model loads on any platform.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import numbers
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dsv4.attention import DeepseekV4Attention
+from dsv4.attention import DeepseekV4Attention, attention_layers
 from dsv4.config import ConfigError, DSV4Config, read_config_json
 from dsv4.dialects import transformers_names
 from dsv4.folder_swap import FolderOwnershipError, replace_folder
-from dsv4.tensor_parallel import (
-    TPInfo,
-    agreement,
-    gather_checkpoint_tensors,
-    rank0_writes,
-    writes_checkpoint,
-)
+from dsv4.platforms import build_attention
+from dsv4.tensor_parallel import SHARDED, TPConfigError, TPInfo, agreement
 from dsv4.weights import WeightLoadError, export_official_weights
 
 log = logging.getLogger(__name__)
@@ -241,7 +237,7 @@ def load_checkpoint(folder: str | Path, layers: Sequence[int] | None = None,
         if tp is not None:
             build_kwargs = {**build_kwargs, "tp_group": tp}
         for i in ids:  # one layer at a time: load, post-load passes, offload, next
-            layer = DeepseekV4Attention.build(cfg, i, platform=platform, device=device,
+            layer = build_attention(cfg, i, platform=platform, device=device,
                                               dtype=dtype, **{**shared, **build_kwargs})
             try:
                 layer.load_weights(tensors.pop(i).items())
@@ -268,12 +264,6 @@ def _read(f: Any, full: str, rel: str, tp: TPInfo | None) -> torch.Tensor:
     return tp.take(rel, part)  # type: ignore[no-any-return]
 
 
-def attention_layers(module: nn.Module) -> list[DeepseekV4Attention]:
-    if isinstance(module, DeepseekV4Attention):
-        return [module]
-    return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]
-
-
 SAVED_LAYERS_KEY = "dsv4_saved_layers"
 """config.json key (ignored by other readers) listing the layer ids a ``save_checkpoint`` folder
 holds, so that ``load_checkpoint(folder)`` loads exactly those by default."""
@@ -284,6 +274,62 @@ def is_checkpoint_file(name: str) -> bool:
     the shard index."""
     return name in ("config.json", INDEX_FILE) or (
         name.startswith("model") and name.endswith(".safetensors"))
+
+
+# ---- tensor parallelism: every rank calls save_checkpoint, rank 0 writes -----------------
+def group_of(layers: list[DeepseekV4Attention]) -> TPInfo | None:
+    """The tensor-parallel group all ``layers`` share, or None; mixing groups is an error."""
+    tps = [layer.tp for layer in layers if layer.tp is not None]
+    if not tps:
+        return None
+    if len(tps) != len(layers) or any((t.group, t.rank, t.size) != (tps[0].group, tps[0].rank,
+                                                                   tps[0].size) for t in tps):
+        raise TPConfigError("the module mixes layers of different tensor-parallel groups (or "
+                            "with and without one): save them separately")
+    return tps[0]
+
+
+def gather_checkpoint_tensors(layers: list[DeepseekV4Attention],
+                              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``save_checkpoint``'s tensors (full names) with every split tensor gathered from the group
+    into its official shape; unchanged without a group. A collective: every rank calls it."""
+    if group_of(layers) is None:
+        return tensors
+    out = dict(tensors)
+    for layer in layers:
+        assert layer.tp is not None
+        prefix = layer_prefix(layer.cfg, layer.layer_id)
+        for name in SHARDED:
+            if prefix + name in out:
+                out[prefix + name] = layer.tp.gather(name, out[prefix + name])
+    return out
+
+
+def writes_checkpoint(layers: list[DeepseekV4Attention]) -> bool:
+    """Whether this process writes the files: always without a group, else rank 0 only."""
+    tp = group_of(layers)
+    return tp is None or tp.rank == 0
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rank0_writes(save: F) -> F:
+    """Decorator of ``save_checkpoint``: under tensor parallelism every rank calls it (the
+    gather is collective), rank 0 writes, and every rank returns only once rank 0 has finished;
+    a failure on any rank raises on every rank."""
+
+    @functools.wraps(save)
+    def wrapper(module: Any, *args: Any, **kwargs: Any) -> Any:
+        tp = group_of(attention_layers(module))
+        if tp is None or tp.size == 1:
+            return save(module, *args, **kwargs)
+        result: Any = []
+        with agreement(tp.group, "save_checkpoint"):
+            result = save(module, *args, **kwargs)
+        return result
+
+    return wrapper  # type: ignore[return-value]
 
 
 @rank0_writes

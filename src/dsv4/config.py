@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4.config_error import ConfigError
+
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_ds_mla")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp4")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashmla")
@@ -42,10 +44,6 @@ OTHER_KNOWN_KEYS = frozenset({
     "dsv4_saved_layers", "tokenizer", "task",
 })
 """Keys a config may carry that the attention does not use: never reported as unknown."""
-
-
-class ConfigError(ValueError):
-    """A configuration value or combination is invalid; the message names the field."""
 
 
 class UnknownConfigKeyWarning(UserWarning):

@@ -13,6 +13,7 @@ import torch
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
 from dsv4.naive_reference import naive_attention_forward
+from dsv4.platforms import build_attention
 from dsv4.probes import record_selection, stack_selections
 from dsv4.random_weights import random_layer_weights
 
@@ -91,7 +92,7 @@ def run_demo(tokens: int = 300, chunk: int = 37, seed: int = 0,
         results = {}
         for name, c, dtype in (("f64", exact, torch.float64), ("bf16", exact, torch.bfloat16),
                                ("sim", cfg, torch.bfloat16)):
-            layer = DeepseekV4Attention.build(c, layer_id, dtype=dtype)
+            layer = build_attention(c, layer_id, dtype=dtype)
             layer.load_weights(weights.items())
             results[name] = run_modes(layer, x.to(dtype), chunk)
         sim_prefill = results["sim"]["prefill"].y

@@ -22,21 +22,17 @@ of one waiting on a collective that never comes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dsv4.config import DSV4Config
-
-if TYPE_CHECKING:
-    from dsv4.attention import DeepseekV4Attention
 
 FP8_BLOCK = 128
 STATUS_BYTES = 1024
@@ -265,69 +261,3 @@ def agreement(group: Any, what: str) -> Iterator[None]:
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
         raise TPRankError(f"{what} failed on rank(s) {sorted(failed)} of the tensor-parallel "
                           f"group, so rank {rank} stops too ({detail})")
-
-
-# ---- checkpoints ----------------------------------------------------------------------
-def _layers_of(module: Any) -> list[DeepseekV4Attention]:
-    from dsv4.attention import DeepseekV4Attention
-
-    if isinstance(module, DeepseekV4Attention):
-        return [module]
-    return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]
-
-
-def group_of(layers: list[DeepseekV4Attention]) -> TPInfo | None:
-    """The tensor-parallel group all ``layers`` share, or None; mixing groups is an error."""
-    tps = [layer.tp for layer in layers if layer.tp is not None]
-    if not tps:
-        return None
-    if len(tps) != len(layers) or any((t.group, t.rank, t.size) != (tps[0].group, tps[0].rank,
-                                                                   tps[0].size) for t in tps):
-        raise TPConfigError("the module mixes layers of different tensor-parallel groups (or "
-                            "with and without one): save them separately")
-    return tps[0]
-
-
-def gather_checkpoint_tensors(layers: list[DeepseekV4Attention],
-                              tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``save_checkpoint``'s tensors (full names) with every split tensor gathered from the group
-    into its official shape; unchanged without a group. A collective: every rank calls it."""
-    from dsv4.checkpoint import layer_prefix
-
-    if group_of(layers) is None:
-        return tensors
-    out = dict(tensors)
-    for layer in layers:
-        assert layer.tp is not None
-        prefix = layer_prefix(layer.cfg, layer.layer_id)
-        for name in SHARDED:
-            if prefix + name in out:
-                out[prefix + name] = layer.tp.gather(name, out[prefix + name])
-    return out
-
-
-def writes_checkpoint(layers: list[DeepseekV4Attention]) -> bool:
-    """Whether this process writes the files: always without a group, else rank 0 only."""
-    tp = group_of(layers)
-    return tp is None or tp.rank == 0
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def rank0_writes(save: F) -> F:
-    """Decorator of ``save_checkpoint``: under tensor parallelism every rank calls it (the
-    gather is collective), rank 0 writes, and every rank returns only once rank 0 has finished;
-    a failure on any rank raises on every rank."""
-
-    @functools.wraps(save)
-    def wrapper(module: Any, *args: Any, **kwargs: Any) -> Any:
-        tp = group_of(_layers_of(module))
-        if tp is None or tp.size == 1:
-            return save(module, *args, **kwargs)
-        result: Any = []
-        with agreement(tp.group, "save_checkpoint"):
-            result = save(module, *args, **kwargs)
-        return result
-
-    return wrapper  # type: ignore[return-value]

@@ -20,7 +20,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
 from dsv4.contract import path_violations, structural_violations
 from dsv4.passes import process_weights_after_loading
-from dsv4.platforms import available, get_platform
+from dsv4.platforms import available, build_attention, default_passes, get_platform
 from dsv4.probes import record_selection, replay_selection
 from dsv4.random_weights import random_layer_weights
 
@@ -64,7 +64,7 @@ class ContractRow:
 
 def passes_for(layer: DeepseekV4Attention, fusion: bool) -> list[str]:
     """The platform's passes with the compressor fusion switched on or off."""
-    names = [p for p in layer.default_passes() if p != "compressor_fusion"]
+    names = [p for p in default_passes(layer) if p != "compressor_fusion"]
     return ["compressor_fusion", *names] if fusion else names
 
 
@@ -112,10 +112,10 @@ def build_pair(cfg: DSV4Config, ratio: int, platform: str, fusion: bool,
     """(reference layer, processed platform layer, passes that changed it) on shared weights."""
     layer_id = cfg.layer_of_ratio(ratio)
     weights = random_layer_weights(cfg, layer_id, seed)
-    ref = DeepseekV4Attention.build(cfg, layer_id, platform="reference", device=device,
+    ref = build_attention(cfg, layer_id, platform="reference", device=device,
                                     dtype=dtype)
     ref.load_weights(weights.items())
-    layer = DeepseekV4Attention.build(cfg, layer_id, platform=platform, device=device,
+    layer = build_attention(cfg, layer_id, platform=platform, device=device,
                                       dtype=dtype)
     layer.load_weights(weights.items())
     report = process_weights_after_loading(layer, passes=passes_for(layer, fusion))

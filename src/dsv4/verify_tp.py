@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
-from dsv4.platforms import available, get_platform
+from dsv4.platforms import available, build_attention, get_platform
 from dsv4.probes import record_selection, replay_selection
 from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPInfo, comm_device, exchange_strings
@@ -105,7 +105,7 @@ def build_layer(cfg: DSV4Config, ratio: int, platform: str, fusion: bool, device
                 dtype: torch.dtype, seed: int, tp_group: Any) -> DeepseekV4Attention:
     """A processed layer on random official weights (whole tensors: a TP layer keeps its part)."""
     layer_id = cfg.layer_of_ratio(ratio)
-    layer = DeepseekV4Attention.build(cfg, layer_id, platform=platform, device=device,
+    layer = build_attention(cfg, layer_id, platform=platform, device=device,
                                       dtype=dtype, tp_group=tp_group)
     layer.load_weights(random_layer_weights(cfg, layer_id, seed).items())
     process_weights_after_loading(layer, passes=passes_for(layer, fusion))

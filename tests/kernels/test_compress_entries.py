@@ -23,6 +23,7 @@ from dsv4.kernels.compress_entries import (
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.platforms import build_attention
 
 from conftest import KERNEL_DEV, kernel_runs, needs_gpu, random_x, rel_err
 
@@ -291,7 +292,7 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
     weights = random_layer_weights(cfg, lid, seed=2)
     layer = CudaAttention(cfg, lid, device="cuda", dtype=BF16)
     layer.load_weights(weights.items())
-    ref = DeepseekV4Attention.build(cfg, lid, device="cuda")
+    ref = build_attention(cfg, lid, device="cuda")
     ref.load_weights(weights.items())
     launches = []
 

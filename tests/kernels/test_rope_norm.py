@@ -16,6 +16,7 @@ from dsv4.kernels.rope_norm import kernels_usable, rope_hadamard_fp4, rope_heads
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.norm import RMSNorm
 from dsv4.layers.rotary import RotaryEmbedding
+from dsv4.platforms import build_attention
 from dsv4.platforms import cuda_elementwise as ew
 
 from conftest import KERNEL_DEV, kernel_runs, needs_gpu, random_x, rel_err
@@ -373,7 +374,7 @@ def test_gpu_cuda_layer_fused_matches_base_and_reference(ratio, numerics):
     if ratio != 4 and numerics == "fp8":
         pytest.skip("indexer numerics only matter on ratio-4 layers")
     fused, base = _cuda_layer(cfg, ratio, True), _cuda_layer(cfg, ratio, False)
-    ref = DeepseekV4Attention.build(cfg, cfg.layer_of_ratio(ratio), device="cuda")
+    ref = build_attention(cfg, cfg.layer_of_ratio(ratio), device="cuda")
     ref.load_weights(random_layer_weights(cfg, ref.layer_id, seed=1).items())
     x = random_x(160, cfg.hidden_size, seed=2).to("cuda", BF16)
     y_fused, y_base, y_ref = (_decode(m, x, 130) for m in (fused, base, ref))

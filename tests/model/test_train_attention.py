@@ -14,6 +14,7 @@ from dsv4.model.train_attention import (
     load_attention_tensors,
     topk_mask,
 )
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 from conftest import RATIOS, rel_err
@@ -31,7 +32,7 @@ def test_float64_equals_inference_layer_simulations_off(ratio):
     cfg = DSV4Config.preset("tiny").replace(fp8_weights=False, simulate_quant=False)
     layer_id = cfg.layer_of_ratio(ratio)
     weights = random_layer_weights(cfg, layer_id, seed=5)
-    ref = DeepseekV4Attention.build(cfg, layer_id, dtype=torch.float64)
+    ref = build_attention(cfg, layer_id, dtype=torch.float64)
     ref.load_weights(weights.items())
     train = TrainAttention(cfg, layer_id).double()
     load_attention_tensors(train, weights)
@@ -50,7 +51,7 @@ def test_checkpoint_numerics_equal_the_fp8_layer_with_simulations(ratio):
     cfg = DSV4Config.preset("tiny")
     layer_id = cfg.layer_of_ratio(ratio)
     train = TrainAttention(cfg, layer_id).double()
-    ref = DeepseekV4Attention.build(cfg, layer_id, dtype=torch.float64)
+    ref = build_attention(cfg, layer_id, dtype=torch.float64)
     ref.load_weights(export_attention_tensors(train, fp8=True).items())
     x = torch.randn(2, T, cfg.hidden_size, dtype=torch.float64)
     with torch.no_grad():

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import dsv4.passes.compressor_fusion as cf
 from dsv4 import process_weights_after_loading
 from dsv4.offload import BaseOffloader
+from dsv4.passes import prepare_compressor_gemm_fusion
+from dsv4.platforms import build_attention
 
 from conftest import random_x, rel_err
 
@@ -31,7 +33,7 @@ def originals(layer):
 
 def test_fusion_aliases_the_original_weights(c4):
     main0, idx0 = originals(c4)
-    assert c4.prepare_compressor_gemm_fusion() is True
+    assert prepare_compressor_gemm_fusion(c4) is True
     main, idx = c4.fused_compressor_params()
     fused = c4._fused_compressor_weight
     assert c4._fused_compressor_split_sizes == (main0.shape[0], idx0.shape[0]) == (512, 512)
@@ -43,7 +45,7 @@ def test_fusion_aliases_the_original_weights(c4):
     assert torch.equal(sd["compressor.fused_wkv_wgate.weight"], main0)
     assert torch.equal(sd["indexer.compressor.fused_wkv_wgate.weight"], idx0)
     before = fused.data_ptr()
-    assert c4.prepare_compressor_gemm_fusion() is False  # idempotent
+    assert prepare_compressor_gemm_fusion(c4) is False  # idempotent
     assert c4._fused_compressor_weight.data_ptr() == before
 
 
@@ -57,8 +59,8 @@ def test_fusion_is_skipped_under_a_rebinding_offloader(c4, caplog, monkeypatch):
     monkeypatch.setattr(cf, "_warned_offload", False)
     c4.offloader = RebindingOffloader()
     with caplog.at_level(logging.WARNING):
-        assert c4.prepare_compressor_gemm_fusion() is False
-        assert c4.prepare_compressor_gemm_fusion() is False
+        assert prepare_compressor_gemm_fusion(c4) is False
+        assert prepare_compressor_gemm_fusion(c4) is False
     assert c4._fused_compressor_weight is None
     main, idx = c4.fused_compressor_params()
     assert ptr(main) != ptr(idx)
@@ -69,7 +71,7 @@ def test_fusion_is_skipped_under_a_rebinding_offloader(c4, caplog, monkeypatch):
 def test_fused_projection_is_one_fp32_gemm_with_the_same_tuple(c4, tiny, monkeypatch):
     x = random_x(7, tiny.hidden_size).bfloat16()
     unfused = c4._run_parallel_input_projections(x)
-    assert c4.prepare_compressor_gemm_fusion()
+    assert prepare_compressor_gemm_fusion(c4)
     sentinel = torch.full((7, 256), 17.0, dtype=torch.bfloat16)
     monkeypatch.setattr(c4, "_fused_wqa_wkv_gemm", lambda inp: sentinel)
     calls = []
@@ -100,7 +102,7 @@ def test_fused_projection_is_one_fp32_gemm_with_the_same_tuple(c4, tiny, monkeyp
 def test_fused_layer_output_matches_unfused(c4, tiny, make_layer):
     x = random_x(200, tiny.hidden_size).bfloat16()
     plain = make_layer(tiny, 4)
-    c4.prepare_compressor_gemm_fusion()
+    prepare_compressor_gemm_fusion(c4)
     y0 = plain(x, torch.arange(200), plain.new_cache(200))
     y1 = c4(x, torch.arange(200), c4.new_cache(200))
     assert rel_err(y1, y0) <= 1e-4
@@ -109,7 +111,7 @@ def test_fused_layer_output_matches_unfused(c4, tiny, make_layer):
 @pytest.mark.parametrize("ratio,reason", [(0, "compress_ratio 0"), (128, "compress_ratio 128")])
 def test_fusion_skips_layers_without_the_pair(tiny, make_layer, ratio, reason):
     layer = make_layer(tiny, ratio)
-    assert layer.prepare_compressor_gemm_fusion() is False
+    assert prepare_compressor_gemm_fusion(layer) is False
     report = process_weights_after_loading(layer, passes=["compressor_fusion"])
     assert report.skipped["compressor_fusion"][0][1].endswith(f"({reason})")
 
@@ -139,7 +141,7 @@ def test_fusion_validation_errors_leave_everything_as_it_was(c4, case, match):
 
 
 def test_fused_weight_without_indexer_is_an_error(c4, tiny):
-    c4.prepare_compressor_gemm_fusion()
+    prepare_compressor_gemm_fusion(c4)
     c4.indexer = None
     with pytest.raises(RuntimeError, match="requires a C4 indexer"):
         c4._run_parallel_input_projections(random_x(2, tiny.hidden_size).bfloat16())
@@ -153,7 +155,7 @@ def assert_aliased(layer):
 
 
 def test_alias_survives_module_conversion(c4, tiny):
-    c4.prepare_compressor_gemm_fusion()
+    prepare_compressor_gemm_fusion(c4)
     x = random_x(9, tiny.hidden_size).bfloat16()
     y0 = c4(x, torch.arange(9), c4.new_cache(9))
     c4._apply(lambda t: t.clone())  # what a device move does: new storage for every tensor
@@ -162,7 +164,7 @@ def test_alias_survives_module_conversion(c4, tiny):
 
 
 def test_alias_survives_load_state_dict_assign(c4, tiny, make_layer):
-    c4.prepare_compressor_gemm_fusion()
+    prepare_compressor_gemm_fusion(c4)
     other = make_layer(tiny, 4, seed=5)
     c4.load_state_dict(other.state_dict(), assign=True)
     assert_aliased(c4)
@@ -176,7 +178,7 @@ def test_alias_survives_load_state_dict_assign(c4, tiny, make_layer):
 def test_load_weights_after_fusion_updates_the_fused_buffer(c4, tiny):
     from dsv4.random_weights import random_layer_weights
 
-    c4.prepare_compressor_gemm_fusion()
+    prepare_compressor_gemm_fusion(c4)
     new = random_layer_weights(tiny, c4.layer_id, seed=9)
     c4.load_weights(new.items())
     assert_aliased(c4)
@@ -186,12 +188,12 @@ def test_load_weights_after_fusion_updates_the_fused_buffer(c4, tiny):
 
 
 def test_pipeline_order_count_and_log_lines(tiny, caplog):
-    from dsv4 import AttentionStack, DeepseekV4Attention
+    from dsv4 import AttentionStack
     from dsv4.random_weights import random_layer_weights
 
     layers = {}
     for i in range(tiny.num_layers_with_mtp):
-        m = DeepseekV4Attention.build(tiny, i, platform="preshuffle")
+        m = build_attention(tiny, i, platform="preshuffle")
         m.load_weights(random_layer_weights(tiny, i).items())
         layers[i] = m
     with caplog.at_level(logging.INFO, logger="dsv4.passes.pipeline"):

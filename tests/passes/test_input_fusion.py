@@ -10,6 +10,7 @@ from dsv4.contract import path_violations
 from dsv4.kernels.launch import _INTERPRET
 from dsv4.offload import CpuOffloader
 from dsv4.passes.input_fusion import input_segments
+from dsv4.platforms import build_attention
 
 from conftest import RATIOS, random_x
 
@@ -117,12 +118,11 @@ def test_packed_products_equal_the_unpacked_layers_bit_for_bit(tiny, make_layer,
 
 @module_math
 def test_pack_composes_with_offload(tiny, make_layer):
-    from dsv4 import DeepseekV4Attention
     from dsv4.random_weights import random_layer_weights
 
     plain = make_layer(tiny, 4, seed=2)
     off = CpuOffloader("cpu")
-    layer = DeepseekV4Attention.build(tiny, 1, offloader=off)
+    layer = build_attention(tiny, 1, offloader=off)
     layer.load_weights(random_layer_weights(tiny, 1, seed=2).items())
     report = process_weights_after_loading(layer, passes=PASSES)
     assert report.changed["fuse_input_projections"] == [1]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import AttentionStack, DeepseekV4Attention, DSV4Config, process_weights_after_loading
+from dsv4 import AttentionStack, DSV4Config, process_weights_after_loading
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 
 
@@ -25,7 +26,7 @@ def two_c4():
     cfg = DSV4Config.preset("tiny").replace(compress_ratios=(4, 4, 128, 0))
     layers = {}
     for i in range(cfg.num_layers_with_mtp):
-        m = DeepseekV4Attention.build(cfg, i, platform="preshuffle")
+        m = build_attention(cfg, i, platform="preshuffle")
         m.load_weights(random_layer_weights(cfg, i).items())
         layers[i] = m
     return AttentionStack(cfg, layers)

@@ -8,6 +8,7 @@ import torch
 from dsv4 import DeepseekV4Attention, load_checkpoint, process_weights_after_loading
 from dsv4 import save_checkpoint as save
 from dsv4.layers.weight_layout import PlatformLayoutError, get_layout
+from dsv4.platforms import build_attention
 from dsv4.platforms.preshuffle_ops import shuffle_weight
 from dsv4.random_weights import random_layer_weights
 
@@ -48,7 +49,7 @@ def test_preshuffle_twice_is_impossible(pre):
 
 def test_ineligible_weights_stay_canonical(tiny, make_layer):
     cfg = tiny.replace(fp8_weights=False)
-    layer = DeepseekV4Attention.build(cfg, 0, platform="preshuffle")
+    layer = build_attention(cfg, 0, platform="preshuffle")
     layer.load_weights(random_layer_weights(cfg, 0).items())
     report = process_weights_after_loading(layer)
     assert "not an fp8 block-scaled weight" in report.skipped["preshuffle"][0][1]
@@ -94,7 +95,7 @@ def test_state_dict_and_checkpoint_are_canonical(pre, tiny, tmp_path, make_layer
 def test_round_trip_preshuffle_to_reference_is_bit_exact(tiny, tmp_path, make_layer):
     src = {}
     for i in range(tiny.num_layers_with_mtp):
-        m = DeepseekV4Attention.build(tiny, i)
+        m = build_attention(tiny, i)
         m.load_weights(random_layer_weights(tiny, i, seed=4).items())
         src[i] = m
     from dsv4 import AttentionStack

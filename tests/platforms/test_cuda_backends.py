@@ -16,6 +16,7 @@ import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
 from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.platforms import build_attention
 from dsv4.platforms.cuda_attention import (
     AttentionBackendError,
     choose_backend,
@@ -209,7 +210,7 @@ def _cuda_pair(cfg, ratio, backend, seed=1):
     layer = CudaAttention(c, lid, device="cuda", dtype=BF16)
     layer.load_weights(w.items())
     process_weights_after_loading(layer)
-    ref = DeepseekV4Attention.build(c, lid, device="cuda", dtype=BF16)
+    ref = build_attention(c, lid, device="cuda", dtype=BF16)
     ref.load_weights(w.items())
     return layer, ref
 

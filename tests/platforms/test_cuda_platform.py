@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4 import process_weights_after_loading
 from dsv4.cache.step import CacheStep
+from dsv4.platforms import build_attention
 from dsv4.platforms.cuda import CudaAttention
 from dsv4.random_weights import random_layer_weights
 
@@ -55,7 +56,7 @@ def test_decode_with_graphs_equals_eager_and_reference(tiny, ratio):
     graphed = cuda_layer(tiny, ratio)
     eager = cuda_layer(tiny, ratio)
     eager.use_cuda_graphs(False)
-    ref = DeepseekV4Attention.build(tiny, tiny.layer_of_ratio(ratio), device="cuda")
+    ref = build_attention(tiny, tiny.layer_of_ratio(ratio), device="cuda")
     ref.load_weights(random_layer_weights(tiny, ref.layer_id, seed=1).items())
     x = random_x(150, tiny.hidden_size).to("cuda", torch.bfloat16)
     outs = []

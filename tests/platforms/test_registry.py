@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, platforms
-from dsv4.platforms import PlatformUnavailableError, UnknownPlatformError, get_platform
+from dsv4.platforms import (
+    PlatformUnavailableError,
+    UnknownPlatformError,
+    build_attention,
+    get_platform,
+)
 
 
 def test_names_and_availability():
@@ -31,7 +36,7 @@ def test_unknown_platform_lists_the_valid_ones():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_unavailable_says_why(tiny):
     with pytest.raises(PlatformUnavailableError, match="CUDA is not available on this machine"):
-        DeepseekV4Attention.build(tiny, 0, platform="cuda")
+        build_attention(tiny, 0, platform="cuda")
 
 
 def test_cuda_on_a_cpu_device_says_why():

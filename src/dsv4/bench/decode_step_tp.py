@@ -31,6 +31,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.bench.args import LAYER_RATIO
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
+from dsv4.platforms import build_attention
 from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPInfo, comm_device
 from dsv4.tp_launch import run_here, spawn, under_torchrun
@@ -44,7 +45,7 @@ MAX_REL_ERR = 2e-2
 def _build(cfg: DSV4Config, layer_id: int, weights: dict[str, torch.Tensor], dev: torch.device,
            tp: TPInfo | None, dry: bool) -> DeepseekV4Attention:
     if dry:
-        layer = DeepseekV4Attention.build(cfg, layer_id, platform="reference", device=dev,
+        layer = build_attention(cfg, layer_id, platform="reference", device=dev,
                                           dtype=torch.bfloat16, tp_group=tp)
         passes = ["compressor_fusion"]
     else:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dsv4.config import ConfigError
+from dsv4.config_error import ConfigError
 
 LAYER_TYPE_OF_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention",
                        128: "heavily_compressed_attention"}

@@ -51,6 +51,7 @@ from dsv4.dialects.transformers_names import (
     transformers_to_official_rel,
 )
 from dsv4.layers.weight_layout import canonical
+from dsv4.platforms import build_attention
 from dsv4.weights import official_weight_specs
 
 __all__ = ["DSV4AttentionAdapter", "DSV4AttentionHandle", "DSV4Cache", "dsv4_config_of",
@@ -240,7 +241,7 @@ def _swap_one(decoder: nn.Module, layer_idx: int, cfg: DSV4Config, platform: str
         raise BridgeError(f"layer {layer_idx} already runs dsv4's attention")
     weights = _official_weights(orig, layer_idx)
     ref = orig.q_a_proj.weight
-    layer = DeepseekV4Attention.build(cfg, layer_idx, platform=platform, device=ref.device,
+    layer = build_attention(cfg, layer_idx, platform=platform, device=ref.device,
                                       dtype=ref.dtype, **build_kwargs)
     specs = {s.name: s for s in official_weight_specs(layer)}
     layer.load_weights((n, t.to(specs[n].param.dtype) if n in specs else t)

@@ -25,7 +25,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dsv4.attention import DeepseekV4Attention
 from dsv4.checkpoint import (
     INDEX_FILE,
     AttentionStack,
@@ -39,6 +38,7 @@ from dsv4.folder_swap import FolderOwnershipError, replace_folder
 from dsv4.model.config import TinyLMConfig
 from dsv4.model.lm import TinyLM
 from dsv4.model.paths import default_model_dir
+from dsv4.platforms import build_attention
 
 ATTN_SHARD = "model-00001-of-00002.safetensors"
 LM_SHARD = "model-00002-of-00002.safetensors"
@@ -85,7 +85,7 @@ def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: st
     layers = {}
     for i in range(cfg.num_layers):
         prefix = layer_prefix(cfg.attn, i)
-        layer = DeepseekV4Attention.build(cfg.attn, i, dtype=torch.bfloat16)
+        layer = build_attention(cfg.attn, i, dtype=torch.bfloat16)
         layer.load_weights((k[len(prefix):], t) for k, t in tensors.items()
                            if k.startswith(prefix))
         layers[i] = layer

@@ -5,10 +5,12 @@ from dsv4.passes.pipeline import (
     ORDER,
     PASSES,
     PassReport,
+    prepare_compressor_gemm_fusion,
     process_weights_after_loading,
     register_pass,
     unregister_pass,
 )
 
 __all__ = ["ORDER", "PASSES", "Mutation", "PassReport", "Skip", "WeightPass",
-           "process_weights_after_loading", "register_pass", "unregister_pass"]
+           "prepare_compressor_gemm_fusion", "process_weights_after_loading", "register_pass",
+           "unregister_pass"]

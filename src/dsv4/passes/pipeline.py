@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from dsv4.attention import DeepseekV4Attention, attention_layers
 from dsv4.passes.base import Skip, WeightPass
 from dsv4.passes.compressor_fusion import CompressorFusionPass
 from dsv4.passes.input_fusion import InputFusionPass
 from dsv4.passes.preshuffle import PreshufflePass
+from dsv4.platforms.registry import default_passes
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,6 @@ class PassReport:
         return "; ".join(lines) if lines else "no pass ran"
 
 
-def _attention_layers(module: nn.Module) -> list:
-    from dsv4.attention import DeepseekV4Attention
-
-    if isinstance(module, DeepseekV4Attention):
-        return [module]
-    return [m for m in module.modules() if isinstance(m, DeepseekV4Attention)]
-
-
 def process_weights_after_loading(module: nn.Module,
                                   passes: Sequence[str] | None = None) -> PassReport:
     """Run the post-load passes on every attention layer in ``module``.
@@ -79,7 +73,7 @@ def process_weights_after_loading(module: nn.Module,
     ``passes``: pass names to run instead of each layer's platform default (order is always
     :data:`ORDER`); e.g. ``["compressor_fusion"]`` turns the fusion on for ``reference``.
     """
-    layers = _attention_layers(module)
+    layers = attention_layers(module)
     if not layers:
         raise ValueError("process_weights_after_loading: no DeepseekV4Attention in the module")
     if passes is not None:
@@ -92,7 +86,7 @@ def process_weights_after_loading(module: nn.Module,
             continue
         planned = []
         for layer in layers:
-            wanted = layer.default_passes() if passes is None else tuple(passes)
+            wanted = default_passes(layer) if passes is None else tuple(passes)
             if name in wanted:
                 planned.append((layer, PASSES[name].plan(layer)))  # validation; may raise
         if not planned:
@@ -109,3 +103,13 @@ def process_weights_after_loading(module: nn.Module,
     for layer in layers:
         layer._finish_post_load()
     return report
+
+
+def prepare_compressor_gemm_fusion(layer: DeepseekV4Attention) -> bool:
+    """Upstream's entry point (docs/upstream.md B.3): run the compressor fusion pass (looked up
+    by name in :data:`PASSES`) on one layer; True if it fused, False if it skipped."""
+    plan = PASSES["compressor_fusion"].plan(layer)
+    if callable(plan):
+        plan()
+        return True
+    return False

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
+    from dsv4.config import DSV4Config
 
 
 class UnknownPlatformError(ValueError):
@@ -107,6 +108,31 @@ def platform_spec(name: str) -> Platform:
     if name not in _REGISTRY:
         get_platform(name)  # raises the listing error
     return _REGISTRY[name]
+
+
+def build_attention(cfg: DSV4Config, layer_id: int, platform: str = "reference",
+                    device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                    **kwargs: Any) -> DeepseekV4Attention:
+    """The attention layer of ``layer_id`` for ``platform`` (see :func:`available`) on
+    ``device``, which must exist here (checked before any tensor is made). ``kwargs`` go to the
+    platform's constructor (``offloader``, ``aux_streams``, ``tp_group``, ...)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine "
+                         "(build on 'cpu')")
+    n_cuda = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if dev.type == "cuda" and dev.index is not None and dev.index >= n_cuda:
+        raise ValueError(f"device={device!r}: this machine has {n_cuda} CUDA device(s)")
+    plat = get_platform(platform, device=device)
+    return plat.build_attention(cfg, layer_id, device=device, dtype=dtype, **kwargs)
+
+
+def default_passes(layer: DeepseekV4Attention) -> tuple[str, ...]:
+    """The post-load passes of ``layer``'s platform, in order."""
+    return platform_spec(layer.platform_name).pass_names
 
 
 def _needs_cuda(device: torch.device | None) -> str | None:
