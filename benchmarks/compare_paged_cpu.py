@@ -25,7 +25,7 @@ from pathlib import Path
 CELL = r"""
 import json, statistics, sys, time, torch
 import dsv4
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 kind, ratio, m, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = dsv4.DSV4Config.preset("tiny")
 lid = cfg.layer_of_ratio(ratio)

@@ -75,7 +75,7 @@ if __name__ == "__main__":
     import os
     import sys
 
-    from dsv4.verify import run_verify
+    from dsv4.testing.verify import run_verify
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import int8_platform  # the registered path names this module, not __main__

@@ -25,8 +25,8 @@ def run_variant(out: Path, seconds: float, device: str, batch: int, spec: str,
                 command: str) -> None:
     import torch
 
-    from dsv4.model.checkpoint import save_tiny_lm
-    from dsv4.model.train import TrainSettings, train_tiny
+    from dsv4.tinylm.checkpoint import save_tiny_lm
+    from dsv4_train.train import TrainSettings, save_report, train_tiny
 
     kw: dict[str, float | int | str] = {}
     for item in filter(None, spec.split(",")):
@@ -38,7 +38,8 @@ def run_variant(out: Path, seconds: float, device: str, batch: int, spec: str,
     model, report = train_tiny(settings, log=lambda s: print(f"[{spec}] {s}", flush=True))
     report["command"] = command
     report["variant"] = spec
-    save_tiny_lm(model.export_tensors(fp8=True), model.cfg, out, report=report)
+    save_tiny_lm(model.export_tensors(fp8=True), model.cfg, out,
+                 extra=lambda folder: save_report(report, folder))
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()},
                out.parent / f"{out.name}_float_state.pt")
 

@@ -13,7 +13,7 @@ import torch
 from dsv4 import DeepseekV4Attention, DSV4Config
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 RATIOS = (0, 4, 128)
 

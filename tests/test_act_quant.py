@@ -120,7 +120,7 @@ def test_verify_fails_a_platform_that_skips_the_quantisation(monkeypatch):
     """dsv4 verify's [act_quant] rows: a preshuffle layer whose wq_b / indexer wq_b inputs go
     unquantised (its own two GEMMs still quantise) fails every one of them."""
     from dsv4.platforms.preshuffle import PreshuffleAttention
-    from dsv4.verify import ACT_QUANT_TOLERANCE, conformance
+    from dsv4.testing.verify import ACT_QUANT_TOLERANCE, conformance
 
     monkeypatch.setattr(PreshuffleAttention, "_fp8_linear_input", lambda self, x: x)
     rows = [r for r in conformance(["preshuffle"], tokens=64) if "act_quant" in r.platform]

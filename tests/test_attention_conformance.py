@@ -1,4 +1,4 @@
-"""The layer against the naive float64 evaluation (dsv4.naive_reference, separate code).
+"""The layer against the naive float64 evaluation (dsv4.testing.naive_reference, separate code).
 
 Every layer type (ratio 0, 4, 128), prefill, chunked prefill (chunk sizes that straddle the window
 of 16 and the ratio-4 / ratio-128 block boundaries) and token-by-token decode, on fresh random
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.naive_reference import naive_attention_forward
-from dsv4.probes import record_selection, stack_selections
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.naive_reference import naive_attention_forward
+from dsv4.testing.probes import record_selection, stack_selections
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import RATIOS, random_x, rel_err
 

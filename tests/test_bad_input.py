@@ -18,7 +18,7 @@ from dsv4 import (
     save_checkpoint,
 )
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import random_x
 

@@ -50,7 +50,7 @@ def test_strategies_are_few_and_led_by_the_library_default():
 
 
 def test_floor_counts_the_cache_format_bytes(tiny):
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     sizes = {}
     for fmt in ("bf16", "fp8_ds_mla"):
@@ -85,7 +85,7 @@ def test_launch_origins_names_the_operators_and_undoes_the_step(tiny):
     """The profile's third table (CPU here: the operators of one step by Python stack); the
     step's rows are rolled back."""
     from dsv4.bench.decode_step import launch_origins
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     layer = build_attention(tiny, tiny.layer_of_ratio(4))
     layer.load_weights(random_layer_weights(tiny, layer.layer_id).items())

@@ -248,7 +248,7 @@ def test_profile_tables_name_the_dsv4_lines_behind_host_events():
     from torch.profiler import ProfilerActivity, profile
 
     from dsv4.bench.prefill import profile_tables
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     layer = build_attention(_TINY, _TINY.layer_of_ratio(4))
     layer.load_weights(random_layer_weights(_TINY, layer.layer_id, seed=0).items())

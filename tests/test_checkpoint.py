@@ -11,7 +11,7 @@ from safetensors import safe_open
 import dsv4.checkpoint as ckpt
 from dsv4 import AttentionStack, load_checkpoint, save_checkpoint
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import random_x
 

@@ -106,7 +106,7 @@ def test_eval_shows_progress_per_run(capfd):
 
 
 def test_eval_act_quant_runs_every_run_quantised(tmp_path, capfd, monkeypatch):
-    import dsv4.model.evaluate as ev
+    import dsv4.tinylm.evaluate as ev
 
     seen = []
     real = ev.load_tiny_lm
@@ -267,7 +267,7 @@ def test_eval_runs_a_platform_given_twice_once(capfd):
 
 def test_generate_says_why_an_answer_is_empty(capsys, monkeypatch):
     """A model that stops at once (<eos> first) leaves its line empty: stderr says why."""
-    import dsv4.model.generate as gen
+    import dsv4.tinylm.generate as gen
 
     monkeypatch.setattr(gen, "generate", lambda model, prompts, n: ["" for _ in prompts])
     good = "a=12;qwerty uiop zxcv b=30;lkjh gfds mnxv cxzq a+b="

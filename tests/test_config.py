@@ -18,7 +18,7 @@ def test_attention_backend_is_a_checked_runtime_option():
 def test_layer_of_ratio_finds_an_mtp_layer_when_no_hidden_layer_has_the_ratio(tiny):
     import torch
 
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     # Pro's hidden layers are all compressed; its one SWA-only attention is the MTP layer's
     assert DSV4Config.preset("pro").layer_of_ratio(0) == DSV4Config.preset("pro").num_hidden_layers
@@ -60,7 +60,7 @@ def test_the_keys_of_both_dialects_load_in_silence(tmp_path):
     import json
     import warnings
 
-    from dsv4.model.paths import default_model_dir
+    from dsv4.tinylm.paths import default_model_dir
 
     dicts = [DSV4Config.preset(name).to_dict(dialect) for name in ("tiny", "flash", "pro")
              for dialect in ("official", "transformers")]

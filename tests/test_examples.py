@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from dsv4 import passes, platforms
-from dsv4.contract import structural_violations
-from dsv4.verify import conformance
+from dsv4.testing.contract import structural_violations
+from dsv4.testing.verify import conformance
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -8,7 +8,7 @@ import torch
 
 from dsv4 import AttentionInputError, DSV4Config
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 from test_bad_input import assert_same_cache, snapshot_cache
 
 from conftest import random_x

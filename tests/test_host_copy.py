@@ -8,7 +8,7 @@ import torch
 
 from dsv4 import process_weights_after_loading
 from dsv4.host_copy import upload, upload_into, upload_once
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import HAS_CUDA, random_x
 

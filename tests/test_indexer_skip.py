@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.probes import record_selection, spy_methods
+from dsv4.testing.probes import record_selection, spy_methods
 
 from conftest import random_x, rel_err
 

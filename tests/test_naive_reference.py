@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4.config import DSV4Config
-from dsv4.naive_reference import naive_attention_forward
+from dsv4.testing.naive_reference import naive_attention_forward
 
 F64 = torch.float64
 FP8 = ("wq_a", "wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dsv4
-from dsv4.model.paths import default_model_dir
+from dsv4.tinylm.paths import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILES = sorted(p.name for p in default_model_dir().iterdir())
@@ -22,14 +22,14 @@ MODEL_FILES = sorted(p.name for p in default_model_dir().iterdir())
 
 def test_the_shipped_model_lives_in_the_package():
     folder = default_model_dir()
-    assert folder.parent == Path(dsv4.__file__).resolve().parent / "model"
+    assert folder.parent == Path(dsv4.__file__).resolve().parent / "tinylm"
     assert (folder / "config.json").is_file()
     assert {"config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors"} <= set(MODEL_FILES)
 
 
 def test_the_model_is_found_from_another_directory(tmp_path):
-    code = "from dsv4.model.paths import default_model_dir as d; print(d() / 'config.json')"
+    code = "from dsv4.tinylm.paths import default_model_dir as d; print(d() / 'config.json')"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert Path(out).is_file()
@@ -58,8 +58,8 @@ def built(tmp_path_factory) -> Path:
 def test_the_wheel_holds_the_model_and_the_license(built):
     wheel, = built.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert [n for n in names if n.startswith("dsv4/model/tiny-arith/")] == [
-        f"dsv4/model/tiny-arith/{f}" for f in MODEL_FILES]
+    assert [n for n in names if n.startswith("dsv4/tinylm/tiny-arith/")] == [
+        f"dsv4/tinylm/tiny-arith/{f}" for f in MODEL_FILES]
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
     assert f"Version: {dsv4.__version__}" in meta.decode()
@@ -71,7 +71,7 @@ def test_the_sdist_holds_the_model(built):
         names = tar.getnames()
     root = sdist.name.removesuffix(".tar.gz")
     for f in MODEL_FILES:
-        assert f"{root}/src/dsv4/model/tiny-arith/{f}" in names
+        assert f"{root}/src/dsv4/tinylm/tiny-arith/{f}" in names
     assert f"{root}/LICENSE" in names
 
 

@@ -1,9 +1,10 @@
 """Prefill memory stays linear in the tokens of a call (issue 14), measured, not assumed.
 
-:class:`dsv4.probes.AllocationTracker` records the peak bytes of the tensors a forward creates
-(torch's CPU allocator keeps no peak). One step holds every token here (``max_step_tokens`` above
-T), so the bound must come from the layer's own chunking (indexer scores and attention rows per
-query chunk, sized by ``attention_workspace_bytes``), not from the step split. A quadratic
+:class:`dsv4.testing.probes.AllocationTracker` records the peak bytes of the tensors a forward
+creates (torch's CPU allocator keeps no peak). One step holds every token here
+(``max_step_tokens`` above T), so the bound must come from the layer's own chunking (indexer
+scores and attention rows per query chunk, sized by ``attention_workspace_bytes``), not from the
+step split. A quadratic
 intermediate (e.g. the indexer's scores of every query against every entry for all heads, as
 before the paged cache) makes the peak per token grow with T and fails these tests.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.probes import AllocationTracker
+from dsv4.testing.probes import AllocationTracker
 
 from conftest import RATIOS
 

@@ -13,7 +13,7 @@ from dsv4 import DeepseekV4Attention, DSV4Config
 from dsv4.layers.indexer import Indexer
 from dsv4.layers.rotary import RotaryEmbedding
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import RATIOS
 

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from dsv4 import DeepseekV4Attention, DSV4Config, load_checkpoint, save_checkpoint
-from dsv4.contract import structural_violations
-from dsv4.model.checkpoint import ATTN_SHARD, default_model_dir
 from dsv4.offload import CpuOffloader
 from dsv4.platforms import available, build_attention
-from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPConfigError, TPInfo, config_key, split_problems
+from dsv4.testing.contract import structural_violations
+from dsv4.testing.random_weights import random_layer_weights
+from dsv4.testing.verify_tp import MODES, TPRow, rank_rows, run_mode, tp_preset
+from dsv4.tinylm.checkpoint import ATTN_SHARD, default_model_dir
 from dsv4.tp_launch import NO_MULTICAST_ENV, spawn
-from dsv4.verify_tp import MODES, TPRow, rank_rows, run_mode, tp_preset
 from dsv4.weights import WeightLoadError
 
 ARITH = default_model_dir()
@@ -319,7 +319,7 @@ def test_without_a_group_nothing_is_split_or_reduced(tiny: DSV4Config) -> None:
 # ---- command lines ----------------------------------------------------------------------
 def test_verify_tp_command_line(monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str]) -> None:
-    import dsv4.verify_tp
+    import dsv4.testing.verify_tp
     from dsv4.cli import main
 
     seen: list[tuple[Any, ...]] = []
@@ -328,7 +328,7 @@ def test_verify_tp_command_line(monkeypatch: pytest.MonkeyPatch,
         seen.append((tp, platforms, device, tokens, seed))
         return False, "the table"
 
-    monkeypatch.setattr(dsv4.verify_tp, "run_verify_tp", fake)
+    monkeypatch.setattr(dsv4.testing.verify_tp, "run_verify_tp", fake)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["verify", "--tp", "2", "--platform", "preshuffle", "--tokens", "40"]) == 1
     assert seen == [(2, ["preshuffle"], None, 40, 0)]

@@ -16,7 +16,7 @@ from dsv4 import ConfigError, DSV4Config, load_checkpoint, save_checkpoint
 from dsv4.checkpoint import AttentionStack, CheckpointError
 from dsv4.dialects import transformers_names as names
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 
 @pytest.fixture(autouse=True, scope="module")

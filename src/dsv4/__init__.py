@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from dsv4.config import ConfigError, DSV4Config
     from dsv4.passes import PassReport, process_weights_after_loading
     from dsv4.platforms import build_attention
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
     from dsv4.weights import WeightLoadError
 
 _WHERE = {
@@ -41,7 +41,7 @@ _WHERE = {
     "build_attention": "dsv4.platforms",
     "load_checkpoint": "dsv4.checkpoint",
     "process_weights_after_loading": "dsv4.passes",
-    "random_layer_weights": "dsv4.random_weights",
+    "random_layer_weights": "dsv4.testing.random_weights",
     "save_checkpoint": "dsv4.checkpoint",
 }
 

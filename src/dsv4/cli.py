@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from dsv4.model.commands import MODEL_HELP, check_model_dir, check_problems, progress, unique
-from dsv4.model.commands import add_commands as add_model_commands
-from dsv4.model.paths import default_model_dir
+from dsv4.tinylm.commands import MODEL_HELP, check_model_dir, check_problems, progress, unique
+from dsv4.tinylm.commands import add_commands as add_model_commands
+from dsv4.tinylm.paths import default_model_dir
 from dsv4.usage import (
     OneLineArgumentParser,
     check_at_least,
@@ -45,7 +45,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         check_model_dir("--checkpoint", args.checkpoint)
     from dsv4.demo import format_demo, run_demo
-    from dsv4.model.commands import run_model_eval
+    from dsv4.tinylm.commands import run_model_eval
 
     # First the end-to-end signal: the shipped tiny LM on every CPU platform x fusion.
     model_rc = run_model_eval(args.model, None, "cpu", args.problems, "bf16", None)
@@ -74,14 +74,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for name in args.platform or []:
         get_platform(name, device)  # unknown / unavailable: one line, before any work
     if args.tp > 1 or under_torchrun():
-        from dsv4.verify_tp import run_verify_tp
+        from dsv4.testing.verify_tp import run_verify_tp
 
         ok, report = run_verify_tp(args.tp, args.platform or None, args.device, tokens,
                                    args.seed)
         if not report_here():
             return 0 if ok else 1
     else:
-        from dsv4.verify import run_verify
+        from dsv4.testing.verify import run_verify
 
         ok, report = run_verify(args.platform or None, device, tokens, args.seed, log=progress)
     print(report)

@@ -12,10 +12,10 @@ import torch
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
-from dsv4.naive_reference import naive_attention_forward
 from dsv4.platforms import build_attention
-from dsv4.probes import record_selection, stack_selections
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.naive_reference import naive_attention_forward
+from dsv4.testing.probes import record_selection, stack_selections
+from dsv4.testing.random_weights import random_layer_weights
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -143,7 +143,7 @@ def user_error_message(e: BaseException) -> str | None:
     known = [("dsv4.config", "ConfigError"), ("dsv4.checkpoint", "CheckpointError"),
              ("dsv4.platforms.registry", "UnknownPlatformError"),
              ("dsv4.platforms.registry", "PlatformUnavailableError"),
-             ("dsv4.model.generate", "PromptError"), ("dsv4.weights", "WeightLoadError")]
+             ("dsv4.tinylm.generate", "PromptError"), ("dsv4.weights", "WeightLoadError")]
     for module, name in known:
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type) and isinstance(e, cls):

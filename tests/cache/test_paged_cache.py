@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4 import CacheCapacityError
-from dsv4.probes import spy_methods
+from dsv4.testing.probes import spy_methods
 
 from conftest import RATIOS, random_x
 

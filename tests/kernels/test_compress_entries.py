@@ -285,7 +285,7 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
     import dsv4.platforms.cuda as cuda_platform
     from dsv4 import DeepseekV4Attention
     from dsv4.platforms.cuda import CudaAttention
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     cfg = DSV4Config.preset("tiny")
     lid = cfg.layer_of_ratio(ratio)

@@ -15,7 +15,7 @@ import torch
 
 from dsv4 import DSV4Config
 from dsv4.passes import process_weights_after_loading
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import HAS_CUDA, kernel_runs
 

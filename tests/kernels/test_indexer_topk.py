@@ -704,7 +704,7 @@ def test_graph_replay_equals_eager(split):
 def test_cuda_layer_decode_selects_like_the_reference():
     from dsv4 import DeepseekV4Attention
     from dsv4.platforms.cuda import CudaAttention
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     cfg = DSV4Config.preset("tiny")
     lid = cfg.layer_of_ratio(4)

@@ -198,7 +198,7 @@ def test_a_layer_under_pdl_computes_the_same_bits(tiny, ratio):
     (fp8 GEMM kernels, step kernels, fp8 cache) equal the same calls without PDL bit for bit."""
     from dsv4 import process_weights_after_loading
     from dsv4.platforms.cuda import CudaAttention
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     from conftest import assert_decode_graph_equals_eager, random_x
 

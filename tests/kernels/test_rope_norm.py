@@ -345,7 +345,7 @@ def test_gpu_graph_replay_reads_positions_on_the_device():
 def _cuda_layer(cfg: DSV4Config, ratio: int, fused: bool):
     from dsv4 import process_weights_after_loading
     from dsv4.platforms.cuda import CudaAttention
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     lid = cfg.layer_of_ratio(ratio)
     layer = CudaAttention(cfg, lid, device="cuda", dtype=BF16)
@@ -368,7 +368,7 @@ def _decode(layer: DeepseekV4Attention, x: torch.Tensor, prefill: int) -> torch.
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("numerics", ["hadamard_fp4", "fp8"])
 def test_gpu_cuda_layer_fused_matches_base_and_reference(ratio, numerics):
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     cfg = DSV4Config.preset("tiny").replace(index_numerics=numerics)
     if ratio != 4 and numerics == "fp8":

@@ -10,7 +10,7 @@ import torch
 
 from dsv4 import DSV4Config
 from dsv4.layers.rotary import RotaryEmbedding
-from dsv4.naive_reference import rope_inverse_frequencies
+from dsv4.testing.naive_reference import rope_inverse_frequencies
 
 
 def float32_table(d: int, base: float, yarn=None) -> torch.Tensor:

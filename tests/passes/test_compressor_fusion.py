@@ -176,7 +176,7 @@ def test_alias_survives_load_state_dict_assign(c4, tiny, make_layer):
 
 
 def test_load_weights_after_fusion_updates_the_fused_buffer(c4, tiny):
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     prepare_compressor_gemm_fusion(c4)
     new = random_layer_weights(tiny, c4.layer_id, seed=9)
@@ -189,7 +189,7 @@ def test_load_weights_after_fusion_updates_the_fused_buffer(c4, tiny):
 
 def test_pipeline_order_count_and_log_lines(tiny, caplog):
     from dsv4 import AttentionStack
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     layers = {}
     for i in range(tiny.num_layers_with_mtp):

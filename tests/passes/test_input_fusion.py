@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dsv4 import process_weights_after_loading
-from dsv4.contract import path_violations
 from dsv4.kernels.launch import _INTERPRET
 from dsv4.offload import CpuOffloader
 from dsv4.passes.input_fusion import input_segments
 from dsv4.platforms import build_attention
+from dsv4.testing.contract import path_violations
 
 from conftest import RATIOS, random_x
 
@@ -74,7 +74,7 @@ def test_pack_skips_what_it_cannot_take(tiny, make_layer):
 
 @module_math
 def test_pack_survives_reload_and_module_conversion(tiny, make_layer):
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     layer = make_layer(tiny, 4)
     process_weights_after_loading(layer, passes=PASSES)
@@ -118,7 +118,7 @@ def test_packed_products_equal_the_unpacked_layers_bit_for_bit(tiny, make_layer,
 
 @module_math
 def test_pack_composes_with_offload(tiny, make_layer):
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     plain = make_layer(tiny, 4, seed=2)
     off = CpuOffloader("cpu")

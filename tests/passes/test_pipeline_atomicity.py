@@ -8,7 +8,7 @@ import torch
 
 from dsv4 import AttentionStack, DSV4Config, process_weights_after_loading
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 
 def bits(t):

@@ -10,7 +10,7 @@ from dsv4 import save_checkpoint as save
 from dsv4.layers.weight_layout import PlatformLayoutError, get_layout
 from dsv4.platforms import build_attention
 from dsv4.platforms.preshuffle_ops import shuffle_weight
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import random_x, rel_err
 
@@ -136,7 +136,7 @@ def test_load_weights_and_load_state_dict_after_preshuffle(pre, tiny, make_layer
 def test_preshuffle_platform_close_to_reference(pre, tiny, make_layer):
     """fp8 activations make it visibly different, nowhere near garbage (the reference replays
     the platform's top-k picks: near ties may break differently)."""
-    from dsv4.probes import record_selection, replay_selection
+    from dsv4.testing.probes import record_selection, replay_selection
 
     ref = make_layer(tiny, 4)
     process_weights_after_loading(pre)

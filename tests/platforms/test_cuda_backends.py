@@ -25,8 +25,8 @@ from dsv4.platforms.cuda_attention import (
     triton_forward_mqa,
 )
 from dsv4.platforms.cuda_linears import LINEARS, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
-from dsv4.probes import record_selection, replay_selection
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.probes import record_selection, replay_selection
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import assert_decode_graph_equals_eager, random_x, rel_err
 
@@ -334,7 +334,7 @@ def _variants_for_test(cfg, device):
 def test_verify_runs_a_platforms_declared_variants(tiny):
     from dsv4.platforms.cuda_attention import verify_variants
     from dsv4.platforms.registry import Platform, register_platform, unregister_platform
-    from dsv4.verify import conformance
+    from dsv4.testing.verify import conformance
 
     on_cpu = verify_variants(tiny, torch.device("cpu"))  # no Triton / FlashMLA rows off CUDA
     assert [label for label, _ in on_cpu] == ["torch"]

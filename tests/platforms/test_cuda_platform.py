@@ -9,7 +9,7 @@ from dsv4 import process_weights_after_loading
 from dsv4.cache.step import CacheStep
 from dsv4.platforms import build_attention
 from dsv4.platforms.cuda import CudaAttention
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import assert_decode_graph_equals_eager, random_x, rel_err
 

@@ -11,10 +11,10 @@ from torch import nn
 from typing_extensions import override
 
 from dsv4 import DeepseekV4Attention, platforms, process_weights_after_loading
-from dsv4.contract import expected_points, path_violations, structural_violations
 from dsv4.platforms.preshuffle import PreshuffleAttention
 from dsv4.stages import InputProjections
-from dsv4.verify import build_pair, conformance
+from dsv4.testing.contract import expected_points, path_violations, structural_violations
+from dsv4.testing.verify import build_pair, conformance
 
 from conftest import RATIOS, random_x
 

@@ -71,7 +71,7 @@ from dsv4.kernels.launch import (
 )
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, check_at_least
 
 _BOTH_PASSES = ("compressor_fusion", "fuse_input_projections")

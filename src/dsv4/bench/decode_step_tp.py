@@ -32,8 +32,8 @@ from dsv4.bench.args import LAYER_RATIO
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPInfo, comm_device
+from dsv4.testing.random_weights import random_layer_weights
 from dsv4.tp_launch import run_here, spawn, under_torchrun
 
 TIMEOUT_S = 600.0
@@ -172,7 +172,7 @@ def tp_rows(group: Any, opts: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for model in opts["models"]:
         if opts["dry"]:
-            from dsv4.verify_tp import tp_preset
+            from dsv4.testing.verify_tp import tp_preset
 
             cfg = tp_preset(size)
         else:

@@ -25,7 +25,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.bench.args import add_out_options, check_out, int_list, pyplot
 from dsv4.cache.pool import AttentionCache
 from dsv4.config import PRESET_NAMES, DSV4Config
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, check_at_least, resolve_device
 
 

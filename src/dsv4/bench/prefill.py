@@ -196,7 +196,7 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
     backend, appended to ``rows`` (``log`` is called after each); checked against the torch
     backend with the step kernels off (the plain PyTorch path). With ``profiles``, the kernel
     table of one call of each timed single-call row is appended to it."""
-    from dsv4.random_weights import random_layer_weights
+    from dsv4.testing.random_weights import random_layer_weights
 
     base_cfg = DSV4Config.preset(model)
     ratio = LAYER_RATIO[layer_type]

@@ -100,7 +100,7 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """The rotation itself: the last 2 * cos.shape[-1] dims of ``x`` as pairs (2i, 2i + 1)
     turned by the angles whose ``cos`` / ``sin`` (in ``acc_dtype``, already broadcastable
     against those pairs) are given; a new tensor of x's dtype, the nope dims unchanged. The
-    inference layers and the training model (:mod:`dsv4.model.train_attention`) share it."""
+    inference layers and the training model (:mod:`dsv4_train.attention`) share it."""
     if inverse:
         sin = -sin
     rope_dim = 2 * cos.shape[-1]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.probes import spy_methods
 from dsv4.stages import STAGE_OF, STAGES
+from dsv4.testing.probes import spy_methods
 
 PLATFORM_HOOKS = ("__init__", "_after_weights_changed", "shared_build_kwargs")
 """Methods a platform may redefine besides the override points (construction and weight

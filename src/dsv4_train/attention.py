@@ -5,7 +5,7 @@ walks sequences through caches; training needs float parameters, gradients and w
 module computes the same math for a batch of sequences that all start at position 0 (a prefill),
 with masks instead of caches: the window (keys p - window < s <= p), compressed visibility
 (entry j visible to p iff j < (p + 1) // r) and the indexer's top-k picks. In float64 with the
-simulations off it equals the inference layer (tests/model/test_train_attention.py).
+simulations off it equals the inference layer (tests/train/test_train_attention.py).
 
 Its parameters carry the official checkpoint names (``state_dict()`` keys are ``wq_a.weight``,
 ``compressor.ape``, ``indexer.compressor.wgate.weight``, ...), so exporting is a rename-free copy

@@ -20,7 +20,7 @@ from torch import nn
 from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.pool import AttentionCache
 from dsv4.layers.norm import RMSNorm
-from dsv4.model.config import TinyLMConfig
+from dsv4.tinylm.config import TinyLMConfig
 
 
 class _Weight(nn.Module):
@@ -67,7 +67,7 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Built from already-loaded attention layers (see :func:`dsv4.model.checkpoint.load_tiny_lm`);
+    """Built from already-loaded attention layers (see :func:`dsv4.tinylm.checkpoint.load_tiny_lm`);
     the other weights are filled by :meth:`load_lm_tensors`."""
 
     def __init__(self, cfg: TinyLMConfig, attention: Sequence[DeepseekV4Attention]) -> None:

@@ -18,11 +18,11 @@ import torch
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
-from dsv4.contract import path_violations, structural_violations
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import available, build_attention, default_passes, get_platform
-from dsv4.probes import record_selection, replay_selection
-from dsv4.random_weights import random_layer_weights
+from dsv4.testing.contract import path_violations, structural_violations
+from dsv4.testing.probes import record_selection, replay_selection
+from dsv4.testing.random_weights import random_layer_weights
 
 ACT_QUANT_TOLERANCE = 3e-2
 """The tolerance of every ``[act_quant]`` row (both layers quantise the fp8 linears' inputs,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,10 @@ from dsv4.checkpoint import (
 )
 from dsv4.config import ConfigError
 from dsv4.folder_swap import FolderOwnershipError, replace_folder
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.lm import TinyLM
-from dsv4.model.paths import default_model_dir
 from dsv4.platforms import build_attention
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.lm import TinyLM
+from dsv4.tinylm.paths import default_model_dir
 
 ATTN_SHARD = "model-00001-of-00002.safetensors"
 LM_SHARD = "model-00002-of-00002.safetensors"
@@ -71,9 +71,10 @@ def is_tiny_lm_file(name: str) -> bool:
 
 
 def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: str | Path,
-                 report: dict[str, Any] | None = None) -> list[Path]:
-    """Write a complete model folder from official-name tensors (checkpoint dtypes), with the
-    training ``report`` (``train_report.json``, ``loss_curve.png``) when given.
+                 extra: Callable[[Path], list[Path]] | None = None) -> list[Path]:
+    """Write a complete model folder from official-name tensors (checkpoint dtypes); ``extra``,
+    when given, writes more files into the folder being made and returns them (the trainer's
+    ``train_report.json`` and ``loss_curve.png``).
 
     The attention tensors are loaded into reference layers and written by ``save_checkpoint``,
     so the folder holds exactly what that function produces for them. As ``save_checkpoint``
@@ -107,10 +108,8 @@ def save_tiny_lm(tensors: dict[str, torch.Tensor], cfg: TinyLMConfig, folder: st
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                  indent=1))
         written = [tmp / ATTN_SHARD, tmp / LM_SHARD, tmp / INDEX_FILE, tmp / "config.json"]
-        if report is not None:
-            from dsv4.model.train import save_report
-
-            written += save_report(report, tmp)
+        if extra is not None:
+            written += extra(tmp)
         mode = (tmp / "config.json").stat().st_mode & 0o7777
         for path in written:
             os.chmod(path, mode)

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv4.model.paths import MODEL_NAME, default_model_dir
-from dsv4.model.task import HELDOUT_SIZE, describe_format, format_problem
+from dsv4.tinylm.paths import MODEL_NAME, default_model_dir
+from dsv4.tinylm.task import HELDOUT_SIZE, describe_format, format_problem
 from dsv4.usage import (
     UsageError,
     check_at_least,
@@ -67,8 +67,8 @@ def unique(names: list[str] | None) -> list[str] | None:
 
 
 # The end-to-end check that sets the exit code of `dsv4 eval` / `dsv4 demo`: the shipped model's
-# goals (dsv4/model/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle bug)
-# scores ~0 and fails it by far; so does a near-tie flip on more than one problem.
+# goals (dsv4/tinylm/tiny-arith/README.md). A broken platform path (e.g. the upstream preshuffle
+# bug) scores ~0 and fails it by far; so does a near-tie flip on more than one problem.
 MIN_ACCURACY, MAX_GAP, MIN_AGREEMENT = 0.95, 1, 0.999
 
 
@@ -76,7 +76,7 @@ def eval_verdict(runs: list[Any]) -> tuple[bool, str]:
     """(passed, a one-line verdict): ``runs[0]`` is ``reference`` without fusion; it must reach
     ``MIN_ACCURACY`` and every other run be within ``MAX_GAP`` problems of it with at least
     ``MIN_AGREEMENT`` token agreement."""
-    from dsv4.model.evaluate import run_label
+    from dsv4.tinylm.evaluate import run_label
 
     ref = runs[0]
     bad = []
@@ -100,7 +100,7 @@ def run_model_eval(model: Path, platforms: list[str] | None, device: str, n: int
                    act_quant: bool = False) -> int:
     import torch
 
-    from dsv4.model.evaluate import (
+    from dsv4.tinylm.evaluate import (
         EXACT_CACHE,
         default_decode_batch,
         evaluate,
@@ -164,7 +164,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         check_output_file("--json", args.json)  # before the eval, not after it
     device = _device(args.device)
     batch = -1 if args.decode_batch is None else (args.decode_batch or None)
-    from dsv4.model.evaluate import parse_cache_format
+    from dsv4.tinylm.evaluate import parse_cache_format
 
     formats = list(dict.fromkeys(parse_cache_format(f)
                                  for f in args.cache_format or ["auto/auto"]))
@@ -177,8 +177,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     check_model_dir("--model", args.model)
     device = _device(args.device)
-    from dsv4.model.checkpoint import load_tiny_lm
-    from dsv4.model.generate import generate, prompt_name
+    from dsv4.tinylm.checkpoint import load_tiny_lm
+    from dsv4.tinylm.generate import generate, prompt_name
 
     model = load_tiny_lm(args.model, platform=args.platform, device=device,
                          dtype=torch_dtype(args.dtype))
@@ -209,8 +209,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_output_dir("--out", args.out)
     device = _device(args.device)
     from dsv4.folder_swap import foreign_entries
-    from dsv4.model.checkpoint import is_tiny_lm_file, save_tiny_lm
-    from dsv4.model.train import TrainSettings, train_tiny
+    from dsv4.tinylm.checkpoint import is_tiny_lm_file, save_tiny_lm
+    from dsv4_train.train import TrainSettings, save_report, train_tiny
 
     if args.out.is_dir() and foreign_entries(args.out, is_tiny_lm_file):
         raise UsageError(f"--out {args.out}: holds other files than a tiny-LM folder's "
@@ -221,7 +221,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model, report = train_tiny(settings, log=lambda s: print(s, flush=True))
     report["command"] = " ".join(["dsv4", *sys.argv[1:]]) if args.command_line is None \
         else args.command_line
-    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out, report=report)
+    files = save_tiny_lm(model.export_tensors(fp8=True), model.cfg, args.out,
+                         extra=lambda folder: save_report(report, folder))
     print(json.dumps({"saved": [str(f) for f in files],
                       "accuracy": report["heldout_accuracy_checkpoint_numerics"]}))
     return 0

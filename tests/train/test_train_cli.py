@@ -14,11 +14,11 @@ import pytest
 
 from dsv4 import CheckpointError
 from dsv4.cli import main
-from dsv4.model.checkpoint import TINY_LM_FILES, load_tiny_lm, save_tiny_lm
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.task import heldout_problems
-from dsv4.model.train import TrainSettings, greedy_answers, train_tiny
-from dsv4.model.train_lm import TrainLM
+from dsv4.tinylm.checkpoint import TINY_LM_FILES, load_tiny_lm, save_tiny_lm
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.task import heldout_problems
+from dsv4_train.lm import TrainLM
+from dsv4_train.train import TrainSettings, greedy_answers, train_tiny
 
 
 @pytest.mark.parametrize("change,match", [({"seconds": -5.0}, "seconds=-5.0"),
@@ -43,7 +43,7 @@ def test_the_held_out_answers_show_progress():
 
 def _fake_training(monkeypatch: pytest.MonkeyPatch) -> list[TrainSettings]:
     """train_tiny without the training: a fresh model and a report of one step."""
-    import dsv4.model.train as train
+    import dsv4_train.train as train
 
     seen: list[TrainSettings] = []
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.task import FILLER_CHARS, TaskSpec, heldout_problems, make_problems
-from dsv4.model.tokenizer import CharTokenizer, TokenizerError
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.task import FILLER_CHARS, TaskSpec, heldout_problems, make_problems
+from dsv4.tinylm.tokenizer import CharTokenizer, TokenizerError
 
 
 def test_tokenizer_round_trip():

@@ -1,6 +1,6 @@
 """Where the shipped tiny model lives (no torch import: the ``dsv4`` command's help uses it).
 
-The model ships inside the package (``dsv4/model/tiny-arith``, declared as package data), so a
+The model ships inside the package (``dsv4/tinylm/tiny-arith``, declared as package data), so a
 regular ``pip install``, a wheel and an editable install all find it from any working directory.
 """
 
@@ -13,5 +13,5 @@ MODEL_NAME = "tiny-arith"
 
 
 def default_model_dir() -> Path:
-    """The shipped model's folder, ``tiny-arith`` inside the installed ``dsv4.model`` package."""
-    return Path(str(resources.files("dsv4.model").joinpath(MODEL_NAME)))
+    """The shipped model's folder, ``tiny-arith`` inside the installed ``dsv4.tinylm`` package."""
+    return Path(str(resources.files("dsv4.tinylm").joinpath(MODEL_NAME)))

@@ -19,12 +19,12 @@ import torch
 
 from dsv4.checkpoint import CheckpointError
 from dsv4.config import ConfigError
-from dsv4.model.checkpoint import check_model_folder, load_tiny_lm
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.generate import generate_ids
-from dsv4.model.task import Problem, heldout_problems
 from dsv4.platforms import available, get_platform
 from dsv4.platforms.registry import platform_spec
+from dsv4.tinylm.checkpoint import check_model_folder, load_tiny_lm
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.generate import generate_ids
+from dsv4.tinylm.task import Problem, heldout_problems
 
 
 @dataclass
@@ -54,7 +54,7 @@ class EvalRun:
 
 def passes_with_fusion(platform: str, fusion: bool) -> list[str]:
     """The platform's post-load passes with the compressor fusion on or off (as
-    :func:`dsv4.verify.passes_for`, without building a layer first)."""
+    :func:`dsv4.testing.verify.passes_for`, without building a layer first)."""
     names = [p for p in platform_spec(platform).pass_names if p != "compressor_fusion"]
     return ["compressor_fusion", *names] if fusion else names
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsv4.cli import main
-from dsv4.model.checkpoint import default_model_dir, load_tiny_lm
-from dsv4.model.evaluate import evaluate, format_table, parse_cache_format
+from dsv4.tinylm.checkpoint import default_model_dir, load_tiny_lm
+from dsv4.tinylm.evaluate import evaluate, format_table, parse_cache_format
 
 MODEL = default_model_dir()
 

@@ -1,6 +1,6 @@
 """The tiny decoder LM for training: float weights, :class:`TrainAttention`, whole batches.
 
-Same architecture as the inference model (:mod:`dsv4.model.lm`): token embedding, blocks of
+Same architecture as the inference model (:mod:`dsv4.tinylm.lm`): token embedding, blocks of
 (RMSNorm -> DSV4 attention -> residual -> RMSNorm -> SwiGLU MLP -> residual), final RMSNorm,
 ``lm_head``. No MoE, no hyper-connections, no MTP. Parameter names are the official DeepSeek
 checkpoint names (``embed.weight``, ``layers.{i}.attn_norm.weight``,
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.layers.norm import rms_normalize
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.train_attention import (
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4_train.attention import (
     NO_QUANT,
     QuantOptions,
     TrainAttention,

@@ -11,19 +11,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import dsv4.model.checkpoint as model_ckpt
+import dsv4.tinylm.checkpoint as model_ckpt
 from dsv4 import CheckpointError, DeepseekV4Attention, platforms
 from dsv4.checkpoint import read_layer_tensors
-from dsv4.model.checkpoint import ATTN_SHARD, default_model_dir, load_tiny_lm, save_tiny_lm
-from dsv4.model.commands import eval_verdict
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.evaluate import answer_problems, evaluate, token_agreement
-from dsv4.model.generate import PromptError, generate, generate_ids
-from dsv4.model.task import heldout_problems
-from dsv4.model.train import greedy_answers
-from dsv4.model.train_attention import QuantOptions, load_attention_tensors
-from dsv4.model.train_lm import TrainLM
 from dsv4.platforms.preshuffle import PreshuffleAttention
+from dsv4.tinylm.checkpoint import ATTN_SHARD, default_model_dir, load_tiny_lm, save_tiny_lm
+from dsv4.tinylm.commands import eval_verdict
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.evaluate import answer_problems, evaluate, token_agreement
+from dsv4.tinylm.generate import PromptError, generate, generate_ids
+from dsv4.tinylm.task import heldout_problems
+from dsv4_train.attention import QuantOptions, load_attention_tensors
+from dsv4_train.lm import TrainLM
+from dsv4_train.train import greedy_answers
 
 from conftest import rel_err
 

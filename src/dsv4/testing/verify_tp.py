@@ -25,11 +25,11 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.config import DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import available, build_attention, get_platform
-from dsv4.probes import record_selection, replay_selection
-from dsv4.random_weights import random_layer_weights
 from dsv4.tensor_parallel import TPInfo, comm_device, exchange_strings
+from dsv4.testing.probes import record_selection, replay_selection
+from dsv4.testing.random_weights import random_layer_weights
+from dsv4.testing.verify import _run_pooled, passes_for
 from dsv4.tp_launch import backend_for, run_here, spawn, under_torchrun
-from dsv4.verify import _run_pooled, passes_for
 
 TOL_FLOAT64 = 1e-12
 TOL_BF16 = 1e-2

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.config import ConfigError, DSV4Config, read_config_json
-from dsv4.model.task import TaskSpec
-from dsv4.model.tokenizer import CharTokenizer
+from dsv4.tinylm.task import TaskSpec
+from dsv4.tinylm.tokenizer import CharTokenizer
 
 ARCHITECTURE = "DeepseekV4TinyLM"
 

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, DSV4Config
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.train_attention import (
+from dsv4.platforms import build_attention
+from dsv4.testing.random_weights import random_layer_weights
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4_train.attention import (
     QuantOptions,
     TrainAttention,
     export_attention_tensors,
     load_attention_tensors,
     topk_mask,
 )
-from dsv4.platforms import build_attention
-from dsv4.random_weights import random_layer_weights
 
 from conftest import RATIOS, rel_err
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4.model.lm import TinyLM
-from dsv4.model.tokenizer import CharTokenizer
+from dsv4.tinylm.lm import TinyLM
+from dsv4.tinylm.tokenizer import CharTokenizer
 
 
 class PromptError(ValueError):

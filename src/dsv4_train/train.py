@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsv4.model.config import TinyLMConfig
-from dsv4.model.task import Problem, TaskSpec, heldout_problems, make_problem
-from dsv4.model.tokenizer import CharTokenizer
-from dsv4.model.train_attention import NO_QUANT, QuantOptions
-from dsv4.model.train_lm import TrainLM
+from dsv4.tinylm.config import TinyLMConfig
+from dsv4.tinylm.task import Problem, TaskSpec, heldout_problems, make_problem
+from dsv4.tinylm.tokenizer import CharTokenizer
+from dsv4_train.attention import NO_QUANT, QuantOptions
+from dsv4_train.lm import TrainLM
 
 QAT = QuantOptions(checkpoint_weights=True, simulate=True, act_fp8_prob=0.5)
 EVAL_QUANT = QuantOptions(checkpoint_weights=True, simulate=True)
@@ -100,7 +100,7 @@ def greedy_answers(model: TrainLM, problems: Sequence[Problem], tok: CharTokeniz
                    quant: QuantOptions = EVAL_QUANT, batch: int = 200, max_new: int = 4,
                    dtype: torch.dtype = torch.float32, log: Any = None) -> list[str]:
     """Greedy answers by the training model itself (full re-forward per token, no caches): a
-    cheap progress signal during training. The shipped model is scored by :mod:`dsv4.model.eval`
+    cheap progress signal during training. The shipped model is scored by :mod:`dsv4.tinylm.eval`
     through the inference layers instead. ``log`` gets a line per batch (on a CPU a batch can
     take a minute)."""
     device = next(model.parameters()).device
