@@ -52,7 +52,7 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider)
 SKIP=(--deselect tests/test_readme.py --ignore=tests/integrations
       --deselect tests/test_transformers_dialect.py)
 DECODE=(python3 -m dsv4 bench decode-step --models flash,pro --layers "${LAYERS:-C4}"
-        --ms 1,16,64 --strategies ours_auto_act8_pdl)
+        --ms 1,16,64 --strategies default)
 
 case "${1:-}" in
 suite)  # -vv: one line per test as it ends, so a cut run names what passed and failed;

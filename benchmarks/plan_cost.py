@@ -1,4 +1,4 @@
-"""Host time of ``CachePool.begin_step`` for one decode token per sequence (the per-layer, per-step
+"""Host time of ``CacheStep.plan`` for one decode token per sequence (the per-layer, per-step
 planning a serving loop pays on the CPU), per layer type and M; best of 7 batches of 60 calls:
 as a model's first layer of a step plans it (its metadata built, uploaded and split) and as
 each further layer does (that metadata shared: ``dsv4.cache.step._last_uploaded``); then
@@ -41,7 +41,7 @@ def main() -> None:
                 for _ in range(60):
                     CacheStep.plan(pool, caches, [1] * m)
                 further = min(further, (time.perf_counter() - t0) / 60)
-            print(f"ratio {ratio:3d} M={m:2d}: begin_step {first * 1e6:6.0f} us (first layer), "
+            print(f"ratio {ratio:3d} M={m:2d}: plan {first * 1e6:6.0f} us (first layer), "
                   f"{further * 1e6:6.0f} us (each further layer)", flush=True)
     commit_cost()
 

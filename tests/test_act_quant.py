@@ -1,4 +1,4 @@
-"""cfg.act_quant: the official activation quantisation of the fp8 linears (dsv4-attention.md
+"""cfg.act_quant: the official activation quantisation of the fp8 linears (docs/spec.md
 §6.3) on every platform - the inputs of wq_a | wkv, wq_b, indexer.wq_b and wo_b quantised per
 token to e4m3 in blocks of 128 with power-of-two scales, wo_a's not."""
 
@@ -103,7 +103,7 @@ def test_cuda_layer_matches_the_reference_under_act_quant(tiny, make_layer, rati
     to the float64 evaluation with the option as the reference layer in bf16 is, and closer to
     it than to the evaluation without. (The quantiser turns bf16's rounding of its inputs into
     whole e4m3 steps now and then, so both bf16 paths sit 3-5e-2 from float64 on the tiny
-    model, against 1.5e-2 without the option: measured on the H200, session 24.)"""
+    model, against 1.5e-2 without the option: measured on the H200, 2026-12-03.)"""
     cfg = tiny.replace(act_quant=True)
     x = random_x(43, tiny.hidden_size, seed=11)
     want = run(make_layer(cfg, ratio, torch.float64), x.double())

@@ -215,7 +215,8 @@ def test_two_tokens_rope_by_hand() -> None:
 
 
 def _yarn_freqs(cfg: DSV4Config) -> torch.Tensor:
-    """§4 for the compressed layers: with base 160000 pairs 0..15 keep f_i, 25.. use f_i/16."""
+    """docs/spec.md §4 for the compressed layers: with base 160000 pairs 0..15 keep f_i, 25..
+    use f_i/16."""
     d_r, base = cfg.qk_rope_head_dim, cfg.compress_rope_theta
     f = 1.0 / base ** (torch.arange(0, d_r, 2, dtype=torch.float32) / d_r)  # float32 throughout
     low, high = 15, 25  # from the worked example in §4 (Flash/tiny YaRN settings)

@@ -32,7 +32,8 @@ def check_offload_with_fusion(cfg, device, platform):
         # an offloaded cuda layer runs the base path's fp8 linears and no input-stage graph
         # (weights move around each call): the plain layer the same way, so the bits compare.
         # (With its fp8 kernels and a graph padded to 64 rows the plain layer accumulates in
-        # another order: equal on most inputs, a last bit apart on some - session 23's flaky F.)
+        # another order: equal on most inputs, a last bit apart on some - a flaky failure of
+        # 2026-12-03.)
         plain.use_fp8_gemms(False)
         plain.use_cuda_graphs(False)
     off = CpuOffloader(device)

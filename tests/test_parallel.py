@@ -1,4 +1,4 @@
-"""execute_in_parallel / maybe_execute_in_parallel: upstream semantics (seed-features.md D)."""
+"""execute_in_parallel / maybe_execute_in_parallel: upstream semantics (docs/upstream.md Part D)."""
 
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ class DeepseekV4Attention(nn.Module):
             self.indexer = Indexer(cfg, dtype=dtype, f32_dtype=f32, device=dev)
         self.rotary = RotaryEmbedding.for_layer(cfg, self.compress_ratio, dev)
 
-        # Post-load compressor GEMM fusion state (seed-features.md B.2): a non-persistent buffer,
+        # Post-load compressor GEMM fusion state (docs/upstream.md B.2): a non-persistent buffer,
         # so it never reaches state_dict(), and the split sizes.
         self.register_buffer("_fused_compressor_weight", None, persistent=False)
         self._fused_compressor_split_sizes: tuple[int, int] | None = None

@@ -78,7 +78,7 @@ def warn_unknown_keys(d: Mapping[str, Any], stacklevel: int = 3) -> list[str]:
 
 @dataclass(frozen=True)
 class YarnScaling:
-    """YaRN frequency blend (applies to compressed layers only, see dsv4-attention.md §4)."""
+    """YaRN frequency blend (applies to compressed layers only, see docs/spec.md §4)."""
 
     factor: float = 16.0
     original_max_position_embeddings: int = 65536
@@ -123,7 +123,7 @@ class DSV4Config:
     simulate_quant: bool = True
     """Run the official FP8 (kv nope) and Hadamard+FP4 (indexer) quantisation simulations."""
     act_quant: bool = False
-    """The official activation quantisation of the fp8 linears (dsv4-attention.md §6.3): the
+    """The official activation quantisation of the fp8 linears (docs/spec.md §6.3): the
     inputs of ``wq_a | wkv``, ``wq_b``, ``indexer.wq_b`` and ``wo_b`` (not ``wo_a``) quantised
     per token to e4m3 in blocks of 128 with power-of-two scales (``fp8_block_sim`` at 128), in
     every platform's GEMMs. Off: bf16 activations (the §9 "small error" against the official
@@ -477,7 +477,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def yarn_ramp_bounds(dim: int, base: float, y: YarnScaling) -> tuple[float, float]:
-    """(low, high) of the YaRN ramp over the rotary pair index (dsv4-attention.md §4)."""
+    """(low, high) of the YaRN ramp over the rotary pair index (docs/spec.md §4)."""
 
     def corr(rot: float) -> float:
         return dim * math.log(y.original_max_position_embeddings / (rot * 2 * math.pi)) / (

@@ -3,14 +3,14 @@
 A copy from ordinary (pageable) host memory to a CUDA tensor makes PyTorch synchronise the
 stream: the host waits until every kernel queued before it has run, and the GPU then idles
 while the host launches what follows. A prefill call queues milliseconds of GEMMs ahead of its
-cache-table updates, so each such copy costs the GPU about that much idle time (session 23's
+cache-table updates, so each such copy costs the GPU about that much idle time (the 2026-12-03
 16K prefill profile: 9 stream synchronisations, 6.4 ms of a 45 ms Pro call). These helpers copy
 through a fresh pinned buffer instead, asynchronously on the current stream: PyTorch's caching
 host allocator keeps the buffer until the copy has run, and the host may change its own tensor
 right after (the copy reads the snapshot).
 
 The snapshots come from a pinned ring (:class:`PinnedRing`, 16 MiB per device, allocated on
-first use): a fresh pinned buffer per copy cost about 0.27 ms of host time each (session 24's
+first use): a fresh pinned buffer per copy cost about 0.27 ms of host time each (the 2026-12-03
 16K prefill profile: 13 of them, 3.5 ms of a host-bound 20.5 ms call), a slice of the ring a
 memcpy. Each slice is guarded by an event recorded after the copy that reads it; the ring
 waits for that event only when it comes round to the slice again (the GPU is then 16 MiB of

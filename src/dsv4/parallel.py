@@ -1,4 +1,4 @@
-"""Multi-stream helpers with the upstream semantics (seed-features.md Part D).
+"""Multi-stream helpers with the upstream semantics (docs/upstream.md Part D).
 
 * :func:`maybe_execute_in_parallel` runs two functions: fn0 on the current stream, fn1 on an aux
   stream that waits for everything enqueued before fn0; ``enable`` defaults to True.

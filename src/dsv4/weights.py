@@ -1,8 +1,9 @@
 """Official checkpoint names of one attention layer and strict, atomic loading into it.
 
-Official names (dsv4-attention.md §3.1) map onto the module's fused parameters: ``wq_a`` and
-``wkv`` are the two row shards of ``fused_wqa_wkv``; ``compressor.wkv`` and ``compressor.wgate``
-the two shards of ``compressor.fused_wkv_wgate`` (likewise for the indexer's compressor).
+Official names (docs/spec.md §3.1; §3.3 for vLLM's fused names) map onto the module's fused
+parameters: ``wq_a`` and ``wkv`` are the two row shards of ``fused_wqa_wkv``; ``compressor.wkv``
+and ``compressor.wgate`` the two shards of ``compressor.fused_wkv_wgate`` (likewise for the
+indexer's compressor).
 """
 
 from __future__ import annotations

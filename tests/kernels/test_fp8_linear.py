@@ -216,7 +216,7 @@ def act_rows(m, k, seed=3):
 # Hopper's fp8 MMA keeps only about 14 bits of its running sum within one 128-wide K block
 # (DeepSeek-V3 report §3.3.2: why the kernel moves each block's sum into fp32 and rescales it):
 # on a GPU, random data agrees with the float64 product to ~1e-4 (measured 1.0-1.5e-4 on the
-# H200, session 24), sums that fit those bits to the last bit (test_act_fp8_rounds_exactly).
+# H200, 2026-12-03), sums that fit those bits to the last bit (test_act_fp8_rounds_exactly).
 # The interpreter's fp32 dot is exact to fp32 summation order.
 ACT_TOL = 1e-5 if DEV == "cpu" else 5e-4
 
@@ -225,7 +225,7 @@ ACT_TOL = 1e-5 if DEV == "cpu" else 5e-4
 @pytest.mark.parametrize("cfg", ACT_CONFIGS)
 @pytest.mark.parametrize("M", [1, 5, 40])
 def test_act_fp8_is_the_official_numerics(cfg, M):
-    """act_fp8 (dsv4-attention.md §6.3): equal, up to the MMA's summation, to the float64
+    """act_fp8 (docs/spec.md §6.3): equal, up to the MMA's summation, to the float64
     product of the quantised activations (fp8_block_sim at 128, the official rule) and the
     dequantised weight; not equal to the product with unquantised activations."""
     from dsv4.layers.quant_sim import fp8_block_sim

@@ -362,7 +362,7 @@ def test_triton_interpreter_tiny_shapes():
     assert r.stdout.strip().endswith("OK")
 
 
-# ---------------------------------------------------------------- act_quant (§6.3): any device
+# ------------------------------------------------- act_quant (docs/spec.md §6.3): any device
 @kernel_runs
 @pytest.mark.parametrize("cfg", [KernelConfig(block_m=16, block_n=32, split_k=2),
                                  KernelConfig(block_m=16, block_n=64, split_k=1, swap=False),

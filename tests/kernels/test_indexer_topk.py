@@ -238,7 +238,7 @@ def test_fp8_scores_equal_those_of_the_same_keys_in_bf16(kw):
     same block tables: the score kernel hands the MMA the same values for both. Bit for bit
     under the interpreter; on a GPU the two loads may compile to different MMA paths (the bf16
     rows straight from memory, the fp8 ones dequantised in registers), whose fp32 sums differ
-    in their last bits (sessions 33 and 35 on an H100: not bit-equal, equal to 4 digits), so
+    in their last bits (on an H100, 2026-12-05, twice: not bit-equal, equal to 4 digits), so
     there both must lie within the fp32 rounding bound of the float64 scores of those keys."""
     cfg = tiny_cfg(8)
     steps = [make_step(cfg, fmt, [90, 0, 333, 1000], [1, 2, 1, 1], seed=2)

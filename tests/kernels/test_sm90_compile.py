@@ -39,7 +39,7 @@ def test_step_kernels_compile_for_sm90_without_spills(capsys):
 # keeps up to 112 bytes of them on the stack at some (P, k, block) and none at others, and no
 # register cap removes it (maxnreg 168 / 255 at P = 8, k = 512: 192 / 120 bytes). Those builds
 # are the measured faster ones (64K entries, P = 8: 60.5 us against 70.6 with a 1024-wide merge
-# that does not spill; H200, session 27), so a bounded stack is allowed there and only there.
+# that does not spill; H200, 2026-12-04), so a bounded stack is allowed there and only there.
 SPLIT_TOPK_STACK_BYTES = 128
 
 

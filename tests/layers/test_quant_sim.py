@@ -1,4 +1,4 @@
-"""Official DSV4 quantisation simulations against brute-force oracles (dsv4-attention.md §6)."""
+"""Official DSV4 quantisation simulations against brute-force oracles (docs/spec.md §6)."""
 
 from __future__ import annotations
 

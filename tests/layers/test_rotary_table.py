@@ -55,8 +55,8 @@ def test_pinned_entries(ratio, pinned):
 
 
 def test_module_repr_names_its_table():
-    """The module prints what picks its table (rope_dim, base, YaRN or not) - session 35's
-    refactor had left extra_repr behind a return in a module-level function."""
+    """The module prints what picks its table (rope_dim, base, YaRN or not) - a refactor had
+    once left extra_repr behind a return in a module-level function (fixed in 9f86ec3)."""
     cfg = DSV4Config.preset("tiny")
     assert repr(RotaryEmbedding.for_layer(cfg, 4)) == (
         f"RotaryEmbedding(rope_dim={cfg.qk_rope_head_dim}, base={cfg.compress_rope_theta}, "

@@ -133,7 +133,7 @@ def test_pack_composes_with_offload(tiny, make_layer):
     x = random_x(17, tiny.hidden_size).bfloat16()
     got = layer(x, torch.arange(17), layer.new_cache(17))
     want = plain(x, torch.arange(17), plain.new_cache(17))
-    # this failed once (session 36, in the middle of a GPU machine's suite: x then depended on
+    # this failed once (2026-12-05, in the middle of a GPU machine's suite: x then depended on
     # the tests before it) while the packed CPU call rounded its bf16 segments from float32
     # math (the test above); if it ever fails again, say how
     diff = (got.double() - want.double()).abs()

@@ -387,60 +387,12 @@ def test_stream_plan_calls_take_the_fp8_input_gemm(tiny, ratio):
 
 @cuda
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
-def test_prequantised_query_latent_is_bit_equal_on_the_gpu(tiny):
-    """``use_prequantised_query_latent`` under act_quant: qr quantised once in the latent-norms
-    launch, both query GEMMs reading it - a prefill and decode steps give the same outputs bit
-    for bit as the in-loop quantisation, and every call of at most 128 tokens took it."""
-    from dsv4.kernels import fp8_linear as fl
-
-    cfg = tiny.replace(act_quant=True)
-    x = random_x(70, cfg.hidden_size).to("cuda", BF16)
-    outs, took = [], []
-    for on in (False, True):
-        layer, _ = _cuda_pair(cfg, 4, "triton")
-        assert {"wq_b", "indexer.wq_b"} <= layer.fp8_plan.eligible
-        layer.use_prequantised_query_latent(on)
-        with mock.patch("dsv4.platforms.cuda_linears.fp8_linear", wraps=fl.fp8_linear) as spy:
-            y, _ = _prefill_and_decode(layer, x, 60)
-        outs.append(y)
-        took.append(sum(c.kwargs.get("x_scale") is not None for c in spy.call_args_list))
-    # the prefill and 10 decode steps, two GEMMs each (15+ entries visible: the indexer runs)
-    assert took == [0, 2 * 11]
-    assert torch.equal(outs[0], outs[1])
-
-
-@cuda
-@pytest.mark.skipif(not triton_available(), reason="needs Triton")
-@pytest.mark.parametrize("qr_fp8", [False, True])
-def test_query_gemm_pair_on_the_gpu(tiny, qr_fp8):
-    """``use_query_gemm_pair``: both query GEMMs in one launch for every call of at most 128
-    tokens, the outputs those of two launches up to the fp32 summation order."""
-    from dsv4.kernels import fp8_linear as fl
-
-    cfg = tiny.replace(act_quant=True)
-    x = random_x(70, cfg.hidden_size).to("cuda", BF16)
-    outs, pairs = [], []
-    for on in (False, True):
-        layer, _ = _cuda_pair(cfg, 4, "triton")
-        layer.use_query_gemm_pair(on)
-        layer.use_prequantised_query_latent(qr_fp8)
-        with mock.patch("dsv4.platforms.cuda_linears.fp8_linear_pair",
-                        wraps=fl.fp8_linear_pair) as spy:
-            y, _ = _prefill_and_decode(layer, x, 60)
-        outs.append(y)
-        pairs.append(spy.call_count)
-    assert pairs == [0, 11]  # the prefill and 10 decode steps
-    assert rel_err(outs[1], outs[0]) < 1e-2
-
-
-@cuda
-@pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_a_decode_step_runs_the_shared_launches(tiny, ratio):
-    """Session 32's shared launches on the GPU, counted by the profiler in one eager decode
-    step of a compressed layer (triton backend): the query heads and kv rows share one RoPE
-    launch (the output's inverse RoPE is in the attention launch that writes o), the window
-    and entry flat rows are one launch (no visible-entries launch of its own), both
+    """The stage overrides' shared launches on the GPU, counted by the profiler in one eager
+    decode step of a compressed layer (triton backend): the query heads and kv rows share one
+    RoPE launch (the output's inverse RoPE is in the attention launch that writes o), the
+    window and entry flat rows are one launch (no visible-entries launch of its own), both
     compressors' raw rows one launch, both rings' kept rows at most one."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -463,35 +415,3 @@ def test_a_decode_step_runs_the_shared_launches(tiny, ratio):
     assert launched("_flat_rows_kernel") == 1 and launched("_visible_entries_kernel") == 0, \
         counts
     assert launched("_raw_rows_kernel") == 1 and launched("_keep_rows_kernel") <= 1, counts
-
-
-@cuda
-@pytest.mark.skipif(not triton_available(), reason="needs Triton")
-def test_unsorted_selection_on_the_gpu(tiny):
-    """``use_sorted_selection(False)``: every decode step's top-k takes the same entry sets,
-    by ascending index, and the layer's outputs stay within the fp32 summation order."""
-    import dsv4.platforms.cuda as cuda_platform
-
-    x = random_x(70, tiny.hidden_size).to("cuda", BF16)
-    outs, picks = [], []
-    real = cuda_platform.indexer_topk
-    for on in (True, False):
-        layer, _ = _cuda_pair(tiny, 4, "triton")
-        layer.use_sorted_selection(on)
-        got = []
-
-        def spy(*args, _got=got, **kw):
-            out = real(*args, **kw)
-            _got.append(out.clone())
-            return out
-
-        with mock.patch.object(cuda_platform, "indexer_topk", spy):
-            y, _ = _prefill_and_decode(layer, x, 60)
-        outs.append(y)
-        picks.append(got)
-    assert len(picks[0]) == len(picks[1]) == 11  # the 60-token prefill and 10 decode steps
-    for a, b in zip(*picks, strict=True):
-        assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
-        kept = torch.where(b >= 0, b, torch.iinfo(torch.long).max)
-        assert torch.equal(kept, kept.sort(dim=1).values)
-    assert rel_err(outs[1], outs[0]) < 1e-2

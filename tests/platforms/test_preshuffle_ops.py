@@ -76,7 +76,7 @@ def test_shuffle_matches_flat_index_formula(w: torch.Tensor) -> None:
 @FAST
 @given(shuffle_cases())
 def test_unshuffle_matches_inverse_formula(w: torch.Tensor) -> None:
-    """A.4 inverse mapping, written independently: flat f -> (n, k)."""
+    """docs/upstream.md A.4 inverse mapping, written independently: flat f -> (n, k)."""
     n_, k_ = w.shape[-2:]
     p = 16 // w.element_size()
     f = torch.arange(n_ * k_)

@@ -83,7 +83,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def act_quant_block(xt, AXIS: tl.constexpr, EMULATE: tl.constexpr):
-        """The official activation quantisation (dsv4-attention.md §6.3) of one 128-wide K
+        """The official activation quantisation (docs/spec.md §6.3) of one 128-wide K
         block of x, fp32 ``xt``, each token's 128 values along ``AXIS``: (q, sigma) with
         sigma = 2^ceil(log2(max(amax, 1e-4) / 448)) per token and q = e4m3(clamp(x / sigma,
         +-448)) rounded to nearest even - as float8e4nv for an fp8 MMA, or (EMULATE, Triton's

@@ -88,7 +88,7 @@ def flashmla_supports(H: int, d: int, fmt: str, device: torch.device | str,
 def _pad_idx(idx: torch.Tensor) -> torch.Tensor:
     """int32 indices, -1 padded to a multiple of ``TOPK_MULTIPLE``: one cast where the width
     is one already (the window's 128 rows, the indexer's 512 / 1024), a cast and a pad
-    otherwise - instead of a fill, a cast and a copy (session 26's profile: 6 small launches
+    otherwise - instead of a fill, a cast and a copy (the 2026-12-04 profile: 6 small launches
     of a FlashMLA decode step)."""
     n = idx.shape[-1]
     m = -(-n // TOPK_MULTIPLE) * TOPK_MULTIPLE

@@ -33,7 +33,7 @@ writes y: deterministic, graph-replayable (the counter is reset), no float atomi
 protocol as :mod:`dsv4.kernels.fused_input_proj`. Small M uses the swapped MMA (weight rows on the
 MMA's M side, x^T as the narrow N side); larger M uses plain tiles. ``choose_config`` picks by M.
 ``Fp8GemmConfig(act_fp8=True)`` changes the numerics to the official FP8 linear's
-(dsv4-attention.md §6.3): each token's 128-wide K block of x is quantised in the kernel to e4m3
+(docs/spec.md §6.3): each token's 128-wide K block of x is quantised in the kernel to e4m3
 with the power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (RNE, clamped to +-448) and
 multiplied by the e4m3 weight tile with an fp8 x fp8 MMA; block products times both scales sum
 in fp32. Equal to the product of ``fp8_block_sim(x, 128)`` and the dequantised weight up to the
@@ -129,7 +129,7 @@ class Fp8GemmConfig:
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
                       ) -> Fp8GemmConfig:
     """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length;
-    ``act_fp8``: the activations quantised in the kernel (§6.3; H200 probes, sessions 24-25:
+    ``act_fp8``: the activations quantised in the kernel (§6.3; H200 probes, 2026-12-03:
     faster than bf16 activations on every Flash / Pro shape at M = 1 and 16, and at M = 64 with
     the row tiles of the rule below); the same tiles, but 128 rows where enough of them keep
     the SMs busy and, at 32 < M <= 64 elsewhere, the M > 64 tile.
@@ -137,7 +137,7 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
     benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
     that no program streams more than 16 K blocks (at M = 64 none where the tiles nearly fill
-    the SMs) (H200, M=1, session 22's GEMM probes: Pro
+    the SMs) (H200, M=1, the GEMM probes of 2026-12-02: Pro
     ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6
     pipeline stages lost on every shape). M > 64: 64 x 128 tiles, split only when the tiles
     alone leave SMs idle. Untuned on this kernel.
@@ -157,7 +157,7 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     split = max(1, min(nkb, split, 16))
     if not act_fp8 and 32 < M <= 64 and tiles >= 0.9 * n_sm:
         # M = 64, bf16 activations: no split where the tiles alone nearly fill the SMs (H200,
-        # session 25: indexer wq_b Flash 17.9 -> 9.6 us, Pro 20.5 -> 13.2; Pro wo_a 48.9 ->
+        # 2026-12-03: indexer wq_b Flash 17.9 -> 9.6 us, Pro 20.5 -> 13.2; Pro wo_a 48.9 ->
         # 37.8; Flash wo_a 32.4 -> 31.0; with fewer tiles it lost: Pro wo_b, 112 tiles, 91.3
         # -> 108.1; the threshold lies between those 112 and 128 tiles)
         split = 1
@@ -165,14 +165,14 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     if act_fp8 and (M <= 16 or 32 < M <= 64):
         if (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
             # 128-row tiles at half the split where that still gives 1.5 programs per SM
-            # (H200 act8 probes, sessions 24-25: M = 1 Pro wo_b 42.7 -> 37.2 us, Flash wq_b
+            # (H200 act8 probes, 2026-12-03: M = 1 Pro wo_b 42.7 -> 37.2 us, Flash wq_b
             # 12.0 -> 11.4; M = 16 Pro wo_b 46.1 -> 37.9; M = 64 Pro wo_b 100.0 -> 67.5, Flash
             # wq_b 28.3 -> 18.1. At M <= 16 the shapes it would leave with fewer programs -
             # Flash wo_b, both wo_a, the indexer wq_b - lost or tied)
             bn, split = 128, max(1, split // 2)
         elif M > 32:
             # M = 64 on those fewer-row shapes: the M > 64 table's 64 x 128 non-swapped tile
-            # (session 25: Flash wo_a 36.1 -> 24.5 us, wo_b 38.4 -> 30.1, indexer wq_b 17.2 ->
+            # (2026-12-03: Flash wo_a 36.1 -> 24.5 us, wo_b 38.4 -> 30.1, indexer wq_b 17.2 ->
             # 11.3; Pro wo_a 55.1 -> 34.6, indexer 20.6 -> 13.4). 16 < M <= 32: not probed.
             return choose_fp8_config(65, n_rows, K, n_sm, act_fp8=True)
     return Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": split,

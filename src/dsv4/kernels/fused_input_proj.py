@@ -635,7 +635,7 @@ def fused_input_projections(
 ) -> list[torch.Tensor]:
     """y_s = x @ W_s^T for every segment s, in one launch; returns one tensor per segment.
     ``act_quant``: the fp8 segment's x quantised in the kernel as the official code does
-    (dsv4-attention.md §6.3; the result is ``fp8_block_sim(x, 128)``'s product), the bf16
+    (docs/spec.md §6.3; the result is ``fp8_block_sim(x, 128)``'s product), the bf16
     segments' x as it is; needs an fp8 segment.
 
     Pass ``out`` (same shapes/dtypes as returned) to reuse buffers, e.g. under CUDA graphs. A

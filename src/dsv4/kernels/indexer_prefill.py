@@ -1,4 +1,4 @@
-"""The lightning indexer's selection of prefill-sized steps, tiled (dsv4-attention.md §5.7).
+"""The lightning indexer's selection of prefill-sized steps, tiled (docs/spec.md §5.7).
 
 :mod:`dsv4.kernels.indexer_topk` loads each query once and re-reads the keys for every query:
 right for decode (at most ``KERNEL_MAX_TOKENS`` queries), wasteful for prefill, where many

@@ -1,4 +1,4 @@
-"""The lightning indexer's decode selection in two Triton launches (dsv4-attention.md §5.7).
+"""The lightning indexer's decode selection in two Triton launches (docs/spec.md §5.7).
 
 Entry point ``indexer_topk(q, weights, keys, fmt, rows_per_block, block_table, tok_slot, pos,
 width, topk, weight_scale)`` -> entry indices [T, topk] int64 (-1 pads), the contract of
@@ -104,7 +104,7 @@ SPLIT_DIGIT_BITS = 4
 
 def choose_digit_bits(split: int, block: int) -> int:
     """Radix digit bits for a top-k launch of ``split`` programs per row scanning ``block``
-    scores an iteration. H200, k = 512 (``benchmarks/topk_probe.py``, session 30; every
+    scores an iteration. H200, k = 512 (``benchmarks/topk_probe.py``, 2026-12-05; every
     variant bit-equal), us per call: 16K entries, 1 and 16 rows (8 chunks of 2048, 1024-wide
     scans, 4096-wide merge) 37.9-39.1 at 8 bits, 31.2-32.2 at 4, 38.7-39.9 at 2; one program
     on 4K entries (4096-wide scan) 21.1-22.0 at 8, 23.2-24.3 at 4, 33.9-35.6 at 2, and on 16K
@@ -119,7 +119,7 @@ def choose_scan(width: int) -> tuple[int, int]:
     latency, the histogram's merge across warps through shared memory, barriers) beside its
     per-score work: fewer, wider iterations pay it less often, but a block wider than the row
     wastes its lanes. H200,
-    k = 512 (``benchmarks/topk_probe.py``, session 26; every variant bit-equal): 4096 x 8 warps
+    k = 512 (``benchmarks/topk_probe.py``, 2026-12-04; every variant bit-equal): 4096 x 8 warps
     against 1024 x 8 at 4K entries 26.1 -> 20.5 us, 16K 85.5 -> 62.0, 64K 352 -> 239 (8192 x
     16: 34.2 / 61.7 / 226; 2048 x 8 and 4096 x 16 between); below 4K entries not probed."""
     return (WIDE_SCAN_BLOCK if width >= WIDE_SCAN_BLOCK else SCAN_BLOCK), SCAN_WARPS
@@ -129,7 +129,7 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     """Programs per top-k row (a power of two): one program's passes over a row cost about
     its length, so P programs on chunks of width / P cut that P-fold, and the row's last
     program then merges P * topk candidates, a cost that grows with P. H200, k = 512
-    (``benchmarks/topk_probe.py``, session 27; each row's zero fill of ~1.8 us included,
+    (``benchmarks/topk_probe.py``, 2026-12-04; each row's zero fill of ~1.8 us included,
     every variant bit-equal to one program), us per call:
 
     ==========  ====  =========  =====  =====  =====  ======
@@ -145,11 +145,11 @@ def choose_split(width: int, topk: int, rows: int, n_sm: int) -> int:
     So: one program under 16 * topk entries (measured at 8 * topk: the split lost); else the
     largest power of two up to 8 with P^2 <= 2 * width / topk (the chunks' passes and the merge
     balanced: 8 at 16K and 64K entries for k = 512, measured best; 4 for Pro's k = 1024 at 16K
-    entries, which the step ran with, unchanged within 2 %; session 28's probe: 50.8 us, the
+    entries, which the step ran with, unchanged within 2 %; the 2026-12-04 probe: 50.8 us, the
     best), halved while the rows' programs would hold more than ``SPLIT_CANDIDATES_PER_SM``
     candidates per SM (rows * P * topk: two programs per SM at k = 512 - at 64 rows 4, the best
     there; one at k = 1024 - at 64 rows of 16K entries 2, 62.1 us against 68.7 at 4, of 64K
-    149.7 against 153.7; session 28). Between 8 and 16 * topk entries not measured."""
+    149.7 against 153.7; 2026-12-04). Between 8 and 16 * topk entries not measured."""
     if width < 16 * topk or rows >= 2 * n_sm:
         return 1
     p = 1
@@ -165,7 +165,7 @@ def choose_score_programs(n_tiles: int, rows: int, n_sm: int,
     """Tiles per scoring program (its grid: ``rows`` x ceil(n_tiles / tiles)): about
     ``programs_per_sm`` programs per SM over all rows; by default ``WIDE_SCORE_PROGRAMS_PER_SM``
     where each program still scans at least ``WIDE_SCORE_MIN_TILES`` tiles, else
-    ``SCORE_PROGRAMS_PER_SM``. H200 (``benchmarks/score_probe.py``, session 28; fp8 keys, 64
+    ``SCORE_PROGRAMS_PER_SM``. H200 (``benchmarks/score_probe.py``, 2026-12-04; fp8 keys, 64
     heads, us per call, 4 / 8 per SM): 16K entries x 64 rows 112.5 / 108.8, 64K x 16 109.7 /
     107.7, 64K x 64 451.6 / 411.8 (each program 16-61 tiles at 8); where 8 per SM leaves 1-4
     tiles a program the query loads cost more: 4K x 16 9.9 / 11.5, 64K x 1 9.3 / 11.2, 16K x 16
@@ -184,7 +184,7 @@ def choose_merge_block(candidates: int) -> int:
     width :func:`choose_scan` gives that many entries, whatever the chunks scan - a 4096-wide
     merge beside a 4096-wide chunk scan spills 80-104 bytes (8 warps, sm_90 compile) and is
     still the faster (64K entries, P = 8: 60.5 us against 70.6 with a 1024-wide merge; H200,
-    session 27)."""
+    2026-12-04)."""
     return choose_scan(candidates)[0]
 
 
@@ -270,8 +270,8 @@ if triton_available():
         [HP] times the weight scale): sum over heads of w * relu(q . K[j]); -inf from
         ``visible`` on. Every format's keys reach the MMA as the same dequantised values (fp8:
         e4m3 x its block's scale, exact in bf16), so an fp8 store scores exactly as a bf16
-        store of those keys. (Session 31 applied an fp8 row's power-of-two scale to its score
-        instead: bit-equal under the interpreter, not on an H100 - session 33 - so withdrawn.)"""
+        store of those keys. (Applying an fp8 row's power-of-two scale to its score instead was
+        bit-equal under the interpreter but not on an H100, 2026-12-05, so it was withdrawn.)"""
         k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
                              blk_stride, B, D, FMT, BN, DT)
         logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32

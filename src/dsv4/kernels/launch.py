@@ -2,7 +2,7 @@
 
 A decode step is ~24 short kernels, each waiting for the one before: the GPU idles between a
 kernel's last program and the next kernel's first (the H200 Flash C4 step at M = 1 spends ~17
-of its ~130 us of graph replay outside kernels, session 22's profile). With PDL (sm_90 and
+of its ~130 us of graph replay outside kernels, a 2026-12-03 profile). With PDL (sm_90 and
 later) a kernel lets the next one launch as its programs reach their end; the next kernel's
 programs park in ``griddepcontrol.wait`` until the one before has finished and its writes are
 visible. Every kernel that takes part waits before it reads or writes anything, so the order
@@ -10,14 +10,14 @@ of memory accesses is the same as without PDL (the outputs are bit-equal, tested
 launch latency overlaps. Kernels of other libraries (cuBLAS, FlashMLA, PyTorch) launch as
 usual and are waited for as usual.
 
-Why at the end (H200, session 26, ``benchmarks/results/h200/session26/``): with the next
+Why at the end (H200, 2026-12-04; results in commit 968a741): with the next
 kernel let launch right after the wait, its programs parked beside long-running ones - inside
 the graph the 16-program top-k kernel of a 64K-context, M = 16 step ran 87 -> 260 us and the
 step lost 32-45 %; with the trigger at the end PDL wins or ties on every measured step (-1 to
 -3 %: Flash C4 M = 1 136.1 -> 132.0 us).
 
-On by default since session 27, once the whole GPU suite and ``dsv4 verify --platform cuda``
-had passed under it (``benchmarks/results/h200/session27/``). Switched per process:
+On by default since e6e9915 (2026-12-04), once the whole GPU suite and ``dsv4 verify
+--platform cuda`` had passed under it (results in commit dbc8d43). Switched per process:
 ``DSV4_PDL=0`` in the environment turns it off (``1`` or unset: on), or
 :func:`set_programmatic_launch` / :func:`programmatic_launch`. Read at each launch, so a CUDA
 graph keeps what was on while it was captured. Under Triton's CPU interpreter and on GPUs
@@ -124,7 +124,7 @@ if _HAVE_TRITON:
             """Last statement of such a kernel: under PDL, the next kernel may launch once
             every program has got here (or exited). At the end, not the start: a next kernel
             launched early parks its programs beside this one's for the whole of its run,
-            which made the 16-program top-k kernel 3x slower at 64K (H200, session 26)."""
+            which made the 16-program top-k kernel 3x slower at 64K (H200, 2026-12-04)."""
             if PDL:
                 gdc_launch_dependents()
     else:  # pragma: no cover

@@ -4,7 +4,7 @@ Entry point ``sparse_mqa(q, win_store, win_idx, cmp_store, cmp_idx, sink, scale,
 rows_per_block)`` -> o [T, H, d] bf16; ``sparse_mqa_reference`` is the torch oracle (gather +
 dequantise + softmax), also the path off CUDA without the interpreter.
 
-Inputs (dsv4-attention.md §5.8): q [T, H, d] bf16 (last dim contiguous). Each query t attends to
+Inputs (docs/spec.md §5.8): q [T, H, d] bf16 (last dim contiguous). Each query t attends to
 the rows ``win_idx[t]`` [W] of ``win_store`` and ``cmp_idx[t]`` [K] of ``cmp_store`` (int32 flat
 row indices, -1 = masked; K may be 0 / ``cmp_store`` None); every query has at least one valid
 window row. V = K (the value is the full row). sink [H] fp32 adds e^(sink_h - m) to the

@@ -4,7 +4,7 @@ Per token p the projection gives [a_p | s_p] (fp32); b_p = s_p + ape[p mod r] is
 Entry j (complete at p = j*r + r - 1) is a per-channel softmax over its candidate tokens of b,
 weighting a; ratio 4 overlaps (coff = 2: the previous block uses channels [0, d), the current block
 channels [d, 2d); entry 0 has no previous block), ratio 128 does not. Then RMSNorm, RoPE at j*r and
-the official quantisation simulation (dsv4-attention.md §5.6).
+the official quantisation simulation (docs/spec.md §5.6).
 """
 
 from __future__ import annotations

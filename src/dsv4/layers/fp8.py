@@ -1,6 +1,6 @@
 """FP8 block-scaled weights: E8M0 scales, block dequantisation and quantisation.
 
-Checkpoint format (dsv4-attention.md §3.2): an E4M3 weight [N, K] and an E8M0 scale
+Checkpoint format (docs/spec.md §3.2): an E4M3 weight [N, K] and an E8M0 scale
 [ceil(N/128), ceil(K/128)]; the real weight is ``fp8(Wq[n, k]) * 2^(S[n//128, k//128] - 127)``.
 The scale **multiplies** (vLLM's name ``weight_scale_inv`` notwithstanding).
 

@@ -3,7 +3,7 @@
 q_I comes from the normalised q latent (``indexer.wq_b``), head weights from x
 (``indexer.weights_proj``, scaled by index_head_dim^-1/2 * index_n_heads^-1/2), keys from the
 indexer's own ratio-4 compressor. score[t, j] = sum_h w[t, h] * relu(<q_I[t, h], K[j]>) over the
-visible entries j < (p + 1) // 4 (dsv4-attention.md §5.7).
+visible entries j < (p + 1) // 4 (docs/spec.md §5.7).
 """
 
 from __future__ import annotations

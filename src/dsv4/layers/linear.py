@@ -1,6 +1,6 @@
 """Linear layers: plain floating weights, or fp8 e4m3 weights with ue8m0 128x128 block scales.
 
-The block scale multiplies (dsv4-attention.md §3.2). The reference forward dequantises the weight
+The block scale multiplies (docs/spec.md §3.2). The reference forward dequantises the weight
 into the activation dtype, which is exact in bf16 and float64 for every realistic scale.
 """
 

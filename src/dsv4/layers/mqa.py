@@ -1,4 +1,4 @@
-"""Sparse multi-query attention with the attention sink (dsv4-attention.md §5.8), reading a
+"""Sparse multi-query attention with the attention sink (docs/spec.md §5.8), reading a
 paged cache.
 
 Every key is a latent row and the value is the same row (V = K). A query at position p sees the

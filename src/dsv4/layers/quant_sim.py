@@ -1,4 +1,4 @@
-"""The official DSV4 quantisation simulations (quant-dequant), dsv4-attention.md §6.1 and §6.2.
+"""The official DSV4 quantisation simulations (quant-dequant), docs/spec.md §6.1 and §6.2.
 
 The official model stores the KV nope dims as FP8 block-64 and the indexer vectors as
 Hadamard-rotated FP4 block-32; a bf16 reference must reproduce that rounding to match it. Each

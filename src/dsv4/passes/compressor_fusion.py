@@ -1,4 +1,4 @@
-"""The C4 compressor GEMM fusion (upstream vllm#53838, seed-features.md Part B).
+"""The C4 compressor GEMM fusion (upstream vllm#53838, docs/upstream.md Part B).
 
 In a ratio-4 layer the main compressor's ``fused_wkv_wgate`` [2048, K] and the indexer
 compressor's [512, K] read the same x with the same K and dtype. After load they are concatenated

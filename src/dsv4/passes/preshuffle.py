@@ -1,4 +1,4 @@
-"""The preshuffle pass (upstream ROCm ``prepare_attn_preshuffle``, seed-features.md A.3).
+"""The preshuffle pass (upstream ROCm ``prepare_attn_preshuffle``, docs/upstream.md A.3).
 
 Rewrites the fp8 ``fused_wqa_wkv`` and ``wo_b`` weights in place into AITER's (16, 16) tile layout
 and keeps their 128x128 block scales separately in fp32 (``_wqa_wkv_scale``, ``_wo_b_scale``).

@@ -11,8 +11,8 @@ Numerics (declared): per 128-wide K block the e4m3 tile widens to bf16 exactly, 
 accumulates in fp32 and is scaled by the block's power of two (exact), the sum over blocks is
 fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on the dequantised
 weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions. Under the
-config's ``act_quant`` (§6.3) the streaming kernel quantises each 128-wide block of x to e4m3
-itself and runs fp8 x fp8 MMAs (Hopper keeps about 14 bits of a block's running sum: ~1e-4
+config's ``act_quant`` (docs/spec.md §6.3) the streaming kernel quantises each 128-wide block of
+x to e4m3 itself and runs fp8 x fp8 MMAs (Hopper keeps about 14 bits of a block's running sum: ~1e-4
 relative, the official kernels' numerics too); long calls quantise x with ``fp8_block_sim``
 before cuBLAS.
 

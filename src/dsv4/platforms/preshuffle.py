@@ -24,8 +24,8 @@ from dsv4.platforms.preshuffle_ops import blockscale_gemm_preshuffled, per_token
 def preshuffled_gemm(weight: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor,
                      official: bool = False) -> torch.Tensor:
     """x @ W^T for a preshuffled fp8 W: per-token group-128 fp8 activations (AITER's fp32
-    scales, or with ``official`` the §6.3 power-of-two ones: ``cfg.act_quant``), blockscale
-    GEMM. Any leading dims of x are flattened (never sent to a plain GEMM)."""
+    scales, or with ``official`` the power-of-two ones of docs/spec.md §6.3: ``cfg.act_quant``),
+    blockscale GEMM. Any leading dims of x are flattened (never sent to a plain GEMM)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x_q, x_s = per_token_group_quant_fp8(x2, transpose_scale=True, official=official)

@@ -1,4 +1,4 @@
-"""Exact PyTorch emulations of the AITER preshuffle platform's ops (seed-features.md A.4-A.6).
+"""Exact PyTorch emulations of the AITER preshuffle platform's ops (docs/upstream.md A.4-A.6).
 
 The ROCm path preshuffles FP8 weights into AITER's (16, 16) tile layout and runs a blockscale GEMM
 that reads that layout. Feeding such a weight to a plain GEMM silently computes a permuted product
@@ -96,7 +96,7 @@ def per_token_group_quant_fp8(
     """AITER per-token group FP8 quantisation (A.5): fp32 scale ``max(1e-10, amax) / fp8_max``.
 
     The scale is NOT a power of two (unlike the official quantiser, which ``official`` selects:
-    ``2^ceil(log2(max(amax, 1e-4) / fp8_max))``, dsv4-attention.md §6.3). With
+    ``2^ceil(log2(max(amax, 1e-4) / fp8_max))``, docs/spec.md §6.3). With
     ``transpose_scale`` the scale has logical shape [M, K/group] but column-major storage
     (strides (1, M)), which is what the preshuffled GEMM requires.
     """

@@ -1,6 +1,6 @@
 """Naive float64 evaluation of one DSV4 attention layer over a full sequence (the test oracle).
 
-Written straight from ``docs/dsv4-attention.md`` (§4-§5, §9 "against a float64 evaluation"), on
+Written straight from ``docs/spec.md`` (§4-§5, §9 "against a float64 evaluation"), on
 purpose without caches, chunking or any code shared with the real implementation: key sets are
 rebuilt per query from their definitions, and compressed entries per block from the per-channel
 softmax. Everything runs in float64 with the quantisation simulations OFF (no FP8 block-64 kv

@@ -15,7 +15,7 @@ _FP8_NAMES = ("wq_a", "wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
 
 
 def official_layer_shapes(cfg: DSV4Config, layer_id: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the layer's weights (without ``.scale`` tensors), dsv4-attention.md §3.1."""
+    """Shapes of the layer's weights (without ``.scale`` tensors), docs/spec.md §3.1."""
     r = cfg.compress_ratio(layer_id)
     h, d, dr = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim
     shapes: dict[str, tuple[int, ...]] = {

@@ -26,9 +26,9 @@ from dsv4.testing.random_weights import random_layer_weights
 
 ACT_QUANT_TOLERANCE = 3e-2
 """The tolerance of every ``[act_quant]`` row (both layers quantise the fp8 linears' inputs,
-§6.3): the e4m3 rounding turns two paths' different bf16 roundings of its inputs into whole
-e4m3 steps now and then (the H200's cuda layer against reference in bf16: 1.5e-2 on the tiny
-model, 3.5e-3 without the option; preshuffle: at most 8e-4). A platform that skipped the
+docs/spec.md §6.3): the e4m3 rounding turns two paths' different bf16 roundings of its inputs
+into whole e4m3 steps now and then (the H200's cuda layer against reference in bf16: 1.5e-2 on
+the tiny model, 3.5e-3 without the option; preshuffle: at most 8e-4). A platform that skipped the
 quantisation of all inputs would be ~6e-2 away, of ``wq_b`` and the indexer's only 3.3-3.7e-2
 (preshuffle, 64 tokens): a smoke check; ``tests/test_act_quant.py`` checks each path exactly."""
 

@@ -141,7 +141,7 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
     against ``reference`` without fusion with exact storage (always run first). A run that
     raises is reported with its error, never aborts the rest. ``decode_batch``: sequences per
     decode forward (-1: :func:`default_decode_batch`, None: all at once). ``act_quant``: every
-    run, the baseline too, with the official fp8 activation quantisation (§6.3).
+    run, the baseline too, with the official fp8 activation quantisation (docs/spec.md §6.3).
     ``on_start(k, total, name)`` and ``log(row)`` are called before and after each run."""
     if decode_batch == -1:
         decode_batch = default_decode_batch(device)
