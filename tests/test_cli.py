@@ -55,8 +55,8 @@ def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):
         main(["bench", suite, "--out", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the last H200 "
-                   "run are in benchmarks/results/h200/)"]
+    assert err == [f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the latest GPU "
+                   "runs are in benchmarks/results/, by date and card)"]
 
 
 @pytest.mark.parametrize("suite,bad", [("prefill", ["--reps", "0"]),

@@ -50,8 +50,8 @@ def require_cuda(suite: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the last H200 run "
-              "are in benchmarks/results/h200/)", file=sys.stderr)
+        print(f"dsv4 bench {suite}: error: needs a CUDA GPU (the results of the latest GPU "
+              "runs are in benchmarks/results/, by date and card)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -53,7 +53,8 @@ MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BF16_STRATEGIES = ("serial4", "multistream", "rocm_style", "fused4_cublas", "fused4_dsv4")
 FP8_STRATEGIES = ("fused4_dsv4",)
 # fused4_dsv4_pdl (programmatic dependent launch + L2 weight prefetch) is a strategy of its own
-# but left out of the default run: the sweep found it 1 us slower (NOTES.md); --pdl adds it
+# but left out of the default run: the sweep found it 1 us slower (docs/performance.md, "Tried
+# and lost"); --pdl adds it
 ROTATE_BYTES = 320e6  # > 5x the 60 MB L2
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 PDL_PREFETCH = 512  # bytes of each weight row prefetched to L2 before griddepcontrol.wait
@@ -451,7 +452,8 @@ def calibrate(dev, copy_bw, out_dir):
 
 
 def candidate_configs(M, p):
-    """A short list around choose_config's pick (the sweeps of NOTES.md chose it)."""
+    """A short list around choose_config's pick (the sweeps in
+    benchmarks/results/2026-12-02-h200/input-projections/ chose it)."""
     base = choose_config(M, p)
     kc = lambda **kw: KernelConfig(**{**base.__dict__, **kw})  # noqa: E731
     fp8 = p.fp8_weight is not None

@@ -135,7 +135,7 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     the SMs busy and, at 32 < M <= 64 elsewhere, the M > 64 tile.
 
     M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
-    benchmarks/NOTES.md), K split so that about 3 programs per SM stream equal bytes, and so
+    docs/performance.md), K split so that about 3 programs per SM stream equal bytes, and so
     that no program streams more than 16 K blocks (at M = 64 none where the tiles nearly fill
     the SMs) (H200, M=1, the GEMM probes of 2026-12-02: Pro
     ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6

@@ -19,7 +19,7 @@ is dequantised in the kernel: per 128-wide K block the fp8 tile is widened to bf
 MMA gives the block product, and the block's scale multiplies it into the fp32 accumulator. fp8
 groups hold twice the rows of bf16 groups so that every program moves the same bytes.
 
-Dispatch (``choose_config``, tuned on an H200, see benchmarks/NOTES.md): the split-K kernel for
+Dispatch (``choose_config``, tuned on an H200, see docs/performance.md): the split-K kernel for
 M <= 64; for M > 64 with bf16 weights one cuBLAS fp32 GEMM plus one scatter/cast launch; a layer
 with a single bf16 segment (SWA) is one ``torch.mm``. Programmatic dependent launch (``pdl``) is
 implemented but off by default: it measured slower.
@@ -293,7 +293,7 @@ def _split_for(groups: int, nkb: int, cap: int, lo: int) -> int:
 
 
 def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> KernelConfig:
-    """Tile choice from the H200 sweeps in benchmarks/NOTES.md.
+    """Tile choice from the H200 sweeps (benchmarks/results/2026-12-02-h200/input-projections/).
 
     M <= 32: swap (weight rows on the MMA's M side), split K so that about two programs per SM
     stream equal bytes, all resident; 64-row bf16 tiles, and 32-row fp8 tiles when a segment is
@@ -307,7 +307,7 @@ def choose_config(M: int, packed: PackedInputWeights, n_sm: int = 132) -> Kernel
     fp8 = packed.fp8_weight is not None
     if M > 64 and not fp8:
         return KernelConfig(block_m=128, block_n=64, block_k=bk, cublas=True)
-    if M <= 32 and fp8:  # fp8 programs are the slow ones: 32-row fp8 tiles (probe, NOTES.md)
+    if M <= 32 and fp8:  # fp8 programs are the slow ones: 32-row fp8 tiles (a probe)
         c = KernelConfig(block_m=16 if M <= 16 else 32, block_n=64 if K <= 4096 else 32,
                          block_n8=32, block_k=bk, num_stages=3)
         lo = 3 * n_sm
@@ -667,7 +667,7 @@ def fused_input_projections(
     has_fp8 = packed.fp8_weight is not None
     if config is None and not has_fp8 and len(packed.segments) == 1 \
             and packed.segments[0].out_dtype == torch.bfloat16:
-        # one bf16 GEMM (SWA layer): nothing to fuse, and cuBLAS measured faster (NOTES.md)
+        # one bf16 GEMM (SWA layer): nothing to fuse, and cuBLAS measured faster
         torch.mm(x, packed.weight.t(), out=out[0])
         return out
     cfg = config or choose_config(M, packed, _n_sm(x.device))

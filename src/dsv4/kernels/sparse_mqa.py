@@ -143,8 +143,9 @@ class SparseMqaConfig:
 def choose_sparse_config(T: int, H: int, d: int, L: int, n_sm: int = 132,
                          fmt: str = "bf16") -> SparseMqaConfig:
     """Tiles by query count T from the H200 tile probes (``dsv4 bench attention-kernels`` at
-    decode sizes, ``dsv4 bench prefill`` at 4K / 16K queries; benchmarks/results/h200/
-    kernel_probes/), 8 warps at d = 512:
+    decode sizes, ``dsv4 bench prefill`` at 4K / 16K queries; benchmarks/results/
+    2026-12-05-h200/attention-kernels/ and 2026-12-03-h200/attention-prefill/), 8 warps at
+    d = 512:
 
     * bf16: 1-4 queries 16 heads x 32 rows, 1 stage (Flash 9.6 us against 12.1 for 32 x 32);
       16-255 queries with >= 64 heads 64 x 16, 3 stages, Hopper's wgmma (Flash 16 queries 27.1

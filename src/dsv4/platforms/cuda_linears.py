@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 FP8_GEMM_MAX_TOKENS = 128
 """Calls of at most this many tokens use the weight-streaming kernels (measured at M = 1, 16, 64
-in benchmarks/results/h200/attention_kernels: 4-17x faster than dequantise + GEMM there); longer
-calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM."""
+in benchmarks/results/2026-12-03-h200/gemm-probes/: 4-17x faster than dequantise + GEMM there);
+longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM."""
 
 BLOCK = 128
 LINEARS = ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
