@@ -62,8 +62,6 @@ AOT_PDL = False
 def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     if "PDL" in fn.arg_names and "PDL" not in consts:
         consts = {**consts, "PDL": AOT_PDL}
-    if "HOLD" in fn.arg_names and "HOLD" not in consts:  # the top-k's opt-in held rows
-        consts = {**consts, "HOLD": False}
     if "USE_PDL" in consts and AOT_PDL:
         consts = {**consts, "USE_PDL": True}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -97,22 +95,16 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
 GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
                   stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
                   cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                  m_tiles="i32", G="i32", xs_ptr="*fp32", sxs_m="i32", sxs_g="i32",
-                  w2_ptr="*fp8e4nv", sc2_ptr="*u8", stride_sc2="i32", y2_ptr="*bf16",
-                  sy2m="i32", N1="i32")
-"""The fp8 GEMM kernel's runtime arguments (its configurations and the gemv variant; the
-activation scales' pointer is used with ACT_PRE only, the second weight's with PAIR only)."""
+                  m_tiles="i32", G="i32")
+"""The fp8 GEMM kernel's runtime arguments."""
 
 
-def _gemm_config(label: str, c, act: bool, pre: bool, pair: bool) -> bool:
+def _gemm_config(label: str, c, act: bool) -> bool:
     """Compile the fp8 GEMM at config ``c``: fp8 x fp8 MMAs under ``act`` (x quantised in the
-    loop), on an x quantised before the launch under ``pre`` (ACT_PRE: e4m3 x, float32
-    scales), two weights on one x under ``pair`` (PAIR)."""
+    loop), else bf16 MMAs on the widened weight."""
     consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap, SCALE_F32=False,
-                  FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=False, ACT_FP8=act,
-                  INTERP=False, ACT_PRE=pre, PAIR=pair)
-    types = {**GEMM_TYPES, "x_ptr": "*fp8e4nv"} if pre else GEMM_TYPES
-    return _try(f"{label} {c}", fl._fp8_gemm_kernel, types, consts,
+                  FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_FP8=act, INTERP=False)
+    return _try(f"{label} {c}", fl._fp8_gemm_kernel, GEMM_TYPES, consts,
                 dict(num_warps=c.num_warps, num_stages=c.num_stages))
 
 
@@ -120,35 +112,14 @@ def gemm() -> None:
     seen = set()
     for M in (1, 16, 32, 64, 100):
         for n, k in ((32768, 1024), (4096, 8192), (7168, 16384), (8192, 4096)):
-            # bf16 MMAs on the widened weight / fp8 x fp8 MMAs (x quantised in the loop) /
-            # the same on an x quantised before the launch (ACT_PRE: e4m3 x, float32 scales)
-            for act, pre in ((False, False), (True, False), (True, True)):
+            # bf16 MMAs on the widened weight / fp8 x fp8 MMAs (x quantised in the loop)
+            for act in (False, True):
                 c = fl.choose_fp8_config(M, n, k, act_fp8=act)
                 key = (c.block_m, c.block_n, c.split_k > 1, c.swap, c.num_warps, c.num_stages,
-                       act, pre)
+                       act)
                 if key not in seen:
                     seen.add(key)
-                    _gemm_config(f"fp8_gemm M={M} act_fp8={act} pre={pre}", c, act, pre, False)
-    # the query pair (wq_b + the indexer's wq_b in one launch) at its rule's configurations
-    for M in (1, 16, 64):
-        for n, k in ((32768 + 8192, 1024), (65536 + 8192, 1536)):
-            for pre in (False, True):
-                c = fl.choose_fp8_config(M, n, k, act_fp8=True)
-                _gemm_config(f"fp8_gemm pair M={M} N={n} pre={pre}", c, True, pre, True)
-    _try("fp8 activation quantiser", fl._act_quant_kernel,
-         dict(x_ptr="*bf16", sx="i32", q_ptr="*fp8e4nv", sq="i32", s_ptr="*fp32", ss="i32",
-              NB="i32"), dict(CH=8, EMULATE=False), dict(num_warps=4))
-
-
-def gemv() -> None:
-    """The MMA-free one-token variant (``Fp8GemmConfig(gemv=True)``) at the bench's probe tiles."""
-    for bn, warps in ((64, 8), (32, 4), (128, 8)):
-        consts = dict(BM=1, BN=bn, SPLIT_K=4, SWAP=True, SCALE_F32=False, FENCE=True,
-                      DOT_DT=tl.bfloat16, DOT_PREC="tf32", GEMV=True, ACT_FP8=False,
-                      INTERP=False, ACT_PRE=False, PAIR=False)
-        r = compile_one(fl._fp8_gemm_kernel, GEMM_TYPES, consts,
-                        dict(num_warps=warps, num_stages=3))
-        print(f"fp8 gemv block_n={bn} warps={warps}: {r}", flush=True)
+                    _gemm_config(f"fp8_gemm M={M} act_fp8={act}", c, act)
 
 
 def dequant() -> None:
@@ -175,16 +146,14 @@ def mqa() -> None:
             n = d - 64
             fp8 = fmt == "fp8_ds_mla"
             # the last: no split, the output's inverse RoPE in the store (ROPE_NOPE2)
-            for split, pre, rope in ((False, False, -1), (True, False, -1), (True, True, -1),
-                                     (False, False, n // 2)):
+            for split, rope in ((False, -1), (True, -1), (False, n // 2)):
                 consts = dict(D=d, DV=d, BH=c.block_h, BN=c.block_n, SPLIT=split, FP8=fp8, NOPE=n,
                               DR=(n + 128) if fp8 else 0, SR=8 if fp8 else 0,
-                              DOT_DT=tl.bfloat16, DOT_PREC="tf32", PREFETCH=pre,
-                              ROPE_NOPE2=rope)
+                              DOT_DT=tl.bfloat16, DOT_PREC="tf32", ROPE_NOPE2=rope)
                 try:
                     r = compile_one(sm._sparse_mqa_kernel, types, consts,
                                     dict(num_warps=c.num_warps, num_stages=c.num_stages))
-                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} prefetch={pre} "
+                    print(f"sparse_mqa {fmt} H={H} d={d} split={split} "
                           f"rope_nope2={rope} {c}: {r}", flush=True)
                 except Exception:
                     traceback.print_exc()
@@ -357,20 +326,6 @@ def steps() -> bool:
                                dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=mblock, SORT=sort,
                                     DB=it.DIGIT_BITS),
                                dict(num_warps=it.SCAN_WARPS))
-    for k, p, block, db in ((512, 1, 4096, 8), (1024, 1, 4096, 8), (512, 8, 2048, 4),
-                            (512, 8, 2048, 8), (1024, 4, 4096, 8), (512, 2, 4096, 8)):
-        # topk_entries(hold=True): a row (P = 1) or chunk held in registers for every pass
-        if p == 1:
-            ok &= _try(f"indexer top-k hold K={k} block={block} digits={db}", it._topk_kernel,
-                       t, dict(K=k, KP=k, BLOCK=block, SORT=True, DB=db, HOLD=True),
-                       dict(num_warps=it.SCAN_WARPS))
-        else:
-            ok &= _try(f"indexer top-k split={p} hold K={k} block={block} digits={db}",
-                       it._topk_split_kernel,
-                       {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32", "chunk": "i32"},
-                       dict(K=k, KP=k, P=p, BLOCK=block, MBLOCK=it.choose_merge_block(p * k),
-                            SORT=True, DB=db, HOLD=True),
-                       dict(num_warps=it.SCAN_WARPS))
     for db in (4, 2):  # topk_probe.py's narrower radix digits (digit_bits)
         ok &= _try(f"indexer top-k K=512 digits={db}", it._topk_kernel, t,
                    dict(K=512, KP=512, BLOCK=it.WIDE_SCAN_BLOCK, SORT=True, DB=db),
@@ -416,16 +371,14 @@ def stages() -> bool:
                {k: v for k, v in t.items() if k != "eps"},
                dict(D2=64, NOPE2=32, BH=16, HSCALE=128 ** -0.5, DOT_DT=tl.bfloat16,
                     DOT_PREC="tf32"), dict(num_warps=4))
-    # the latent norms (q_norm + kv_norm), Flash / Pro ranks, with and without qr's e4m3 form
+    # the latent norms (q_norm + kv_norm), Flash / Pro ranks
     t = dict(x_ptr="*bf16", sxt="i32", wq_ptr="*bf16", wkv_ptr="*bf16", q_ptr="*bf16",
-             sqt="i32", kv_ptr="*bf16", skt="i32", eps_q="fp32", eps_kv="fp32",
-             q8_ptr="*fp8e4nv", sq8="i32", qs_ptr="*fp32", sqs="i32")
+             sqt="i32", kv_ptr="*bf16", skt="i32", eps_q="fp32", eps_kv="fp32")
     for qr_rank in (1024, 1536):
         bq = triton.next_power_of_2(qr_rank)
-        for q_fp8 in (False, True):
-            ok &= _try(f"latent_norms qr={qr_rank} q_fp8={q_fp8}", rn._latent_norms_kernel, t,
-                       dict(QR=qr_rank, KV=512, BQ=bq, BKV=512, Q_FP8=q_fp8, EMULATE=False),
-                       dict(num_warps=8 if bq >= 2048 else 4))
+        ok &= _try(f"latent_norms qr={qr_rank}", rn._latent_norms_kernel, t,
+                   dict(QR=qr_rank, KV=512, BQ=bq, BKV=512),
+                   dict(num_warps=8 if bq >= 2048 else 4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", rsrc_ptr="*i64", csrc_ptr="*i64", s_src="i32",
              ent_ptr="*i64", w_ptr="*bf16", freq_ptr="*fp32", out_ptr="*bf16", s_out="i32",
              eps="fp32")
@@ -448,7 +401,7 @@ def pdl() -> bool:
     AOT_PDL = True
     try:
         ok = True
-        for fn in (gemm, gemv, dequant, mqa):
+        for fn in (gemm, dequant, mqa):
             out = io.StringIO()
             try:
                 with contextlib.redirect_stdout(out):
@@ -469,7 +422,6 @@ if __name__ == "__main__":
         raise SystemExit(1)
     if which in ("gemm", "all"):
         gemm()
-        gemv()
         dequant()
     if which in ("mqa", "all"):
         mqa()

@@ -1,8 +1,7 @@
 """The indexer's top-k kernel at decode widths: its variants against the default.
 
 Variants: programs per row (``split``), scores per iteration and warps, the merge's width, the
-radix digit's bits (``digit_bits``), the final sort by score left out (``sort=False``), rows or
-chunks held in registers for every pass (``hold=True``).
+radix digit's bits (``digit_bits``), the final sort by score left out (``sort=False``).
 
     PYTHONPATH=src python3 benchmarks/topk_probe.py --out DIR   # a CUDA GPU
     ... --baseline OLD.py   # also time OLD.py's topk_entries (its defaults) as ``baseline``
@@ -48,8 +47,6 @@ VARIANTS = {
     "auto b4": dict(digit_bits=4), "auto b2": dict(digit_bits=2),
     "1p 4096x8 b4": dict(split=1, block=4096, num_warps=8, digit_bits=4),
     "auto b4 nosort": dict(digit_bits=4, sort=False),
-    "auto hold": dict(hold=True), "auto hold b8": dict(hold=True, digit_bits=8),
-    "auto hold b4": dict(hold=True, digit_bits=4),
 }
 """Name -> topk_entries keywords. H200 probes of 2026-12-04: with one program per row, 4096 x 8
 beat 1024 x 8, 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); a two-level method (a
