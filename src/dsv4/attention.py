@@ -83,8 +83,8 @@ class DeepseekV4Attention(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, offloader: Any = None,
                  aux_streams: Sequence[Any] | None = None, tp_group: Any = None) -> None:
         """The layer ``layer_id`` of ``cfg`` with placeholder weights, on ``device`` in
-        ``dtype``. Prefer :meth:`build`, which picks the platform's subclass and its shared
-        resources. ``offloader``: where weights live between calls (``dsv4.offload``);
+        ``dtype``. Prefer :func:`dsv4.build_attention`, which picks the platform's subclass and
+        its shared resources. ``offloader``: where weights live between calls (``dsv4.offload``);
         ``aux_streams``: CUDA streams for the input GEMMs' overlap; ``tp_group``: a
         ``torch.distributed`` group for tensor parallelism (this rank's heads only)."""
         super().__init__()
