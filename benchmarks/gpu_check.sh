@@ -17,7 +17,11 @@
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
 # Options: WORKERS (suite), LAYERS (decode, default C4; e.g. C4,C128,SWA), DSV4_PDL=0 (every
-# case without programmatic dependent launch). Where these results live in the tree and what
+# case without programmatic dependent launch). BASELINE=DIR (decode, prefill): first the same
+# rows of the tree whose source is DIR/src (e.g. `git archive OLD src | tar -x -C DIR`, carried
+# as an ignored folder), into $OUT/<kind>-baseline/, then this tree's - a before/after on one
+# card in one call; BASELINE_STRATEGY is that tree's decode-step strategy (default `default`;
+# trees before 2026-12-05 name it ours_auto_act8_pdl). Where these results live in the tree and what
 # they mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
@@ -52,7 +56,10 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider)
 SKIP=(--deselect tests/test_readme.py --ignore=tests/integrations
       --deselect tests/test_transformers_dialect.py)
 DECODE=(python3 -m dsv4 bench decode-step --models flash,pro --layers "${LAYERS:-C4}"
-        --ms 1,16,64 --strategies default)
+        --ms 1,16,64)
+PREFILL=(python3 -m dsv4 bench prefill --only layer --models flash,pro --layers C4
+         --tokens 16384,65536 --attention-backend flashmla --reps 2 --max-case-seconds 30)
+BASE_PATH=${BASELINE:+$BASELINE/src:/tmp/fm}
 
 case "${1:-}" in
 suite)  # -vv: one line per test as it ends, so a cut run names what passed and failed;
@@ -66,16 +73,30 @@ verify)
     step verify/eval_cuda.txt 200 python3 -m dsv4 eval --device cuda --platform cuda \
         --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
     ;;
-decode)
-    step decode-step/512/log.txt 300 "${DECODE[@]}" --out "$OUT/decode-step/512" \
-        --contexts 512 --reps 5 --profile
-    step decode-step/64k/log.txt 240 "${DECODE[@]}" --out "$OUT/decode-step/64k" \
-        --contexts 65536 --reps 3
+decode)  # with BASELINE both trees share the call: shorter limits, no profile
+    S512=300 S64=240 PROFILE=(--profile)
+    if [ -n "$BASE_PATH" ]; then
+        S512=140 S64=120 PROFILE=()
+        PYTHONPATH=$BASE_PATH step decode-step-baseline/512/log.txt $S512 "${DECODE[@]}" \
+            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/decode-step-baseline/512" \
+            --contexts 512 --reps 5
+        PYTHONPATH=$BASE_PATH step decode-step-baseline/64k/log.txt $S64 "${DECODE[@]}" \
+            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/decode-step-baseline/64k" \
+            --contexts 65536 --reps 3
+    fi
+    step decode-step/512/log.txt $S512 "${DECODE[@]}" --strategies default \
+        --out "$OUT/decode-step/512" --contexts 512 --reps 5 "${PROFILE[@]}"
+    step decode-step/64k/log.txt $S64 "${DECODE[@]}" --strategies default \
+        --out "$OUT/decode-step/64k" --contexts 65536 --reps 3
     ;;
 prefill)
-    step prefill/log.txt 540 python3 -m dsv4 bench prefill --out "$OUT/prefill" --only layer \
-        --models flash,pro --layers C4 --tokens 16384,65536 --attention-backend flashmla \
-        --reps 2 --max-case-seconds 30
+    SECS=540
+    if [ -n "$BASE_PATH" ]; then
+        SECS=270
+        PYTHONPATH=$BASE_PATH step prefill-baseline/log.txt $SECS "${PREFILL[@]}" \
+            --out "$OUT/prefill-baseline"
+    fi
+    step prefill/log.txt $SECS "${PREFILL[@]}" --out "$OUT/prefill"
     ;;
 kernels)
     step attention-kernels/log.txt 240 python3 -m dsv4.bench.attention_kernels \
