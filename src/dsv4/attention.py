@@ -525,27 +525,33 @@ class DeepseekV4Attention(nn.Module):
         """Every entry the step completes, from each compressor's raw rows ``raw`` (by store
         name): one batched :meth:`_compress_entries` per compressor, stored through
         :meth:`_store_rows` (a fixed step of stage 3, which platform overrides call)."""
-        comps = {"compressed": self.compressor,
-                 "idx_keys": None if self.indexer is None else self.indexer.compressor}
+        comps = self._compressors()
         for name, rows in raw.items():
             job = step.jobs[name]
             if job.count:
-                comp = comps[name]
-                assert comp is not None
                 self._store_rows(step, name, job.slots, job.entries,
-                                 self._compress_entries(comp, step, name, rows))
+                                 self._compress_entries(comps[name], step, name, rows))
+
+    def _compressors(self) -> dict[str, Compressor]:
+        """This layer type's compressors by the store their entries go to: the main one's
+        ``compressed``, the indexer's ``idx_keys``."""
+        comps = {}
+        if self.compressor is not None:
+            comps["compressed"] = self.compressor
+        if self.indexer is not None:
+            comps["idx_keys"] = self.indexer.compressor
+        return comps
 
     def _compressor_jobs(self, kv_score: torch.Tensor | None, idx_kv_score: torch.Tensor | None
                          ) -> list[tuple[Compressor, str, torch.Tensor]]:
-        """(compressor, the store its entries go to, this step's score rows) for the main and
-        the indexer compressor of this layer type."""
+        """(compressor, the store its entries go to, this step's score rows) for each of
+        :meth:`_compressors`."""
+        scores = {"compressed": kv_score, "idx_keys": idx_kv_score}
         jobs = []
-        if self.compressor is not None:
-            assert kv_score is not None
-            jobs.append((self.compressor, "compressed", kv_score))
-        if self.indexer is not None:
-            assert idx_kv_score is not None
-            jobs.append((self.indexer.compressor, "idx_keys", idx_kv_score))
+        for name, comp in self._compressors().items():
+            score = scores[name]
+            assert score is not None, f"layer {self.layer_id}: no score rows for {name}"
+            jobs.append((comp, name, score))
         return jobs
 
     def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
