@@ -1,8 +1,8 @@
-"""Host time of ``CacheStep.plan`` for one decode token per sequence (the per-layer, per-step
-planning a serving loop pays on the CPU), per layer type and M; best of 7 batches of 60 calls:
-as a model's first layer of a step plans it (its metadata built, uploaded and split) and as
-each further layer does (that metadata shared: ``dsv4.cache.step._last_uploaded``); then
-``CacheStep.commit`` by context.
+"""Host time of planning a decode step (one token per sequence): what a serving loop pays on
+the CPU per step. Per layer type and M, best of 7 batches of 60 steps: a layer planning its own
+step (``CacheStep.plan``, what ``layer(x, positions, caches)`` does) and a model's
+``StepPlan`` over 8 layers of the type (one metadata build and upload for all of them; blocks
+and tables per layer), per layer; then ``CacheStep.commit`` by context.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -17,32 +17,40 @@ import time
 import torch
 
 from dsv4.bench.synthetic_cache import fill_history
-from dsv4.cache.step import CacheStep, forget_uploaded_metadata
+from dsv4.cache.plan import StepPlan
+from dsv4.cache.step import CacheStep
 from dsv4.config import DSV4Config
 from dsv4.platforms import build_attention
+
+LAYERS = 8
 
 
 def main() -> None:
     cfg = DSV4Config.preset("tiny")
     for ratio in (4, 128, 0):
-        layer = build_attention(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
+        c = cfg.replace(compress_ratios=(ratio,) * LAYERS, num_hidden_layers=LAYERS)
+        layers = [build_attention(c, i, dtype=torch.bfloat16) for i in range(LAYERS)]
         for m in (1, 16, 64):
-            pool = layer.new_cache_pool(m, 2048)
-            caches = [pool.add_sequence() for _ in range(m)]
-            fill_history(caches, 600)
-            first = further = float("inf")
+            pools = [lay.new_cache_pool(m, 2048) for lay in layers]
+            seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
+            for k in range(LAYERS):
+                fill_history([s[k] for s in seqs], 600)
+            own = planned = float("inf")
+            first = [s[0] for s in seqs]
             for _ in range(7):
                 t0 = time.perf_counter()
                 for _ in range(60):
-                    forget_uploaded_metadata()
-                    CacheStep.plan(pool, caches, [1] * m)
-                first = min(first, (time.perf_counter() - t0) / 60)
-                t0 = time.perf_counter()
+                    CacheStep.plan(pools[0], first, [1] * m)
+                own = min(own, (time.perf_counter() - t0) / 60)
+                spent = 0.0
                 for _ in range(60):
-                    CacheStep.plan(pool, caches, [1] * m)
-                further = min(further, (time.perf_counter() - t0) / 60)
-            print(f"ratio {ratio:3d} M={m:2d}: plan {first * 1e6:6.0f} us (first layer), "
-                  f"{further * 1e6:6.0f} us (each further layer)", flush=True)
+                    t0 = time.perf_counter()
+                    plan = StepPlan(seqs)
+                    spent += time.perf_counter() - t0
+                    plan.rollback()
+                planned = min(planned, spent / 60 / LAYERS)
+            print(f"ratio {ratio:3d} M={m:2d}: {own * 1e6:6.0f} us a layer planning its own, "
+                  f"{planned * 1e6:6.0f} us per layer of a {LAYERS}-layer StepPlan", flush=True)
     commit_cost()
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dsv4.cache.plan import StepPlan
 from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep, CallTransaction
 from dsv4.config import DSV4Config
@@ -260,9 +261,10 @@ class DeepseekV4Attention(nn.Module):
                 state_dict[key] = layout.from_canonical(state_dict[key])
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cache: AttentionCache | Sequence[AttentionCache],
-                seq_lens: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: AttentionCache | Sequence[AttentionCache] | None = None,
+                seq_lens: Sequence[int] | None = None, *, plan: StepPlan | None = None
+                ) -> torch.Tensor:
         """Prefill, a prefill chunk, decode, or any mix of them for one or several sequences.
 
         x: [T, hidden] in the layer dtype; positions: [T] ascending from each cache's length
@@ -272,8 +274,15 @@ class DeepseekV4Attention(nn.Module):
         of one pool are written, selected from and attended to for all sequences at once (caches
         of several pools: once per pool). A call longer than the pool's ``step_tokens`` runs as
         several steps, all or nothing: if one fails, every cache is left as it was.
+
+        ``plan``: a model's :class:`~dsv4.cache.plan.StepPlan` of this step for all its layers
+        (``layer(x, plan=plan)``, no positions, caches or seq_lens): the layer takes its cache
+        step from it, built and uploaded once for all layers, and leaves the step's end (lengths,
+        window releases) to ``plan.commit()``.
         """
         self._check_weights_loaded()
+        if plan is not None:
+            return self._forward_planned(x, positions, cache, seq_lens, plan)
         self._check_finite_input(x)
         groups = self._plan_call(x, positions, cache, seq_lens)
         if len(groups) == 1 and groups[0][1] is None:
@@ -284,6 +293,28 @@ class DeepseekV4Attention(nn.Module):
             assert rows is not None
             out[rows] = self._run_pool(x[rows], pool, caches, counts)
         return out
+
+    def _forward_planned(self, x: Any, positions: Any, cache: Any, seq_lens: Any,
+                         plan: StepPlan) -> torch.Tensor:
+        """A step of a model's plan: checked (host work, no device reads), run, not committed."""
+        if not isinstance(plan, StepPlan):
+            raise AttentionInputError(f"plan must be a StepPlan, got {type(plan).__name__}")
+        given = [n for n, v in (("positions", positions), ("cache", cache),
+                                ("seq_lens", seq_lens)) if v is not None]
+        if given:
+            raise AttentionInputError(f"with a plan, give x only: the plan holds the step's "
+                                      f"{', '.join(given)}")
+        step = plan.step_for(self)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 \
+                or x.shape != (plan.num_tokens, self.cfg.hidden_size):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise AttentionInputError(f"x has shape {shape}; the plan's step expects "
+                                      f"[{plan.num_tokens}, {self.cfg.hidden_size}]")
+        if x.dtype != self.dtype or x.device != self.device:
+            raise AttentionInputError(f"x is {x.dtype} on {x.device}; this layer runs in "
+                                      f"{self.dtype} on {self.device}")
+        self._check_finite_input(x)
+        return self._step(x, step)
 
     def _run_pool(self, x: torch.Tensor, pool: CachePool, caches: list[AttentionCache],
                   counts: list[int]) -> torch.Tensor:
@@ -296,7 +327,8 @@ class DeepseekV4Attention(nn.Module):
                 idx = [i for i, n in enumerate(part) if n]
                 step = CacheStep.plan(pool, [caches[i] for i in idx], [part[i] for i in idx])
                 release = None if len(pieces) == 1 else [txn.window_release_from()[i] for i in idx]
-                y = self._step(x[begin:end], step, release)
+                y = self._step(x[begin:end], step)
+                step.commit(release)
                 if len(pieces) == 1:
                     out = y
                 else:  # each step's rows go straight to the output (no list + cat: one copy)
@@ -312,17 +344,16 @@ class DeepseekV4Attention(nn.Module):
         assert out is not None
         return out
 
-    def _step(self, x: torch.Tensor, step: CacheStep, release_from: list[int] | None
-              ) -> torch.Tensor:
+    def _step(self, x: torch.Tensor, step: CacheStep) -> torch.Tensor:
         """One step (docs/spec.md §8.3) for every sequence of ``step`` at once: the six stages
-        of :mod:`dsv4.stages`, in order."""
+        of :mod:`dsv4.stages`, in order - device work only, so that a CUDA graph can capture
+        it (the step's end, :meth:`CacheStep.commit`, is the caller's)."""
         proj = self._run_parallel_input_projections(x)
         qr, q, kv = self._query_and_kv_rows(proj.qr_kv, step.pos)
         raw = self._write_cache(step, kv, proj.kv_score, proj.idx_kv_score)
         selection = self._select(step, qr, proj.idx_weights)
         y = self._tp_all_reduce(self._attend_and_project(q, step, selection))
         self._keep_rings(step, raw)  # last: a failure above leaves every cache as it was
-        step.commit(release_from)
         return y
 
     # ---- stage 1: input projections -----------------------------------------------------

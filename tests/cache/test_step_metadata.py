@@ -47,93 +47,30 @@ def test_a_completing_decode_token_reads_its_sources_from_the_ring_and_itself(ra
     assert ring_src.tolist() == [2 * cr + q % cr for q in range(first, a)] + [-1]
 
 
-def _steps_equal(a, b) -> None:
-    assert torch.equal(a.pos, b.pos) and torch.equal(a.tok_slot, b.tok_slot)
-    assert torch.equal(a.pos_host, b.pos_host) and torch.equal(a.tok_seq_host, b.tok_seq_host)
-    assert a.jobs.keys() == b.jobs.keys()
-    for name, job in a.jobs.items():
-        other = b.jobs[name]
-        assert job.count == other.count
-        for f in ("slots", "entries", "ring_src", "call_src", "keep_dst", "keep_src"):
-            assert torch.equal(getattr(job, f), getattr(other, f)), (name, f)
-
-
-@pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_layers_planning_the_same_step_share_its_metadata(tiny, make_layer, ratio):
-    """Two layers' pools holding the same sequences at the same lengths (a model's layers) plan
-    one step: the second takes the first's device metadata (the same tensors); a pool whose
-    slots differ, a step of other lengths and a forgotten one build their own - all equal to a
-    plan made from scratch."""
-    from dsv4.cache.step import forget_uploaded_metadata
-
-    layers = [make_layer(tiny, ratio) for _ in range(3)]
-    pools = [lay.new_cache_pool(4, 512) for lay in layers]
-    pools[2].add_sequence()  # pool 2: slot 0 taken first, its sequences in slots 1 .. 3
-    seqs = [[p.add_sequence() for _ in range(3)] for p in pools]
-    for p, s in zip(pools, seqs, strict=True):
-        CacheStep.plan(p, s, [5, 9, 3]).commit()
-    forget_uploaded_metadata()
-    a = CacheStep.plan(pools[0], seqs[0], [1, 1, 1])
-    b = CacheStep.plan(pools[1], seqs[1], [1, 1, 1])
-    assert b.pos is a.pos and b.tok_slot is a.tok_slot
-    assert all(b.jobs[n].keep_dst is a.jobs[n].keep_dst for n in a.jobs)
-    c = CacheStep.plan(pools[2], seqs[2], [1, 1, 1])  # other slots: its own
-    assert c.pos is not a.pos and not torch.equal(c.tok_slot, a.tok_slot)
-    forget_uploaded_metadata()
-    fresh = CacheStep.plan(pools[1], seqs[1], [1, 1, 1])
-    assert fresh.pos is not a.pos
-    _steps_equal(b, fresh)
-    a.commit()
-    later = CacheStep.plan(pools[0], seqs[0], [1, 1, 1])  # one position on: not the old metadata
-    assert later.pos is not a.pos and torch.equal(later.pos, a.pos + 1)
-    forget_uploaded_metadata()
-    _steps_equal(later, CacheStep.plan(pools[0], seqs[0], [1, 1, 1]))
-
-
-def test_interleaved_layer_types_each_share_their_own(tiny, make_layer):
-    """A model's layers alternate types (C4, C128, C4, C128, SWA): each layer takes the
-    metadata of the last layer of its own type, not evicted by the types between."""
-    from dsv4.cache.step import forget_uploaded_metadata
-
-    ratios = [4, 128, 4, 128, 0, 0]
-    pools = [make_layer(tiny, r).new_cache_pool(2, 512) for r in ratios]
-    seqs = [[p.add_sequence() for _ in range(2)] for p in pools]
-    for p, s in zip(pools, seqs, strict=True):
-        CacheStep.plan(p, s, [7, 130]).commit()
-    forget_uploaded_metadata()
-    steps = [CacheStep.plan(p, s, [1, 1]) for p, s in zip(pools, seqs, strict=True)]
-    assert steps[2].pos is steps[0].pos and steps[3].pos is steps[1].pos
-    assert steps[5].pos is steps[4].pos
-    assert steps[1].pos is not steps[0].pos and steps[4].pos is not steps[1].pos
-    assert steps[0].jobs.keys() == {"compressed", "idx_keys"}
-    assert steps[1].jobs.keys() == {"compressed"} and not steps[4].jobs
-
-
-def test_sharing_can_be_turned_off(tiny, make_layer, monkeypatch):
-    """``set_metadata_sharing(False)`` (or ``DSV4_SHARE_STEP_METADATA=0`` in a fresh process):
-    every layer builds its own metadata, equal to the shared one; a bad value is refused."""
-    import subprocess
-    import sys
-
-    from dsv4.cache import step as step_mod
-
-    pools = [make_layer(tiny, 4).new_cache_pool(2, 256) for _ in range(2)]
-    seqs = [[p.add_sequence() for _ in range(2)] for p in pools]
-    prev = step_mod.set_metadata_sharing(False)
-    try:
-        assert prev is True
-        a, b = (CacheStep.plan(p, s, [3, 1]) for p, s in zip(pools, seqs, strict=True))
-        assert b.pos is not a.pos and not step_mod._last_uploaded
-        _steps_equal(a, b)
-    finally:
-        step_mod.set_metadata_sharing(prev)
-    with pytest.raises(TypeError):
-        step_mod.set_metadata_sharing(0)
-    code = "import dsv4.cache.step as s; print(s._SHARING)"
-    for env, want in (("0", "False"), ("1", "True"), ("", "True")):
-        monkeypatch.setenv("DSV4_SHARE_STEP_METADATA", env)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert out.stdout.strip() == want, out.stderr
-    monkeypatch.setenv("DSV4_SHARE_STEP_METADATA", "yes")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode != 0 and "DSV4_SHARE_STEP_METADATA must be 0 or 1" in out.stderr
+def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot():
+    """A padded step (CUDA-graph buckets): the real tokens' and jobs' metadata as unpadded,
+    then padded tokens at position 0 of the padding slot and unused jobs there with no
+    sources; every part at its fixed size."""
+    starts, slots, pad, t = [7, 11, 2], [2, 0, 1], 9, 5
+    for ratio in (4, 128):
+        cr = SPECS[ratio][0][1].rows
+        full, shapes, meta, seq = _decode_metadata(starts, slots, [1] * 3, SPECS[ratio], t, pad)
+        real, rshapes, rmeta, _ = _decode_metadata(starts, slots, [1] * 3, SPECS[ratio])
+        sizes = [int(torch.tensor(s).prod()) for s in shapes]
+        parts = torch.split(full, sizes)
+        rparts = torch.split(real, [int(torch.tensor(s).prod()) for s in rshapes])
+        assert parts[0].tolist() == starts + [0, 0] and parts[1].tolist() == slots + [pad] * 2
+        assert seq.tolist() == [0, 1, 2, -1, -1]
+        for k, (name, e, kk) in enumerate(meta):
+            (_, e_real, _) = rmeta[k]
+            base = 2 + 6 * k
+            assert (e, kk) == (t, t) and shapes[base + 2] == (t, cr)
+            j_slots, entries, ring_src, call_src, keep_dst, keep_src = parts[base:base + 6]
+            r = rparts[base:base + 6]
+            assert j_slots[:e_real].tolist() == r[0].tolist()
+            assert j_slots[e_real:].tolist() == [pad] * (t - e_real)
+            assert entries[:e_real].tolist() == r[1].tolist()
+            assert ring_src[e_real * cr:].tolist() == [-1] * (cr * (t - e_real))
+            assert call_src[e_real * cr:].tolist() == [-1] * (cr * (t - e_real))
+            assert keep_dst.tolist() == r[4].tolist() + [pad * cr] * 2
+            assert keep_src.tolist() == list(range(t))

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from dsv4 import process_weights_after_loading
-from dsv4.cache.step import CacheStep
 from dsv4.platforms import build_attention
 from dsv4.platforms.cuda import CudaAttention
 from dsv4.testing.random_weights import random_layer_weights
@@ -90,44 +89,3 @@ def test_whole_decode_step_graph_replays_bit_identically(tiny, ratio):
         layer(random_x(n, tiny.hidden_size).to("cuda", torch.bfloat16), torch.arange(n), c)
     x = random_x(3, tiny.hidden_size).to("cuda", torch.bfloat16)
     assert_decode_graph_equals_eager(layer, caches, x)
-
-
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_layers_sharing_a_steps_metadata_on_the_gpu(tiny, ratio):
-    """Two layers stepping the same sequences (a model's layers): the second takes the first's
-    uploaded step metadata on the same stream and computes what it computes with its own; a
-    step planned on another stream builds its own (graph capture: the whole-step graph tests,
-    whose eager warm-up plans the same step first)."""
-    from dsv4.cache.step import forget_uploaded_metadata
-
-    layers = [cuda_layer(tiny, ratio) for _ in range(2)]
-    x = random_x(3 * 40, tiny.hidden_size).to("cuda", torch.bfloat16).view(3, 40, -1)
-
-    def run(share: bool) -> list[torch.Tensor]:
-        caches = [lay.new_caches(3, 128) for lay in layers]
-        outs = []
-        for lay, cs in zip(layers, caches, strict=True):  # a 30-token prefill each
-            outs.append(lay(x[:, :30].reshape(90, -1), torch.arange(30).repeat(3), cs,
-                            seq_lens=[30, 30, 30]))
-        for t in range(30, 40):  # ten decode steps, layer after layer
-            for lay, cs in zip(layers, caches, strict=True):
-                if not share:
-                    forget_uploaded_metadata()
-                outs.append(lay(x[:, t], torch.full((3,), t), cs))
-        return outs
-
-    shared, alone = run(True), run(False)
-    for a, b in zip(shared, alone, strict=True):
-        assert torch.equal(a, b)
-    pools = [lay.new_caches(2, 64) for lay in layers]
-    for cs in pools:
-        CacheStep.plan(cs[0].pool, cs, [5, 7]).commit()
-    forget_uploaded_metadata()
-    first = CacheStep.plan(pools[0][0].pool, pools[0], [1, 1])
-    assert CacheStep.plan(pools[1][0].pool, pools[1], [1, 1]).pos is first.pos
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        other = CacheStep.plan(pools[1][0].pool, pools[1], [1, 1])
-    torch.cuda.current_stream().wait_stream(side)
-    assert other.pos is not first.pos and torch.equal(other.pos, first.pos)

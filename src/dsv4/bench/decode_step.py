@@ -162,13 +162,11 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
                    caches: list[Any], context: int, title: str = ""
                    ) -> tuple[int, str]:
     """(GPU operations of one eager decode step, the profiler's kernel table of it). The step's
-    writes are undone (the caches are truncated back to ``context``). Counted as a model's
-    first layer of a step: with its own metadata upload (later layers share it)."""
+    writes are undone (the caches are truncated back to ``context``). Counted as a layer called
+    on its own: with its own step metadata upload (a model's step plan uploads it once for all
+    layers)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dsv4.cache.step import forget_uploaded_metadata
-
-    forget_uploaded_metadata()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         layer(x, pos, caches)
         torch.cuda.synchronize()

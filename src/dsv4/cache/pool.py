@@ -10,6 +10,12 @@ A :class:`CachePool` holds, for up to ``max_seqs`` sequences of one layer:
 * the compressors' raw rows ``[a_p | s_p + ape]`` (fp32) of the last ``coff * ratio`` positions,
   as a small ring per sequence slot (``raw``, and ``idx_raw`` at ratio 4).
 
+Every table and ring has one row more than ``max_seqs``: the padding slot
+(:attr:`CachePool.pad_slot`), never handed to a sequence, holding only the padding blocks. The
+padded tokens of a fixed-shape step (:class:`dsv4.cache.plan.StepPlan` with ``pad_to``) belong
+to it: their cache writes land in its padding block (:class:`~dsv4.cache.store.PagedStore`),
+their ring rows in its ring row: nowhere a sequence reads.
+
 Each store is paged (:mod:`dsv4.cache.store`): rows live in blocks of ``block_size`` rows handed out
 by one allocator per store, a sequence's block table maps its logical blocks to physical ones,
 and rows are stored in a :mod:`dsv4.cache.formats` format (exact, bf16, or the engines' fp8 /
@@ -178,16 +184,16 @@ class CachePool:
         per_slot = ceil_div(self.window - 1, b) + 2
         self.stores: dict[str, PagedStore] = {
             "kv": PagedStore("kv", self.kv_format, b,
-                             max_seqs * per_slot + ceil_div(step, b), max_seqs,
-                             ceil_div(max_seq_len, b), self.device)}
+                             max_seqs * per_slot + ceil_div(step, b), max_seqs + 1,
+                             ceil_div(max_seq_len, b), self.device, max_seqs)}
         self.rings: dict[str, tuple[RingSpec, torch.Tensor]] = {}
         if r:
             coff = 2 if r == 4 else 1
             n_entries = ceil_div(max_seq_len, r)
             n_blocks = ceil_div(ceil_div(capacity, r), b) + max_seqs
             self.stores["compressed"] = PagedStore(
-                "compressed", self.kv_format, b, n_blocks, max_seqs, ceil_div(n_entries, b),
-                self.device)
+                "compressed", self.kv_format, b, n_blocks, max_seqs + 1, ceil_div(n_entries, b),
+                self.device, max_seqs)
             spec = RingSpec(r, coff, 2 * coff * cfg.head_dim)
             self.rings["compressed"] = (spec, self._ring(spec))
         if r == 4:
@@ -195,17 +201,23 @@ class CachePool:
                                              cfg.index_head_dim, dtype)
             self.stores["idx_keys"] = PagedStore(
                 "idx_keys", self.index_format, b, self.stores["compressed"].alloc.num_blocks,
-                max_seqs, self.stores["compressed"].max_logical, self.device)
+                max_seqs + 1, self.stores["compressed"].max_logical, self.device, max_seqs)
             spec = RingSpec(4, 2, 4 * cfg.index_head_dim)
             self.rings["idx_keys"] = (spec, self._ring(spec))
+        self.pad_slot = max_seqs
+        """The padding slot: a row of every table (its one block: the store's padding block) and
+        ring, no sequence's."""
         self._lengths = [0] * max_seqs
         self._handles: list[AttentionCache | None] = [None] * max_seqs
         self._free_slots = list(range(max_seqs - 1, -1, -1))
 
     def _ring(self, spec: RingSpec) -> torch.Tensor:
-        # written before read (a compress reads only rows of positions already processed)
-        return torch.empty(self.max_seqs, spec.rows, spec.width, dtype=self.acc_dtype,
+        # written before read (a compress reads only rows of positions already processed); the
+        # padding slot's row is only written (zeros: what a padded job reads is finite)
+        ring = torch.empty(self.max_seqs + 1, spec.rows, spec.width, dtype=self.acc_dtype,
                            device=self.device)
+        ring[self.max_seqs].zero_()
+        return ring
 
     # ------------------------------------------------------------------ sequences
     @property

@@ -1,9 +1,8 @@
-"""A forward step's view of the cache: where each token's rows go and what it may read.
+"""A forward step's view of one layer's cache, and the step metadata every layer shares.
 
-The layer processes a call as one or more steps of at most ``step_tokens`` tokens. For a step,
-:meth:`CacheStep.plan` (host side) validates nothing more (the layer did), takes the blocks the
-step writes, and builds the step's metadata in one host-to-device copy (which the layers after
-the first of a model's step take as it is: :data:`_last_uploaded`):
+The layer processes a call as one or more steps of at most ``step_tokens`` tokens. A step's
+metadata depends only on its sequences (their lengths, slots and token counts) and on the layer
+type's compressor rings, not on the layer:
 
 * per token: its position and its sequence's slot;
 * per compressor: the entries the step completes (slot, entry index) and, for each of their
@@ -11,9 +10,21 @@ the first of a model's step take as it is: :data:`_last_uploaded`):
   the step), in this step's rows, or nowhere (entry 0's missing previous block);
 * per compressor: which of this step's raw rows the rings keep.
 
+:func:`build_metadata` builds it on the host; one host-to-device copy puts it on the device,
+where :class:`StepMetadata` holds its parts as views. A :class:`CacheStep` is one pool's view of
+a step: the pool (its stores and block tables) with the step's metadata. A layer called on its
+own plans its steps itself (:meth:`CacheStep.plan`); a model builds one
+:class:`~dsv4.cache.plan.StepPlan` per step, which builds and uploads the metadata once and
+hands every layer its :class:`CacheStep`.
+
 The device side then writes, selects and attends for every sequence in single batched operations.
 :class:`CallTransaction` makes a multi-step call all-or-nothing: on failure every sequence gets
 back its length, rings and blocks as they were before the call.
+
+A padded step (``pad_to``, for CUDA graphs: docs/design.md, "The decode runner") has fixed
+shapes: ``pad_to`` tokens, the padded ones at position 0 in the pool's padding slot; ``pad_to``
+entry jobs per compressor, the unused ones in the padding slot with no sources; and per ratio a
+fixed width of visible entries (:attr:`StepMetadata.visible_caps`) in place of the step's own.
 """
 
 from __future__ import annotations
@@ -24,9 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
 from dsv4.host_copy import upload, upload_once
-from dsv4.usage import env_switch
 
 
 @dataclass
@@ -49,21 +60,102 @@ class EntryJobs:
     """[K] ... from these step rows (the last ``coff * ratio`` positions of each sequence)."""
 
 
-@dataclass
-class CacheStep:
-    pool: CachePool
-    caches: list[AttentionCache]
-    starts: list[int]
-    counts: list[int]
+RingSpecs = tuple[tuple[str, RingSpec], ...]
+"""A layer type's compressor rings by store name (:attr:`CachePool.rings`)."""
+
+
+def ring_specs(pool: CachePool) -> RingSpecs:
+    return tuple((name, spec) for name, (spec, _) in pool.rings.items())
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """A step's metadata on the host (:func:`build_metadata`): one int64 buffer and how it
+    splits."""
+
+    buffer: torch.Tensor
+    shapes: list[tuple[int, ...]]
+    jobs: list[tuple[str, int, int]]
+    """(store, E, K) per compressor."""
+    seq_ids: torch.Tensor
+    """[T] index into the step's sequences of each token (-1: a padded token)."""
+    tokens: int
+    visible_caps: dict[int, int] | None
+
+
+def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs: RingSpecs,
+                   pad_to: int | None = None, pad_slot: int = -1,
+                   visible_caps: dict[int, int] | None = None) -> HostMetadata:
+    """The step's metadata on the host; ``pad_to``: a padded decode step (every count 1) of
+    ``pad_to`` tokens and jobs per compressor, padding in ``pad_slot`` (module docstring)."""
+    if pad_to is not None:
+        return _padded_decode_metadata(starts, slots, specs, pad_to, pad_slot, visible_caps)
+    build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
+    host, shapes, jobs, seq_ids = build(starts, slots, counts, list(specs))
+    return HostMetadata(host, shapes, jobs, seq_ids, sum(counts), None)
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """A step's metadata on the device, split into its parts (read-only to every user)."""
+
     pos: torch.Tensor
     """[T] int64 position of each token (device)."""
     tok_slot: torch.Tensor
     """[T] int64 slot of each token's sequence (device)."""
     pos_host: torch.Tensor
     tok_seq_host: torch.Tensor
-    """[T] index into ``caches`` of each token (host)."""
-    jobs: dict[str, EntryJobs] = field(default_factory=dict)
-    _keepalive: torch.Tensor | None = None
+    """[T] index into the step's sequences of each token (host; -1: padding)."""
+    jobs: dict[str, EntryJobs]
+    visible_caps: dict[int, int] | None
+    """Padded steps: the fixed width of visible entries per ratio (else None: the step's own)."""
+
+    @classmethod
+    def split(cls, host: HostMetadata, dev: torch.Tensor) -> StepMetadata:
+        """The parts of ``dev`` (``host.buffer`` on the device, or a slice of a bigger copy)."""
+        views = list(torch.split(dev, [_numel(s) for s in host.shapes]))
+        # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
+        views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, host.shapes, strict=True)]
+        jobs = {name: EntryJobs(e, *views[2 + 6 * k: 8 + 6 * k])
+                for k, (name, e, _k) in enumerate(host.jobs)}
+        return cls(views[0], views[1], host.buffer[:host.tokens], host.seq_ids, jobs,
+                   host.visible_caps)
+
+
+@dataclass
+class CacheStep:
+    """One pool's view of a step: the pool, the step's sequences (``caches``, their lengths
+    ``starts`` and token ``counts``) and the step's metadata."""
+
+    pool: CachePool
+    caches: list[AttentionCache]
+    starts: list[int]
+    counts: list[int]
+    meta: StepMetadata
+    _keepalive: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """[T] int64 position of each token (device)."""
+        return self.meta.pos
+
+    @property
+    def tok_slot(self) -> torch.Tensor:
+        """[T] int64 slot of each token's sequence (device)."""
+        return self.meta.tok_slot
+
+    @property
+    def pos_host(self) -> torch.Tensor:
+        return self.meta.pos_host
+
+    @property
+    def tok_seq_host(self) -> torch.Tensor:
+        """[T] index into ``caches`` of each token (host; -1: a padded token)."""
+        return self.meta.tok_seq_host
+
+    @property
+    def jobs(self) -> dict[str, EntryJobs]:
+        return self.meta.jobs
 
     @property
     def num_tokens(self) -> int:
@@ -73,41 +165,14 @@ class CacheStep:
     @classmethod
     def plan(cls, pool: CachePool, caches: list[AttentionCache], counts: list[int]
              ) -> CacheStep:
+        """A step of ``counts[i]`` tokens for each of ``caches`` (sequences of ``pool``, checked
+        by the layer): takes the blocks it writes, builds and uploads its metadata."""
         slots = [c.slot for c in caches]
         starts = [pool._lengths[s] for s in slots]
-        ends = [a + n for a, n in zip(starts, counts, strict=True)]
-        r = pool.compress_ratio
-        # blocks first, all checked before any is taken
-        needs: list[tuple[str, int, int]] = []
-        for name, store in pool.stores.items():
-            rows_each = ends if name == "kv" else [e // r for e in ends]
-            missing = store.blocks_needed_each(slots, rows_each)
-            per_store = sum(missing)
-            if per_store:
-                needs += [(name, s, n) for s, n, k in zip(slots, rows_each, missing, strict=True)
-                          if k]
-            if per_store > store.alloc.num_free:
-                from dsv4.cache.blocks import CacheCapacityError
-
-                raise CacheCapacityError(
-                    f"layer {pool.layer_id} cache pool, {name} store: this call needs "
-                    f"{per_store} more block(s) but {store.alloc.num_free} of "
-                    f"{store.alloc.num_blocks} are free (free finished sequences or make a larger "
-                    "pool)")
-        for name, s, rows in needs:
-            pool.stores[name].grow(s, rows)
-        for store in pool.stores.values():
-            store.sync()
-
-        specs = tuple((name, spec) for name, (spec, _) in pool.rings.items())
-        meta = _uploaded_metadata(starts, slots, counts, specs, pool.device)
-        step = cls(pool, caches, starts, list(counts), meta.views[0], meta.views[1],
-                   meta.pos_host, meta.seq_ids, _keepalive=meta.keep)
-        job_meta, views = meta.job_meta, meta.views
-        for k_job, (name, e, _k) in enumerate(job_meta):
-            v = views[2 + 6 * k_job: 8 + 6 * k_job]
-            step.jobs[name] = EntryJobs(e, *v)
-        return step
+        take_blocks([(pool, slots)], starts, [a + n for a, n in zip(starts, counts, strict=True)])
+        host = build_metadata(starts, slots, counts, ring_specs(pool))
+        dev, keep = upload(host.buffer, pool.device)
+        return cls(pool, caches, starts, list(counts), StepMetadata.split(host, dev), keep)
 
     # ------------------------------------------------------------------ device side
     def window_rows(self, window: int) -> torch.Tensor:
@@ -127,14 +192,18 @@ class CacheStep:
         return self.pool.rings[name][1]
 
     def max_visible(self, ratio: int, a: int = 0, b: int | None = None) -> int:
-        """The most entries any query of tokens a .. b - 1 sees (host arithmetic)."""
+        """The most entries any query of tokens a .. b - 1 sees (host arithmetic); a padded
+        step's fixed width for ``ratio`` (whatever a and b)."""
+        caps = self.meta.visible_caps
+        if caps is not None:
+            return caps[ratio]
         p = self.pos_host[a:b]
         return int((p.max() + 1) // ratio) if p.numel() else 0
 
     def single_sequence(self, a: int, b: int) -> int | None:
         """The index (into ``caches``) of the one sequence tokens a .. b - 1 belong to, or None."""
         first, last = int(self.tok_seq_host[a]), int(self.tok_seq_host[b - 1])
-        return first if first == last else None
+        return first if first == last and first >= 0 else None
 
     # ------------------------------------------------------------------ end of step
     def keep_ring_rows(self, name: str, rows: torch.Tensor) -> None:
@@ -156,6 +225,53 @@ class CacheStep:
             lengths[slot] = end
         kv.release_before_each(slots, [max(0, e - window + 1) for e in ends], release_from)
         kv.sync()
+
+
+def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], ends: list[int]
+                ) -> list[tuple[CachePool, str, int, int]]:
+    """Give sequence i (in slot ``slots[i]`` of each (pool, slots) pair, holding ``starts[i]``
+    positions) the blocks that hold its rows up to position ``ends[i]`` - all checked before any
+    is taken (a pool that lacks blocks raises :class:`CacheCapacityError` naming it, with nothing
+    taken anywhere) - and copy the changed block tables to the device. Returns (pool, store,
+    slot, logical blocks before) of each table that grew (what an undo shrinks back to).
+
+    Only sequences whose rows cross into a new logical block can need one (a sequence holds the
+    logical blocks of its rows: growing, forking and undoing keep that), so a decode step looks
+    at a few sequences, not every sequence of every store of every layer."""
+    crossing: dict[int, list[int]] = {}  # rows per position -> the sequences that may grow
+
+    def may_grow(per: int, b: int) -> list[int]:
+        key = per * 1_000_003 + b
+        if key not in crossing:
+            crossing[key] = [i for i, (a, e) in enumerate(zip(starts, ends, strict=True))
+                             if -(-(e // per) // b) > -(-(a // per) // b)]
+        return crossing[key]
+
+    grows: list[tuple[CachePool, str, int, int]] = []
+    for pool, slots in pools:
+        r = pool.compress_ratio
+        for name, store in pool.stores.items():
+            per = 1 if name == "kv" else r
+            idx = may_grow(per, store.block_size)
+            if not idx:
+                continue
+            sub = [slots[i] for i in idx]
+            rows_each = [ends[i] // per for i in idx]
+            missing = store.blocks_needed_each(sub, rows_each)
+            per_store = sum(missing)
+            if per_store > store.alloc.num_free:
+                raise CacheCapacityError(
+                    f"layer {pool.layer_id} cache pool, {name} store: this call needs "
+                    f"{per_store} more block(s) but {store.alloc.num_free} of "
+                    f"{store.alloc.num_blocks} are free (free finished sequences or make a larger "
+                    "pool)")
+            grows += [(pool, name, s, n) for s, n, k in zip(sub, rows_each, missing, strict=True)
+                      if k]
+    grown = [(pool, name, s, pool.stores[name].grow(s, rows)) for pool, name, s, rows in grows]
+    for pool in {id(p): p for p, _, _, _ in grown}.values():
+        for store in pool.stores.values():
+            store.sync()
+    return grown
 
 
 class CallTransaction:
@@ -203,81 +319,6 @@ Metadata = tuple[torch.Tensor, list[tuple[int, ...]], list[tuple[str, int, int]]
 """(the host buffer, its parts' shapes, (store, E, K) per compressor, each token's sequence)."""
 
 
-@dataclass(frozen=True)
-class _Uploaded:
-    """A step's metadata on the device, split into its parts (read-only to every user)."""
-
-    key: tuple
-    views: list[torch.Tensor]
-    pos_host: torch.Tensor
-    seq_ids: torch.Tensor
-    job_meta: list[tuple[str, int, int]]
-    keep: torch.Tensor | None
-
-
-_last_uploaded: dict[tuple[torch.device, tuple], _Uploaded] = {}
-"""The last step metadata uploaded to each device for each layer type (its rings' specs).
-Every layer of a model plans the same step (each pool holds the same sequences at the same
-lengths: the same positions, slots and, per ring spec, the same entry jobs - only the block
-tables differ, and they live in the stores), so the layers after the first of each type reuse
-its buffer and device copy: one host build, one host-to-device copy and one split a step per
-layer type instead of one per layer (``benchmarks/plan_cost.py``). Keyed by layer type so
-that interleaved types (C4, C128, C4, ...) do not evict each other; taken only on the stream
-that made it (another stream could read it before its copy landed, or after the allocator
-reused it); never during CUDA-graph capture (a captured copy's memory belongs to its graph)."""
-
-
-_SHARING = env_switch("DSV4_SHARE_STEP_METADATA", default=True)
-
-
-def set_metadata_sharing(on: bool) -> bool:
-    """Whether the layers of a step share its uploaded metadata (:data:`_last_uploaded`; on by
-    default, ``DSV4_SHARE_STEP_METADATA=0`` in the environment turns it off); returns the
-    previous value. Off, every layer builds and uploads its own (and nothing is kept)."""
-    global _SHARING
-    if not isinstance(on, bool):
-        raise TypeError(f"set_metadata_sharing: on must be a bool, got {on!r}")
-    prev, _SHARING = _SHARING, on
-    if not on:
-        _last_uploaded.clear()
-    return prev
-
-
-def forget_uploaded_metadata() -> None:
-    """Drop the shared step metadata (:data:`_last_uploaded`): the next step of every layer
-    builds and uploads its own, as the first layer of a step does (the decode-step bench counts
-    a layer's launches this way)."""
-    _last_uploaded.clear()
-
-
-def _uploaded_metadata(starts: list[int], slots: list[int], counts: list[int],
-                       specs: tuple[tuple[str, RingSpec], ...], device: torch.device
-                       ) -> _Uploaded:
-    """The step's metadata on ``device``: the last one built there where it is the same step
-    (the same starts, slots, counts and ring specs, on the same stream), else built, uploaded
-    and split."""
-    stream = None
-    capturing = False
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device).cuda_stream
-        capturing = torch.cuda.is_current_stream_capturing()
-    key = (tuple(starts), tuple(slots), tuple(counts), stream)
-    share = _SHARING and not capturing
-    last = _last_uploaded.get((device, specs)) if share else None
-    if last is not None and last.key == key:
-        return last
-    build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
-    host, shapes, job_meta, seq_ids = build(starts, slots, counts, list(specs))
-    dev, keep = upload(host, device)
-    views = list(torch.split(dev, [_numel(s) for s in shapes]))
-    # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
-    views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
-    made = _Uploaded(key, views, host[:sum(counts)], seq_ids, job_meta, keep)
-    if share:
-        _last_uploaded[(device, specs)] = made
-    return made
-
-
 def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
                    specs: list[tuple[str, RingSpec]]) -> Metadata:
     """A step's metadata (:meth:`CacheStep.plan`) for any counts, vectorised in NumPy: per token
@@ -319,12 +360,16 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
 
 
 def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
-                     specs: list[tuple[str, RingSpec]]) -> Metadata:
+                     specs: list[tuple[str, RingSpec]], pad_to: int | None = None,
+                     pad_slot: int = -1) -> Metadata:
     """:func:`_step_metadata` for a decode step (every count 1) in plain Python: the same buffer
-    in a fraction of the host time (NumPy's per-call cost dominates arrays this small)."""
+    in a fraction of the host time (NumPy's per-call cost dominates arrays this small).
+    ``pad_to``: ``pad_to`` tokens and jobs per compressor, the padding in ``pad_slot``."""
     m = len(starts)
-    flat = list(starts) + list(slots)
-    shapes: list[tuple[int, ...]] = [(m,), (m,)]
+    t = m if pad_to is None else pad_to
+    pads = t - m
+    flat = list(starts) + [0] * pads + list(slots) + [pad_slot] * pads
+    shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
     for name, spec in specs:
         cr, ratio, coff = spec.rows, spec.ratio, spec.coff
@@ -337,16 +382,32 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
             for q in range(first, first + cr):
                 ring_src.append(s * cr + q % cr if 0 <= q < a else -1)
                 call_src.append(i + q - a if q >= a else -1)  # q == a: this step's row i
-        flat += [slots[i] for i in done] + [starts[i] // ratio for i in done]
-        flat += ring_src + call_src
-        flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)] + list(range(m))
-        e = len(done)
-        shapes += [(e,), (e,), (e, cr), (e, cr), (m,), (m,)]
-        job_meta.append((name, e, m))
+        e = len(done) if pad_to is None else pad_to
+        unused = e - len(done)  # padded jobs: no sources, entry 0 of the padding slot
+        flat += [slots[i] for i in done] + [pad_slot] * unused
+        flat += [starts[i] // ratio for i in done] + [0] * unused
+        flat += ring_src + [-1] * (cr * unused) + call_src + [-1] * (cr * unused)
+        flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)]
+        flat += [pad_slot * cr] * pads + list(range(t))
+        shapes += [(e,), (e,), (e, cr), (e, cr), (t,), (t,)]
+        job_meta.append((name, e, t))
     # through an int64 array: torch.tensor of a Python list costs ~4x as much host time
     host = (torch.frombuffer(array("q", flat), dtype=torch.int64) if flat
             else torch.zeros(0, dtype=torch.int64))  # frombuffer refuses an empty buffer
-    return host, shapes, job_meta, torch.arange(m)
+    seq_ids = torch.arange(t)
+    if pads:
+        seq_ids[m:] = -1
+    return host, shapes, job_meta, seq_ids
+
+
+def _padded_decode_metadata(starts: list[int], slots: list[int], specs: RingSpecs, pad_to: int,
+                            pad_slot: int, visible_caps: dict[int, int] | None
+                            ) -> HostMetadata:
+    if len(starts) > pad_to:
+        raise ValueError(f"a padded step of {pad_to} tokens cannot hold {len(starts)} sequences")
+    host, shapes, jobs, seq_ids = _decode_metadata(starts, slots, [1] * len(starts), list(specs),
+                                                   pad_to, pad_slot)
+    return HostMetadata(host, shapes, jobs, seq_ids, pad_to, dict(visible_caps or {}))
 
 
 def _ramp(lengths: np.ndarray) -> np.ndarray:

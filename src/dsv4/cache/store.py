@@ -7,6 +7,10 @@ table maps the logical block to a physical one (-1: not held). A flat row index
 
 The table is kept on the host (the allocator's truth) and mirrored on the device, where the
 forward turns (slot, row) into flat rows without a host round trip.
+
+The storage holds one block more than the allocator hands out: the padding block, the first
+(and only) block of the padding slot's table row (``padding_slot``). The padded tokens of a
+fixed-shape step write their rows there (position 0, entry 0), where no sequence reads.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ from dsv4.host_copy import upload_into
 
 class PagedStore:
     def __init__(self, name: str, fmt: RowFormat, block_size: int, num_blocks: int,
-                 max_seqs: int, max_logical: int, device: torch.device) -> None:
+                 max_seqs: int, max_logical: int, device: torch.device,
+                 padding_slot: int | None = None) -> None:
         self.name = name
         self.fmt = fmt
         self.block_size = block_size
         self.max_logical = max_logical
         self.alloc = BlockAllocator(num_blocks, f"{name} store")
         self.block_bytes = fmt.block_bytes(block_size)
-        self.data = fmt.allocate(num_blocks, block_size, device)
+        self.data = fmt.allocate(num_blocks + 1, block_size, device)
         self.table = torch.full((max_seqs, max_logical), -1, dtype=torch.int32)
+        if padding_slot is not None:  # the padding block (module docstring), never released
+            self.table[padding_slot, 0] = num_blocks
         self.table_dev = self.table if device.type == "cpu" else self.table.to(device)
         self._blocks: list[list[int]] = [[] for _ in range(max_seqs)]
         """Physical block of each logical block per slot (-1: released), the host's truth."""
@@ -55,7 +62,7 @@ class PagedStore:
         for every sequence of every store (192 calls a step at 64 sequences, ~40 % of the
         plan's host time as separate calls)."""
         b, held = self.block_size, self._blocks
-        return [max(0, ceil_div(n, b) - len(held[s])) for s, n in zip(slots, rows, strict=True)]
+        return [max(0, -(-n // b) - len(held[s])) for s, n in zip(slots, rows, strict=True)]
 
     def holds_rows(self, slot: int, first: int, end: int) -> bool:
         if end <= first:

@@ -1,0 +1,300 @@
+"""One step plan for all layers of a model: the step's metadata built and uploaded once.
+
+Every layer of a model holds the same sequences at the same lengths, so a step's positions,
+slots and compressor jobs are the same in every layer (of a type); only the block tables differ,
+and they live in each layer's pool. A :class:`StepPlan` is built once per step over the step's
+sequences - one cache per layer for each, as a model keeps them - and:
+
+1. checks the sequences (alive, one pool per layer, the same length in every layer, room for
+   the step's tokens) and the layers' block needs, then takes every pool's blocks (all checked
+   before any is taken: a pool that lacks blocks raises with nothing taken anywhere);
+2. builds the metadata on the host once per distinct (slots, layer type) - normally one per
+   layer type - and uploads all of it in one host-to-device copy (or writes it into a fixed
+   device buffer, for a CUDA graph that reads it there: ``into``);
+3. hands each layer its :class:`~dsv4.cache.step.CacheStep` (``layer(x, plan=plan)``);
+4. at the end of the step, :meth:`commit` advances every sequence's length and releases the
+   window blocks no query reads any more; :meth:`rollback` instead gives back the blocks the
+   step took and the ring rows it replaced, so that a step that failed in any layer leaves
+   every cache as it was. ``with plan:`` does one or the other.
+
+A padded plan (``pad_to``, ``visible_caps``) has the fixed shapes a captured CUDA graph
+replays (:mod:`dsv4.cache.step`; the decode runner, :mod:`dsv4.runner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from dsv4.cache.pool import AttentionCache, CachePool
+from dsv4.cache.step import (
+    CacheStep,
+    HostMetadata,
+    StepMetadata,
+    build_metadata,
+    ring_specs,
+    take_blocks,
+)
+from dsv4.host_copy import upload, upload_into, upload_once
+
+
+class StepPlanError(ValueError):
+    """A step plan's sequences or a layer's use of the plan is invalid; nothing was changed."""
+
+
+class StepPlan:
+    """One step of ``seq_lens[i]`` tokens (default: 1, a decode step) for each sequence
+    ``caches[i]`` (its cache in every layer, as a model keeps them), for every layer.
+
+    ``positions`` (device, [T]) and ``seq_lens`` are the step's; a layer called with
+    ``plan=plan`` takes its step from the plan (:meth:`step_for`). Padded plans (``pad_to``,
+    ``visible_caps``, decode steps only) and ``into`` serve the decode runner."""
+
+    def __init__(self, caches: Sequence[Sequence[AttentionCache]],
+                 seq_lens: Sequence[int] | None = None, *, pad_to: int | None = None,
+                 visible_caps: dict[int, int] | None = None,
+                 into: torch.Tensor | None = None) -> None:
+        seqs, self.pools, self.starts = _checked(caches)
+        counts = [1] * len(seqs) if seq_lens is None else list(seq_lens)
+        if (len(counts) != len(seqs)
+                or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in counts)):
+            raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
+                                f"the {len(seqs)} sequence(s)")
+        total = sum(counts)
+        if pad_to is not None:
+            if any(n != 1 for n in counts):
+                raise StepPlanError("a padded plan is a decode step: one token per sequence")
+            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < len(seqs):
+                raise StepPlanError(f"pad_to={pad_to!r} must be an integer >= the {len(seqs)} "
+                                    "sequence(s)")
+        self.caches = seqs
+        self.seq_lens = counts
+        ends = [a + n for a, n in zip(self.starts, counts, strict=True)]
+        longest = max(ends)
+        for pool in self.pools:
+            if longest > pool.max_seq_len:
+                i = ends.index(longest)
+                raise StepPlanError(
+                    f"sequence {i}: {self.starts[i]} cached + {counts[i]} new tokens exceed "
+                    f"layer {pool.layer_id}'s max_seq_len={pool.max_seq_len}")
+            if total > pool.step_tokens:
+                raise StepPlanError(
+                    f"{total} tokens exceed layer {pool.layer_id}'s step_tokens="
+                    f"{pool.step_tokens}: a plan is one step (call the layers without a plan, "
+                    "which split the call into steps)")
+        self._done = False
+        # the rings: a step of one token per sequence replaces only ring rows no retry reads;
+        # longer ones replace rows the step's own entries read, so keep them for a rollback
+        self._rings: list[dict[str, torch.Tensor]] = []
+        if any(n > 1 for n in counts):
+            for k, pool in enumerate(self.pools):
+                idx = upload_once(torch.tensor([c.slot for c in _column(seqs, k)]), pool.device)
+                self._rings.append({name: ring[idx].clone()
+                                    for name, (_, ring) in pool.rings.items()})
+        self._grown = take_blocks([(pool, [c.slot for c in _column(seqs, k)])
+                                   for k, pool in enumerate(self.pools)], self.starts, ends)
+        self.steps = self._metadata(pad_to, visible_caps, into)
+
+    # ------------------------------------------------------------------ metadata
+    def _metadata(self, pad_to: int | None, visible_caps: dict[int, int] | None,
+                  into: torch.Tensor | None) -> dict[int, CacheStep]:
+        """Each pool's CacheStep, the metadata built once per (slots, ring specs) and uploaded
+        in one copy."""
+        groups = _groups(self.pools, self.caches, pad_to is not None)
+        hosts: list[HostMetadata] = []
+        for (slots, pad_slot, specs), _ in groups.items():
+            hosts.append(build_metadata(self.starts, list(slots), self.seq_lens, specs, pad_to,
+                                        pad_slot, visible_caps))
+        buffer = torch.cat([h.buffer for h in hosts]) if len(hosts) > 1 else hosts[0].buffer
+        device = self.pools[0].device
+        keep = None
+        if into is not None:
+            if into.dtype != torch.int64 or into.device != device or into.dim() != 1 \
+                    or into.numel() != buffer.numel():
+                raise StepPlanError(f"into: an int64 [{buffer.numel()}] tensor on {device} "
+                                    f"(got {into.dtype} {tuple(into.shape)} on {into.device})")
+            upload_into(into, buffer)
+            dev = into
+        else:
+            dev, keep = upload(buffer, device)
+        self.num_metadata = buffer.numel()
+        steps: dict[int, CacheStep] = {}
+        offset = 0
+        for host, members in zip(hosts, groups.values(), strict=True):
+            meta = StepMetadata.split(host, dev[offset:offset + host.buffer.numel()])
+            offset += host.buffer.numel()
+            for k in members:
+                pool = self.pools[k]
+                steps[id(pool)] = CacheStep(pool, _column(self.caches, k), list(self.starts),
+                                            list(self.seq_lens), meta, keep)
+        self._first = steps[id(self.pools[0])]
+        return steps
+
+    @staticmethod
+    def padded_layout(caches: Sequence[Sequence[AttentionCache]], pad_to: int,
+                      visible_caps: dict[int, int] | None = None
+                      ) -> tuple[int, tuple[int, ...]]:
+        """(int64 elements of a padded plan's metadata over these sequences - what ``into``
+        must hold -, which metadata group each layer reads): a graph captured over one layout
+        replays only plans of the same."""
+        seqs, pools, _ = _checked(caches)
+        total = 0
+        member = [0] * len(pools)
+        for g, ((_, _, specs), ks) in enumerate(_groups(pools, seqs, True).items()):
+            # positions and slots; per compressor: slots, entries, two sources per ring row of
+            # each job, the kept rows' destinations and sources (build_metadata's parts)
+            total += pad_to * (2 + sum(4 + 2 * spec.rows for _, spec in specs))
+            for k in ks:
+                member[k] = g
+        return total, tuple(member)
+
+    # ------------------------------------------------------------------ the layers' view
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] int64 positions of the step's tokens on the device (padded: ``pad_to`` of them)."""
+        return self._first.pos
+
+    @property
+    def num_tokens(self) -> int:
+        return self._first.num_tokens
+
+    def step_for(self, layer: Any) -> CacheStep:
+        """The :class:`CacheStep` of ``layer`` (a :class:`~dsv4.DeepseekV4Attention`): its
+        pool's, found by layer id (a plan holds one pool per layer)."""
+        if self._done:
+            raise StepPlanError("this plan's step is over (committed or rolled back): build a "
+                                "new plan for the next step")
+        for pool in self.pools:
+            if pool.layer_id == layer.layer_id:
+                if (pool.compress_ratio != layer.compress_ratio or pool.dtype != layer.dtype
+                        or pool.device != layer.device):
+                    raise StepPlanError(
+                        f"the plan's layer {pool.layer_id} caches (ratio {pool.compress_ratio}, "
+                        f"{pool.dtype} on {pool.device}) do not belong to this layer (ratio "
+                        f"{layer.compress_ratio}, {layer.dtype} on {layer.device})")
+                return self.steps[id(pool)]
+        held = sorted(p.layer_id for p in self.pools)
+        raise StepPlanError(f"the plan holds no caches of layer {layer.layer_id} (it holds "
+                            f"layers {held})")
+
+    # ------------------------------------------------------------------ end of step
+    def commit(self) -> None:
+        """The step ran in every layer: advance every sequence's length in every pool and
+        release the window blocks no query reads any more."""
+        self._finish()
+        for step in self.steps.values():
+            step.commit()
+
+    def rollback(self) -> None:
+        """The step failed: every pool as before the plan (blocks, ring rows, lengths)."""
+        self._finish()
+        for pool, name, slot, before in self._grown:  # lengths change only at commit
+            pool.stores[name].shrink_to(slot, before)
+        for pool in {id(p): p for p, _, _, _ in self._grown}.values():
+            for store in pool.stores.values():
+                store.sync()
+        for k, saved_rings in enumerate(self._rings):
+            pool = self.pools[k]
+            idx = upload_once(torch.tensor([c.slot for c in _column(self.caches, k)]),
+                              pool.device)
+            for name, saved in saved_rings.items():
+                pool.rings[name][1][idx] = saved
+
+    def _finish(self) -> None:
+        if self._done:
+            raise StepPlanError("this plan's step was already committed or rolled back")
+        self._done = True
+
+    def __enter__(self) -> StepPlan:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._done:
+            return
+        if kind is None:
+            self.commit()
+        else:
+            self.rollback()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "open"
+        return (f"StepPlan({len(self.caches)} sequence(s), {sum(self.seq_lens)} token(s), "
+                f"{len(self.pools)} layer(s), {state})")
+
+
+def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], list[int]]:
+    """(the sequences' cache lists, the pool of each layer, each sequence's length), checked:
+    live caches, one pool per layer (and layer id), every sequence once per pool and at one
+    length in every layer. One pass over the caches (a model's step checks L x M of them)."""
+    if isinstance(caches, AttentionCache) or not isinstance(caches, Sequence) or not caches:
+        raise StepPlanError("caches: give one list per sequence of its cache in every layer "
+                            "(caches[i][k]: sequence i, layer k)")
+    seqs = [list(seq) if isinstance(seq, Sequence) and not isinstance(seq, AttentionCache)
+            else None for seq in caches]
+    first = seqs[0]
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise StepPlanError(f"caches[{i}] must be a non-empty list of the sequence's "
+                                "caches, one per layer")
+        if first is not None and len(seq) != len(first):
+            raise StepPlanError(f"caches[{i}] has {len(seq)} caches; caches[0] has {len(first)} "
+                                "(one per layer for every sequence)")
+    assert first is not None
+    pools: list[CachePool] = []
+    starts: list[int] = []
+    for k in range(len(first)):
+        c0 = first[k]
+        if not isinstance(c0, AttentionCache):
+            raise StepPlanError(f"caches[0][{k}] is a {type(c0).__name__}, not an AttentionCache")
+        pool = c0.pool
+        handles, lengths = pool._handles, pool._lengths
+        column = [seq[k] for seq in seqs]  # type: ignore[index]
+        for i, c in enumerate(column):
+            # a live cache of this pool is the handle of its slot (a freed one no longer is)
+            if not isinstance(c, AttentionCache) or c.pool is not pool \
+                    or handles[c.slot] is not c:
+                raise StepPlanError(_column_problem(c, i, k))
+        lens = [lengths[c.slot] for c in column]
+        if not k:
+            starts = lens
+        elif lens != starts:
+            i = next(i for i, (a, b) in enumerate(zip(starts, lens, strict=True)) if a != b)
+            raise StepPlanError(f"sequence {i} holds {starts[i]} tokens in its first layer's "
+                                f"cache but {lens[i]} in layer {pool.layer_id}'s")
+        if len({c.slot for c in column}) != len(column):
+            raise StepPlanError(f"a sequence appears twice in layer {pool.layer_id}'s caches")
+        pools.append(pool)
+    ids = [p.layer_id for p in pools]
+    if len(set(ids)) != len(ids):
+        raise StepPlanError(f"two caches of one sequence belong to the same layer id ({ids}): a "
+                            "plan takes one pool per layer")
+    return seqs, pools, starts  # type: ignore[return-value]
+
+
+def _column_problem(c: Any, i: int, k: int) -> str:
+    if not isinstance(c, AttentionCache):
+        return f"caches[{i}][{k}] is a {type(c).__name__}, not an AttentionCache"
+    if not c.alive:
+        return f"caches[{i}][{k}] was freed"
+    return (f"caches[{i}][{k}] is in another pool than caches[0][{k}]: a plan takes one pool per "
+            "layer")
+
+
+def _groups(pools: list[CachePool], seqs: list[list[AttentionCache]], padded: bool
+            ) -> dict[tuple[Any, ...], list[int]]:
+    """The layers (by index) that read one copy of the metadata: those whose pools hold the
+    sequences in the same slots (and padding slot) and have the same compressor rings."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for k, pool in enumerate(pools):
+        slots = tuple(c.slot for c in _column(seqs, k))
+        key = (slots, pool.pad_slot if padded else -1, ring_specs(pool))
+        groups.setdefault(key, []).append(k)
+    return groups
+
+
+def _column(seqs: list[list[AttentionCache]], k: int) -> list[AttentionCache]:
+    return [s[k] for s in seqs]

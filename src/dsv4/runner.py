@@ -1,0 +1,227 @@
+"""The decode runner: a model's decode step replayed as a CUDA graph, one per bucket.
+
+A decode step of a model calls every attention layer, and the user's code between them, once
+per step; eagerly that is hundreds of launches and their host work per layer. The runner
+captures the whole step - ``step_fn(plan, *inputs)``, any code whose dsv4 layers take their
+step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
+
+* **Buckets.** ``M`` sequences run in the smallest batch bucket ``B >= M`` (1, 2, 4, ..., 128 by
+  default); the ``B - M`` padded tokens sit in each pool's padding slot at position 0, where
+  they write nothing a sequence reads (:mod:`dsv4.cache.step`). Per compression ratio the
+  width of visible entries is fixed too: the next power of two at or above the step's widest
+  (at least 1), so a graph serves a context range of 2x and the C4 indexer runs wherever
+  that width exceeds ``index_topk`` (a query with fewer visible entries takes them all: the
+  indexer's contract). A bucket is (B, the widths, the pools).
+* **A step.** On the host: the plan (:class:`dsv4.cache.plan.StepPlan` with ``pad_to`` and
+  ``into``) takes the step's blocks in every pool, copies changed block tables, and writes the
+  step's metadata into the bucket's device buffer in one copy; each input is copied into the
+  bucket's static input; the graph replays; the plan commits (lengths, window releases) while
+  the GPU runs. The first step of a bucket runs eagerly over the same buffers (the real step,
+  and the kernels' warm-up), then the graph is captured for the next ones.
+* **Not captured.** Steps of more than the largest bucket, and every step in ``mode="eager"``
+  (the default off CUDA), run eagerly with an unpadded plan - the same API. ``mode="padded"``
+  runs the padded step eagerly without a graph: the bucket logic on any device (the CPU
+  tests use it).
+
+Outputs are copies (``[M, ...]`` of the step function's ``[B, ...]`` outputs): they stay valid
+after the next step. Graphs hold the layers' weights and the pools' tensors by address: after
+weights are reloaded or pools replaced, call :meth:`DecodeRunner.reset`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsv4.cache.plan import StepPlan, StepPlanError
+from dsv4.cache.pool import AttentionCache, CachePool
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MODES = ("auto", "graphs", "padded", "eager")
+
+StepFn = Callable[..., Any]
+"""``step_fn(plan, *inputs)`` -> a tensor or a tuple of tensors, each [T, ...] by token."""
+
+
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's garbage collector paused during the
+    capture.
+
+    A collection that runs mid-capture can free tensors of earlier work that other streams
+    used; the allocator's event calls then invalidate the capture (seen on the H200 as
+    ``cudaErrorStreamCaptureInvalidated`` in a long test session). ``torch.cuda.graph`` collects
+    once before it starts, so nothing is left waiting."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class _Bucket:
+    """One captured (or padded) step shape: its static buffers and, once captured, its graph."""
+
+    tokens: int
+    visible_caps: dict[int, int]
+    metadata: torch.Tensor
+    inputs: list[torch.Tensor]
+    graph: Any = None
+    outputs: Any = None
+
+
+class DecodeRunner:
+    """Runs decode steps of ``step_fn`` (module docstring) over sequences given as one cache
+    list per sequence (its cache in every layer, as :class:`~dsv4.cache.plan.StepPlan` takes
+    them).
+
+    ``mode``: ``auto`` (graphs on CUDA, else eager), ``graphs``, ``padded`` or ``eager``;
+    ``buckets``: the batch sizes captured, ascending."""
+
+    def __init__(self, step_fn: StepFn, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 mode: str = "auto") -> None:
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
+        b = list(buckets)
+        if (not b or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in b)
+                or b != sorted(set(b))):
+            raise ValueError(f"buckets={tuple(buckets)} must be ascending positive integers")
+        self.step_fn = step_fn
+        self.buckets = tuple(b)
+        self.mode = mode
+        self._buckets: dict[tuple[Any, ...], _Bucket] = {}
+        self._mempool: Any = None
+        self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0}
+        """Steps run per kind (a capture's first step counts as padded and as a capture)."""
+
+    def reset(self) -> None:
+        """Drop every captured graph and buffer (after weights are reloaded or pools replaced:
+        a graph reads both by address)."""
+        self._buckets = {}
+        self._mempool = None
+
+    def mode_on(self, device: torch.device) -> str:
+        """The mode a step on ``device`` runs in (``auto`` resolved)."""
+        if self.mode == "auto":
+            return "graphs" if device.type == "cuda" else "eager"
+        if self.mode == "graphs" and device.type != "cuda":
+            raise ValueError(f"mode='graphs' needs a CUDA device; the caches are on {device}")
+        return self.mode
+
+    def bucket_for(self, m: int) -> int | None:
+        """The batch bucket of ``m`` sequences (None: more than the largest, run eagerly)."""
+        for b in self.buckets:
+            if b >= m:
+                return b
+        return None
+
+    def __call__(self, caches: Sequence[Sequence[AttentionCache]], *inputs: torch.Tensor) -> Any:
+        """One decode step (one token per sequence) of ``caches[i]``'s sequences: ``inputs``
+        [M, ...] per token (e.g. token ids); returns ``step_fn``'s outputs for the M tokens."""
+        m = len(caches)
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != m:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"input {i} has shape {shape}; expected [{m}, ...] (one row per "
+                                 "sequence)")
+        if not m:
+            raise StepPlanError("caches: no sequences")
+        pools = _pools(caches)
+        mode = self.mode_on(pools[0].device)
+        bucket = self.bucket_for(m)
+        if mode == "eager" or bucket is None:
+            self.stats["eager"] += 1
+            with StepPlan(caches) as plan:
+                return self.step_fn(plan, *inputs)
+        caps = visible_caps(pools, caches)
+        size, layout = StepPlan.padded_layout(caches, bucket, caps)
+        key = (bucket, tuple(sorted(caps.items())), tuple(id(p) for p in pools), layout,
+               tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
+        state = self._buckets.get(key)
+        if state is None:
+            device = pools[0].device
+            state = _Bucket(bucket, caps, torch.zeros(size, dtype=torch.int64, device=device),
+                            [torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                             for t in inputs])
+            self._buckets[key] = state
+        plan = StepPlan(caches, pad_to=bucket, visible_caps=caps, into=state.metadata)
+        try:
+            for static, t in zip(state.inputs, inputs, strict=True):
+                static[:m].copy_(t)
+            if mode == "graphs" and state.graph is not None:
+                state.graph.replay()
+                outs = state.outputs
+                self.stats["replays"] += 1
+            else:
+                outs = self._run_padded(plan, state, capture=mode == "graphs")
+        except BaseException:
+            plan.rollback()
+            raise
+        plan.commit()
+        return _rows(outs, m)
+
+    def _run_padded(self, plan: StepPlan, state: _Bucket, capture: bool) -> Any:
+        """The padded step eagerly over the bucket's buffers (its real result); with
+        ``capture``, then the graph of it for the next steps (capture runs nothing)."""
+        self.stats["padded"] += 1
+        if not capture:
+            return self.step_fn(plan, *state.inputs)
+        device = state.metadata.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # the warm-up: compiles kernels, sizes workspaces
+            outs = self.step_fn(plan, *state.inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with capture_graph(graph, self._mempool):
+            state.outputs = self.step_fn(plan, *state.inputs)
+        state.graph = graph
+        self.stats["captures"] += 1
+        return outs
+
+
+def visible_caps(pools: list[CachePool], caches: Sequence[Sequence[AttentionCache]]
+                 ) -> dict[int, int]:
+    """Per compression ratio of ``pools``, the fixed width of visible entries for a decode step
+    of these sequences: the next power of two at or above the most entries a query sees
+    (at least 1), at most the pools' entries per sequence."""
+    longest = max(seq[0].length for seq in caches) + 1  # the position this step writes, + 1
+    caps: dict[int, int] = {}
+    for pool in pools:
+        r = pool.compress_ratio
+        if not r or r in caps:
+            continue
+        need = max(1, longest // r)
+        width = 1 << (need - 1).bit_length()
+        caps[r] = min(width, max(need, -(-pool.max_seq_len // r)))
+    return caps
+
+
+def _pools(caches: Sequence[Sequence[AttentionCache]]) -> list[CachePool]:
+    first = caches[0]
+    if isinstance(first, AttentionCache) or not isinstance(first, Sequence) or not first:
+        raise StepPlanError("caches: give one list per sequence of its cache in every layer")
+    return [c.pool for c in first]
+
+
+def _rows(outs: Any, m: int) -> Any:
+    """Copies of the first ``m`` rows of each output."""
+    if isinstance(outs, torch.Tensor):
+        return outs[:m].clone()
+    if isinstance(outs, (tuple, list)):
+        return type(outs)(_rows(o, m) for o in outs)
+    raise TypeError(f"step_fn returned a {type(outs).__name__}; expected a tensor or a tuple "
+                    "of tensors")

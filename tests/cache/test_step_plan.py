@@ -1,0 +1,174 @@
+"""The step plan (:class:`dsv4.cache.plan.StepPlan`): one step's metadata for every layer of a
+model, built and uploaded once; the layers' outputs and caches exactly as when each layer plans
+its own step; all-or-nothing across layers; errors that name the culprit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.cache.blocks import CacheCapacityError
+from dsv4.cache.plan import StepPlan, StepPlanError
+from dsv4.cache.step import CacheStep
+from dsv4.testing.random_weights import random_layer_weights
+from dsv4.platforms import build_attention
+
+
+def _stack(cfg, ratios, dtype=torch.float64, platform="reference"):
+    """Layers of the given ratios with distinct layer ids (a model's schedule)."""
+    out = []
+    for i, r in enumerate(ratios):
+        c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
+        assert c.compress_ratio(i) == r
+        layer = build_attention(c, i, dtype=dtype, platform=platform)
+        layer.load_weights(random_layer_weights(c, i, seed=i))
+        out.append(layer)
+    return out
+
+
+def _caches(layers, n, max_seq_len=600):
+    pools = [lay.new_cache_pool(n + 2, max_seq_len) for lay in layers]
+    return [[p.add_sequence() for p in pools] for _ in range(n)]
+
+
+def _steps_equal(a: CacheStep, b: CacheStep) -> None:
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.tok_slot, b.tok_slot)
+    assert a.jobs.keys() == b.jobs.keys()
+    for name, job in a.jobs.items():
+        other = b.jobs[name]
+        assert job.count == other.count
+        for f in ("slots", "entries", "ring_src", "call_src", "keep_dst", "keep_src"):
+            assert torch.equal(getattr(job, f), getattr(other, f)), (name, f)
+
+
+def test_layers_of_a_type_read_one_copy_equal_to_their_own_plans(tiny_exact):
+    layers = _stack(tiny_exact, [4, 128, 4, 128, 0, 0])
+    caches = _caches(layers, 3)
+    lens = [5, 9, 3]
+    x = torch.randn(sum(lens), tiny_exact.hidden_size, dtype=torch.float64)
+    with StepPlan(caches, lens) as plan:
+        for lay in layers:
+            lay(x, plan=plan)
+    plan = StepPlan(caches, [1, 1, 1])
+    steps = [plan.step_for(lay) for lay in layers]
+    assert steps[2].meta is steps[0].meta and steps[3].meta is steps[1].meta
+    assert steps[5].meta is steps[4].meta and steps[1].meta is not steps[0].meta
+    assert steps[0].jobs.keys() == {"compressed", "idx_keys"} and not steps[4].jobs
+    plan.rollback()
+    for k, lay in enumerate(layers):
+        col = [c[k] for c in caches]
+        own = CacheStep.plan(col[0].pool, col, [1, 1, 1])
+        _steps_equal(own, steps[k])
+        own.pool.stores["kv"].sync()
+    # a pool of the same type holding the sequences in other slots reads its own copy
+    twin = _stack(tiny_exact, [4, 4])[1]
+    shifted = twin.new_cache_pool(6, 600)
+    shifted.add_sequence()
+    fresh = [[layers[0].new_cache_pool(3, 600).add_sequence()] for _ in range(1)]
+    pool0 = fresh[0][0].pool
+    seqs = [fresh[0] + [shifted.add_sequence()], [pool0.add_sequence(), shifted.add_sequence()]]
+    plan = StepPlan(seqs)
+    a, b = plan.step_for(layers[0]), plan.step_for(twin)
+    assert a.meta is not b.meta and a.tok_slot.tolist() == [0, 1]
+    assert b.tok_slot.tolist() == [1, 2] and torch.equal(a.pos, b.pos)
+    plan.rollback()
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [3, 1, 7]])
+def test_a_planned_model_step_equals_each_layer_planning_its_own(tiny_exact, counts):
+    """Four layers (SWA, SWA, C4, C128) over 300 steps that cross window-block and
+    compression boundaries: with one plan per step, outputs and caches are bit for bit those
+    of the layers called on their own."""
+    layers = _stack(tiny_exact, [0, 0, 4, 128])
+    a, b = _caches(layers, 3, 2600), _caches(layers, 3, 2600)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(300 if counts[0] == 1 else 60):
+        lens = counts if step else [40, 7, 133]
+        x = torch.randn(sum(lens), tiny_exact.hidden_size, dtype=torch.float64, generator=gen)
+        ya = x
+        with StepPlan(a, lens) as plan:
+            for lay in layers:
+                ya = ya + lay(ya, plan=plan)
+        yb = x
+        pos = torch.cat([torch.arange(s[0].length, s[0].length + n) for s, n in zip(b, lens)])
+        for k, lay in enumerate(layers):
+            yb = yb + lay(yb, pos, [s[k] for s in b], lens)
+        assert torch.equal(ya, yb), step
+    for sa, sb in zip(a, b, strict=True):
+        for ca, cb in zip(sa, sb, strict=True):
+            assert ca.length == cb.length
+            for name in ca.pool.stores:
+                n = ca.length if name == "kv" else None
+                first = max(0, ca.length - tiny_exact.sliding_window + 1) if name == "kv" else 0
+                assert torch.equal(ca.rows(name, first, n), cb.rows(name, first, n))
+
+
+def test_a_failed_step_in_any_layer_leaves_every_cache_as_it_was(tiny_exact):
+    layers = _stack(tiny_exact, [0, 4, 128])
+    caches = _caches(layers, 2, 1200)
+    x = torch.randn(300, tiny_exact.hidden_size, dtype=torch.float64)
+    with StepPlan(caches, [250, 50]) as plan:
+        for lay in layers:
+            lay(x, plan=plan)
+    pools = [c.pool for c in caches[0]]
+    before = [(p.blocks_in_use(), [r.clone() for _, r in p.rings.values()],
+               [p.stores[n].table.clone() for n in p.stores]) for p in pools]
+    x2 = torch.randn(70, tiny_exact.hidden_size, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="boom"), StepPlan(caches, [64, 6]) as plan:
+        layers[0](x2, plan=plan)
+        layers[1](x2, plan=plan)  # writes rows, entries and rings
+        raise RuntimeError("boom")
+    for p, (blocks, rings, tables) in zip(pools, before, strict=True):
+        assert p.blocks_in_use() == blocks
+        assert all(torch.equal(r, s) for (_, r), s in zip(p.rings.values(), rings, strict=True))
+        assert all(torch.equal(p.stores[n].table, t) for n, t in zip(p.stores, tables))
+    assert [c.length for s in caches for c in s] == [250] * 3 + [50] * 3
+    with pytest.raises(StepPlanError, match="already committed or rolled back"):
+        plan.commit()
+
+
+def test_a_pool_without_blocks_fails_the_plan_with_nothing_taken(tiny_exact):
+    layers = _stack(tiny_exact, [0, 4])
+    small = layers[1].new_cache_pool(2, 4096, capacity_tokens=256)
+    big = layers[0].new_cache_pool(2, 4096)
+    caches = [[big.add_sequence(), small.add_sequence()]]
+    with pytest.raises(CacheCapacityError, match="layer 1 cache pool, compressed store"):
+        StepPlan(caches, [2000])
+    assert big.blocks_in_use() == {"kv": 0} and caches[0][0].length == 0
+
+
+def test_bad_plans_and_bad_uses_are_errors_naming_the_culprit(tiny_exact):
+    layers = _stack(tiny_exact, [0, 4])
+    caches = _caches(layers, 2)
+    x = torch.randn(2, tiny_exact.hidden_size, dtype=torch.float64)
+    with pytest.raises(StepPlanError, match="one list per sequence"):
+        StepPlan(caches[0][0])
+    with pytest.raises(StepPlanError, match=r"caches\[1\] has 1 caches"):
+        StepPlan([caches[0], caches[1][:1]])
+    with pytest.raises(StepPlanError, match="positive token count"):
+        StepPlan(caches, [1, 0])
+    with pytest.raises(StepPlanError, match="same layer id"):
+        StepPlan([[caches[0][0], layers[0].new_cache()]])
+    with pytest.raises(StepPlanError, match="appears twice"):
+        StepPlan([caches[0], caches[0]])
+    with StepPlan(caches[:1], [3]) as plan:
+        for lay in layers:
+            lay(torch.randn(3, tiny_exact.hidden_size, dtype=torch.float64), plan=plan)
+    with pytest.raises(StepPlanError, match="holds 3 tokens in its first layer's cache but 0"):
+        StepPlan([[caches[0][0], caches[1][1]]])
+    with pytest.raises(StepPlanError, match="exceed layer 0's max_seq_len=600"):
+        StepPlan(caches, [598, 1])
+    plan = StepPlan(caches)
+    from dsv4.attention import AttentionInputError
+
+    with pytest.raises(AttentionInputError, match="give x only: the plan holds the step's cache"):
+        layers[0](x, cache=caches[0][0], plan=plan)
+    with pytest.raises(AttentionInputError, match=r"expects \[2, "):
+        layers[0](x[:1], plan=plan)
+    stranger = _stack(tiny_exact, [0, 0, 128])[2]
+    with pytest.raises(StepPlanError, match="holds no caches of layer 2"):
+        stranger(x, plan=plan)
+    plan.commit()
+    with pytest.raises(StepPlanError, match="step is over"):
+        layers[0](x, plan=plan)
+    assert [c.length for c in caches[0]] == [4, 4] and [c.length for c in caches[1]] == [1, 1]

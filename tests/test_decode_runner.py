@@ -1,0 +1,174 @@
+"""The decode runner (:mod:`dsv4.runner`): buckets, fixed widths, padded steps equal to eager
+ones over hundreds of steps with sequences joining, leaving and forking, every layer type; on a
+GPU the same with CUDA graphs (``tests/platforms/test_runner_cuda.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dsv4.cache.plan import StepPlan, StepPlanError
+from dsv4.platforms import build_attention
+from dsv4.runner import DecodeRunner, visible_caps
+from dsv4.testing.random_weights import random_layer_weights
+
+RATIOS = [0, 4, 128, 0, 4]
+
+
+def stack(cfg, ratios=RATIOS, dtype=torch.float64, platform="reference", device="cpu"):
+    c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
+    layers = []
+    for i in range(len(ratios)):
+        layer = build_attention(c, i, dtype=dtype, platform=platform, device=device)
+        layer.load_weights(random_layer_weights(c, i, seed=i))
+        layers.append(layer)
+    return layers
+
+
+def step_fn(layers):
+    """A residual stack with a row-wise nonlinearity between the layers (the user's code)."""
+    def run(plan, x):
+        for lay in layers:
+            x = x + lay(torch.tanh(x), plan=plan)
+        return x
+    return run
+
+
+def test_buckets_and_widths():
+    r = DecodeRunner(lambda plan, x: x, buckets=(1, 4, 16))
+    assert [r.bucket_for(m) for m in (1, 2, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, None]
+    for bad in ((), (4, 2), (0, 1), (1, 1), (1.5,)):
+        with pytest.raises(ValueError, match="ascending positive integers"):
+            DecodeRunner(lambda plan, x: x, buckets=bad)
+    with pytest.raises(ValueError, match="mode='fast'"):
+        DecodeRunner(lambda plan, x: x, mode="fast")
+    with pytest.raises(TypeError, match="callable"):
+        DecodeRunner(3)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        DecodeRunner(lambda plan, x: x, mode="graphs").mode_on(torch.device("cpu"))
+
+
+def test_visible_widths_are_powers_of_two_at_or_above_the_widest(tiny_exact):
+    layers = stack(tiny_exact, [4, 128])
+    pools = [lay.new_cache_pool(2, 4096) for lay in layers]
+    seqs = [[p.add_sequence() for p in pools] for _ in range(2)]
+    for length, want in ((0, {4: 1, 128: 1}), (3, {4: 1, 128: 1}), (4, {4: 1, 128: 1}),
+                         (11, {4: 4, 128: 1}), (127, {4: 32, 128: 1}),
+                         (300, {4: 128, 128: 2}), (4094, {4: 1024, 128: 32})):
+        for p in pools:
+            p._lengths[seqs[0][0].slot] = length
+        assert visible_caps(pools, seqs) == want, length
+
+
+def test_bad_inputs_are_errors(tiny_exact):
+    layers = stack(tiny_exact, [0])
+    caches = [[layers[0].new_caches(1, 64)[0]]]
+    r = DecodeRunner(step_fn(layers), mode="padded")
+    with pytest.raises(ValueError, match=r"input 0 has shape \(2, 256\); expected \[1, ...\]"):
+        r(caches, torch.zeros(2, 256, dtype=torch.float64))
+    with pytest.raises(StepPlanError, match="no sequences"):
+        r([])
+    assert caches[0][0].length == 0
+
+
+def _eager_step(layers, seqs, x):
+    """The reference: each layer called on its own (it plans its own step)."""
+    pos = torch.tensor([s[0].length for s in seqs])
+    for k, lay in enumerate(layers):
+        x = x + lay(torch.tanh(x), pos, [s[k] for s in seqs])
+    return x
+
+
+@pytest.mark.parametrize("mode", ["padded", "eager"])
+def test_runner_steps_equal_eager_steps_as_sequences_join_leave_and_fork(tiny_exact, mode):
+    """500 decode steps of a stack with every layer type; between steps sequences join
+    (prefilled), leave and fork, so batches move between buckets and contexts cross window
+    blocks, compression boundaries and width buckets. The runner's outputs equal the eager
+    layers' (float64: to rounding, padded GEMMs and wider selections only reorder sums) and
+    so do the caches it leaves."""
+    layers = stack(tiny_exact)
+    runner = DecodeRunner(step_fn(layers), mode=mode, buckets=(1, 2, 4, 8))
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    h = tiny_exact.hidden_size
+    pools = {side: [lay.new_cache_pool(8, 1200) for lay in layers] for side in "ab"}
+    live: dict[str, list[list]] = {"a": [], "b": []}
+
+    def join(n):
+        x = torch.randn(n, h, dtype=torch.float64, generator=gen)
+        for side in "ab":
+            seq = [p.add_sequence() for p in pools[side]]
+            live[side].append(seq)
+            with StepPlan([seq], [n]) as plan:
+                step_fn(layers)(plan, x)
+
+    for n in (30, 129, 5):
+        join(n)
+    worst = 0.0
+    steps = 0
+    while steps < 500:
+        event = rng.random()
+        if event < 0.03 and len(live["a"]) < 7:
+            join(rng.choice([1, 17, 64, 200]))
+        elif event < 0.06 and len(live["a"]) > 1:
+            i = rng.randrange(len(live["a"]))
+            for side in "ab":
+                for c in live[side].pop(i):
+                    c.free()
+        elif event < 0.09 and len(live["a"]) < 7:
+            i = rng.randrange(len(live["a"]))
+            for side in "ab":
+                live[side].append([c.fork() for c in live[side][i]])
+        if any(s[0].length + 1 >= 1200 for s in live["a"]):
+            i = max(range(len(live["a"])), key=lambda j: live["a"][j][0].length)
+            for side in "ab":
+                for c in live[side].pop(i):
+                    c.free()
+            if not live["a"]:
+                join(3)
+            continue
+        x = torch.randn(len(live["a"]), h, dtype=torch.float64, generator=gen)
+        ya = runner(live["a"], x)
+        yb = _eager_step(layers, live["b"], x)
+        worst = max(worst, float((ya - yb).abs().max()))
+        assert torch.allclose(ya, yb, rtol=0, atol=1e-10), steps
+        steps += 1
+    assert worst < 1e-10
+    for sa, sb in zip(live["a"], live["b"], strict=True):
+        for ca, cb in zip(sa, sb, strict=True):
+            assert ca.length == cb.length and ca.slot == cb.slot
+            first = max(0, ca.length - tiny_exact.sliding_window + 1)
+            assert torch.allclose(ca.rows("kv", first), cb.rows("kv", first), atol=1e-10)
+            for name in ("compressed", "idx_keys"):
+                if name in ca.pool.stores:
+                    assert torch.allclose(ca.rows(name), cb.rows(name), atol=1e-10)
+    for side in "ab":
+        assert [p.blocks_in_use() for p in pools[side]] == [p.blocks_in_use()
+                                                            for p in pools["a"]]
+    if mode == "padded":
+        assert runner.stats["padded"] == 500 and runner.stats["eager"] == 0
+        assert len(runner._buckets) > 4  # several batch buckets and widths were used
+    else:
+        assert runner.stats["eager"] == 500
+
+
+def test_a_failing_step_leaves_every_cache_as_it_was(tiny_exact):
+    layers = stack(tiny_exact, [0, 4])
+    pools = [lay.new_cache_pool(2, 300) for lay in layers]
+    seqs = [[p.add_sequence() for p in pools] for _ in range(2)]
+    with StepPlan(seqs, [70, 9]) as plan:
+        step_fn(layers)(plan, torch.randn(79, 256, dtype=torch.float64))
+    calls = []
+
+    def failing(plan, x):
+        calls.append(1)
+        layers[0](x, plan=plan)
+        raise RuntimeError("user code failed")
+
+    before = [p.blocks_in_use() for p in pools]
+    with pytest.raises(RuntimeError, match="user code failed"):
+        DecodeRunner(failing, mode="padded")(seqs, torch.randn(2, 256, dtype=torch.float64))
+    assert calls and [p.blocks_in_use() for p in pools] == before
+    assert [c.length for s in seqs for c in s] == [70, 70, 9, 9]
