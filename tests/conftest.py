@@ -94,7 +94,7 @@ def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x
     """One decode step of ``caches`` run eagerly, rolled back, warmed up on a side stream,
     rolled back, captured as one CUDA graph and replayed: the replay equals the eager output
     bitwise."""
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     pos = torch.tensor([c.length for c in caches])
     lengths = [c.length for c in caches]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -175,9 +176,11 @@ def test_generate_states_and_checks_the_trained_format(capsys):
     out, err = capsys.readouterr()
     assert out.splitlines()[0] == "42"
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dsv4 generate: warning: prompt 2 of 2 is "
+    assert len(lines) == 2 and lines[0].startswith("dsv4 generate: warning: prompt 2 of 2 is "
                                                    "outside")
     assert "the first filler has 0 chars, trained on 4-90" in lines[0]
+    assert re.fullmatch(r"dsv4 generate: \d+ decode tokens in \d+ steps, [\d.]+ s: \d+ "
+                        r"tokens/s \(decode runner: eager \d+\)", lines[1]), lines[1]
 
 
 @pytest.mark.parametrize("argv,prefix,match", [
@@ -269,13 +272,14 @@ def test_generate_says_why_an_answer_is_empty(capsys, monkeypatch):
     """A model that stops at once (<eos> first) leaves its line empty: stderr says why."""
     import dsv4.tinylm.generate as gen
 
-    monkeypatch.setattr(gen, "generate", lambda model, prompts, n: ["" for _ in prompts])
+    monkeypatch.setattr(gen, "generate", lambda model, prompts, n, stats: ["" for _ in prompts])
     good = "a=12;qwerty uiop zxcv b=30;lkjh gfds mnxv cxzq a+b="
     assert main(["generate", "--prompt", good, "--only-answer"]) == 0
     out, err = capsys.readouterr()
     assert out == "\n"
-    assert err.strip() == ("dsv4 generate: warning: prompt 1 of 1: the model ended its answer at "
-                           "once (its first token was <eos>), so the answer is empty")
+    assert err.strip().splitlines()[0] == (
+        "dsv4 generate: warning: prompt 1 of 1: the model ended its answer at once (its first "
+        "token was <eos>), so the answer is empty")
 
 
 def test_errors_of_every_subcommand_name_it(capsys, tmp_path):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cache.pool import RingSpec
-from dsv4.cache.step import CacheStep, _decode_metadata, _step_metadata
+from dsv4.cache.step import _decode_metadata, _step_metadata
 
 SPECS = {  # the rings of each layer type (main compressor, indexer compressor)
     0: [],
@@ -61,7 +61,7 @@ def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot(
         rparts = torch.split(real, [int(torch.tensor(s).prod()) for s in rshapes])
         assert parts[0].tolist() == starts + [0, 0] and parts[1].tolist() == slots + [pad] * 2
         assert seq.tolist() == [0, 1, 2, -1, -1]
-        for k, (name, e, kk) in enumerate(meta):
+        for k, (_name, e, kk) in enumerate(meta):
             (_, e_real, _) = rmeta[k]
             base = 2 + 6 * k
             assert (e, kk) == (t, t) and shapes[base + 2] == (t, cr)

@@ -10,8 +10,8 @@ import torch
 from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.plan import StepPlan, StepPlanError
 from dsv4.cache.step import CacheStep
-from dsv4.testing.random_weights import random_layer_weights
 from dsv4.platforms import build_attention
+from dsv4.testing.random_weights import random_layer_weights
 
 
 def _stack(cfg, ratios, dtype=torch.float64, platform="reference"):
@@ -55,7 +55,7 @@ def test_layers_of_a_type_read_one_copy_equal_to_their_own_plans(tiny_exact):
     assert steps[5].meta is steps[4].meta and steps[1].meta is not steps[0].meta
     assert steps[0].jobs.keys() == {"compressed", "idx_keys"} and not steps[4].jobs
     plan.rollback()
-    for k, lay in enumerate(layers):
+    for k in range(len(layers)):
         col = [c[k] for c in caches]
         own = CacheStep.plan(col[0].pool, col, [1, 1, 1])
         _steps_equal(own, steps[k])
@@ -90,7 +90,8 @@ def test_a_planned_model_step_equals_each_layer_planning_its_own(tiny_exact, cou
             for lay in layers:
                 ya = ya + lay(ya, plan=plan)
         yb = x
-        pos = torch.cat([torch.arange(s[0].length, s[0].length + n) for s, n in zip(b, lens)])
+        pos = torch.cat([torch.arange(s[0].length, s[0].length + n)
+                         for s, n in zip(b, lens, strict=True)])
         for k, lay in enumerate(layers):
             yb = yb + lay(yb, pos, [s[k] for s in b], lens)
         assert torch.equal(ya, yb), step
@@ -121,7 +122,7 @@ def test_a_failed_step_in_any_layer_leaves_every_cache_as_it_was(tiny_exact):
     for p, (blocks, rings, tables) in zip(pools, before, strict=True):
         assert p.blocks_in_use() == blocks
         assert all(torch.equal(r, s) for (_, r), s in zip(p.rings.values(), rings, strict=True))
-        assert all(torch.equal(p.stores[n].table, t) for n, t in zip(p.stores, tables))
+        assert all(torch.equal(p.stores[n].table, t) for n, t in zip(p.stores, tables, strict=True))
     assert [c.length for s in caches for c in s] == [250] * 3 + [50] * 3
     with pytest.raises(StepPlanError, match="already committed or rolled back"):
         plan.commit()

@@ -259,7 +259,7 @@ def test_kernel_matches_a_layers_jobs(make_layer, monkeypatch, ratio, sim):
 @needs_gpu
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_graph_replay_equals_eager(ratio):
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     cfg = DSV4Config.preset("flash")
     comp, rotary = make_compressor(cfg, ratio, False, "cuda")

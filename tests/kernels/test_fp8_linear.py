@@ -360,7 +360,7 @@ def test_gpu_model_shapes(model, M):
 @cuda
 @needs_gpu
 def test_gpu_graph_replay_bitwise():
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     w, s = make_weight(4096, 8192, lo=115, hi=125, device="cuda")
     x = torch.randn(4, 8192, device="cuda").to(BF16)

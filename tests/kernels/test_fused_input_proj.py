@@ -23,7 +23,7 @@ from dsv4.kernels.fused_input_proj import (
     segment_views,
     triton_available,
 )
-from dsv4.platforms.cuda import capture_graph
+from dsv4.runner import capture_graph
 
 from conftest import KERNEL_DEV, kernel_runs
 

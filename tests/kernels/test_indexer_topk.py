@@ -676,7 +676,7 @@ def test_ties_at_flash_shapes():
 def test_graph_replay_equals_eager(split):
     """Captured and replayed (twice: a split's arrival counts must start from zero at every
     replay, which the captured score launch sees to) the step selects what it does eagerly."""
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     cfg = DSV4Config.preset("flash")
     step = make_step(cfg, "fp8", [30000, 5000, 777], [1, 1, 1], block_size=64, seed=10,

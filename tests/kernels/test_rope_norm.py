@@ -323,7 +323,7 @@ def test_gpu_model_shapes(model, t, ratio):
 @cuda
 @needs_gpu
 def test_gpu_graph_replay_reads_positions_on_the_device():
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     lay = stage_layer(DSV4Config.preset("flash"), device="cuda")
     x = rand(4, 64, 512)

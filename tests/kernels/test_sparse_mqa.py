@@ -339,7 +339,7 @@ def test_gpu_model_shapes(fmt, H, K, T):
 @needs_gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 def test_gpu_graph_replay_equals_eager(fmt):
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     case = build_case(4, 64, 512, 128, 512, fmt, seed=9, B=64, n_rows=4096, device="cuda")
     eager = sparse_mqa(*case)

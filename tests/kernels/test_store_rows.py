@@ -286,7 +286,7 @@ def test_store_rows_flash_shapes(name: str, dim: int, rope: int, n: int) -> None
 @pytest.mark.parametrize("name,dim,rope", FLASH)
 def test_store_rows_graph_replay(name: str, dim: int, rope: int) -> None:
     """Captured once, replayed on new values and rows: the bytes of the torch path each time."""
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     make, tile, qmax = FORMATS[name]
     a, b = flash_stores(name, dim, rope, seed=1)

@@ -70,7 +70,8 @@ from dsv4.kernels.launch import (
     set_programmatic_launch,
 )
 from dsv4.passes import process_weights_after_loading
-from dsv4.platforms.cuda import CudaAttention, CudaPlan, capture_graph
+from dsv4.platforms.cuda import CudaAttention, CudaPlan
+from dsv4.runner import capture_graph
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, check_at_least
 

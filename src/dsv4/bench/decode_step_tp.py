@@ -66,7 +66,7 @@ def _runner(fn: Callable[[], torch.Tensor], dev: torch.device, dry: bool
     """(replay, output): a captured CUDA graph of ``fn``, or ``fn`` itself in a dry run."""
     if dry:
         return fn, fn()
-    from dsv4.platforms.cuda import capture_graph
+    from dsv4.runner import capture_graph
 
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))

@@ -44,7 +44,7 @@ from dsv4.kernels.fused_input_proj import (
     pack_input_weights,
     segment_views,
 )
-from dsv4.platforms.cuda import capture_graph
+from dsv4.runner import capture_graph
 from dsv4.usage import OneLineArgumentParser
 
 MODELS = {"flash": (4096, 1536), "pro": (7168, 2048)}  # K, fused_wqa_wkv rows

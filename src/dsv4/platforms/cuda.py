@@ -39,11 +39,9 @@ for that stage or point.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +89,7 @@ from dsv4.platforms.cuda_elementwise import (
     fused_query_heads_and_kv_rows,
 )
 from dsv4.platforms.cuda_linears import Fp8LinearPlan, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
+from dsv4.runner import capture_graph
 from dsv4.stages import InputProjections, Selection
 
 logger = logging.getLogger(__name__)
@@ -98,24 +97,6 @@ logger = logging.getLogger(__name__)
 def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T with an fp32 output from bf16 operands (products exact in fp32)."""
     return torch.mm(x, weight.t(), out_dtype=torch.float32)
-
-
-@contextlib.contextmanager
-def capture_graph(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
-    """``torch.cuda.graph(graph)`` with Python's garbage collector paused during the capture.
-
-    A collection that runs mid-capture can free tensors of earlier work that other streams
-    used; the allocator's event calls then invalidate the capture (seen on the H200 as
-    ``cudaErrorStreamCaptureInvalidated`` in a long test session). ``torch.cuda.graph`` collects
-    once before it starts, so nothing is left waiting."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph):
-            yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -441,10 +422,12 @@ class CudaAttention(DeepseekV4Attention):
         if not fmt:
             return super()._indexer_select(step, idx_q, idx_weights)
         assert self.indexer is not None
-        if step.num_tokens > KERNEL_MAX_TOKENS:  # prefill: query tiles share the keys
+        if step.num_tokens > KERNEL_MAX_TOKENS and max(step.counts) > 1:
+            # prefill: query tiles of one sequence share the keys
             return select_prefill(step, idx_q, idx_weights, self.indexer,
                                   self.cfg.attention_workspace_bytes)
-        # decode: the entries by ascending index (no sort: the attention reads any order)
+        # decode (any batch: a query per sequence shares no keys): the entries by ascending
+        # index (no sort: the attention reads any order)
         store = step.pool.stores["idx_keys"]
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),

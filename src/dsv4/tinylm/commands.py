@@ -178,7 +178,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_model_dir("--model", args.model)
     device = _device(args.device)
     from dsv4.tinylm.checkpoint import load_tiny_lm
-    from dsv4.tinylm.generate import generate, prompt_name
+    from dsv4.tinylm.generate import DecodeStats, generate, prompt_name
 
     model = load_tiny_lm(args.model, platform=args.platform, device=device,
                          dtype=torch_dtype(args.dtype))
@@ -190,13 +190,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"dsv4 generate: warning: {prompt_name(i, n)} is outside the format the model "
                   f"was trained on ({problem}); expect a wrong answer. Trained format: "
                   f"{describe_format(spec)}", file=sys.stderr, flush=True)
-    outs = generate(model, args.prompt, args.max_new_tokens)
+    stats = DecodeStats()
+    outs = generate(model, args.prompt, args.max_new_tokens, stats=stats)
     for i, (prompt, out) in enumerate(zip(args.prompt, outs, strict=True)):
         if not out:  # one output line per prompt stays; say why this one is empty
             print(f"dsv4 generate: warning: {prompt_name(i, n)}: the model ended its answer at "
                   "once (its first token was <eos>), so the answer is empty", file=sys.stderr,
                   flush=True)
         print(f"{prompt}{out}" if not args.only_answer else out, flush=True)
+    runner = ", ".join(f"{k} {v}" for k, v in stats.runner.items() if v)
+    progress(f"dsv4 generate: {stats.tokens} decode tokens in {stats.steps} steps, "
+             f"{stats.seconds:.2f} s: {stats.tokens_per_second:.0f} tokens/s "
+             f"(decode runner: {runner or 'no steps'})")
     return 0
 
 

@@ -23,7 +23,7 @@ from dsv4.platforms import available, get_platform
 from dsv4.platforms.registry import platform_spec
 from dsv4.tinylm.checkpoint import check_model_folder, load_tiny_lm
 from dsv4.tinylm.config import TinyLMConfig
-from dsv4.tinylm.generate import generate_ids
+from dsv4.tinylm.generate import DecodeStats, generate_ids
 from dsv4.tinylm.task import Problem, heldout_problems
 
 
@@ -33,7 +33,8 @@ class EvalRun:
     fusion: bool
     device: str
     mode: str
-    """"graph": the platform's CUDA graphs as planned (platforms that have them); "eager": off."""
+    """"graph": decode steps through the decode runner's CUDA graphs and the platform's own
+    (platforms that have them); "eager": both off."""
     n: int
     correct: int
     token_agreement: float
@@ -44,6 +45,8 @@ class EvalRun:
     error: str = ""
     cache: str = "auto/auto"
     """Stored formats of the caches, ``kv_cache_dtype/index_cache_dtype``."""
+    decode_tokens_per_s: float = 0.0
+    """Decode steps' tokens per second (prefill excluded)."""
     answers: list[str] = field(default_factory=list, repr=False)
     tokens: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -120,14 +123,18 @@ def answer_problems(model_dir: str | Path, problems: Sequence[Problem], platform
     tok = model.cfg.tokenizer
     prompts = [tok.encode(p.prompt, bos=True) for p in problems]
     max_new = model.cfg.task.max_answer_tokens
-    outs = generate_ids(model, prompts, max_new, decode_batch=decode_batch)
+    stats = DecodeStats()
+    runner = model.decode_runner(mode="auto" if mode == "graph" else "eager")
+    outs = generate_ids(model, prompts, max_new, decode_batch=decode_batch, runner=runner,
+                        stats=stats)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     answers = [tok.decode(o) for o in outs]
     correct = sum(a == p.answer for a, p in zip(answers, problems, strict=True))
     return EvalRun(platform, fusion, device, mode, len(problems), correct, 1.0, t1 - t0,
-                   t2 - t1, passes, cache="/".join(cache), answers=answers, tokens=outs)
+                   t2 - t1, passes, cache="/".join(cache),
+                   decode_tokens_per_s=stats.tokens_per_second, answers=answers, tokens=outs)
 
 
 def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
@@ -184,17 +191,17 @@ def evaluate(model_dir: str | Path, platforms: Sequence[str] | None = None,
 def format_row(r: EvalRun) -> str:
     if r.error:
         return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.cache} | "
-                f"ERROR: {r.error} | | | |")
+                f"ERROR: {r.error} | | | | |")
     return (f"| {r.platform} | {'on' if r.fusion else 'off'} | {r.mode} | {r.cache} | "
             f"{r.accuracy:.3f} "
             f"({r.correct}/{r.n}) | {100 * r.token_agreement:.2f} % | {r.answer_seconds:.1f} | "
-            f"{'+'.join(r.passes) or '-'} |")
+            f"{r.decode_tokens_per_s:.0f} | {'+'.join(r.passes) or '-'} |")
 
 
 def format_table(runs: Sequence[EvalRun]) -> str:
     head = ["| platform | compressor fusion | mode | cache (kv/index keys) | accuracy "
-            "| tokens = reference | s (400 answers) | post-load passes |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| tokens = reference | s (400 answers) | decode tokens/s | post-load passes |",
+            "|---|---|---|---|---|---|---|---|---|"]
     if runs:
         head[0] = head[0].replace("400", str(runs[0].n))
     return "\n".join(head + [format_row(r) for r in runs])

@@ -2,15 +2,19 @@
 
 Prompts are prefilled several at a time (one forward over their concatenated tokens, one cache
 list per sequence, ``seq_lens``), then all unfinished sequences decode together, one token each
-per forward (the list-of-caches decode batch), until ``<eos>`` or ``max_new_tokens``.
+per step, through the model's decode runner (:meth:`TinyLM.decode_runner`: CUDA graphs per batch
+bucket on a GPU, eager steps elsewhere), until ``<eos>`` or ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.runner import DecodeRunner
 from dsv4.tinylm.lm import TinyLM
 from dsv4.tinylm.tokenizer import CharTokenizer
 
@@ -47,15 +51,32 @@ def encode_prompts(model: TinyLM, prompts: Sequence[str], max_new_tokens: int
     return out
 
 
+@dataclass
+class DecodeStats:
+    """What the decode steps of a generation did (prefill excluded)."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    runner: dict[str, int] = field(default_factory=dict)
+    """The runner's steps by kind (replays, captures, padded, eager)."""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 @torch.no_grad()
 def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: int,
                  prefill_tokens: int = 4096, decode_batch: int | None = None,
+                 runner: DecodeRunner | None = None, stats: DecodeStats | None = None
                  ) -> list[list[int]]:
     """Greedy continuations (without the prompt, ``<eos>`` included when produced).
 
-    ``decode_batch``: at most this many sequences per decode forward (``None``: all unfinished
-    sequences in one forward). Small batches are what a decode server runs, and what sends the
-    ``cuda`` platform down its decode-sized path (one-launch input projections, CUDA graphs)."""
+    ``decode_batch``: at most this many sequences per decode step (``None``: all unfinished
+    sequences in one step). Small batches are what a decode server runs. ``runner``: the decode
+    steps' runner (default: ``model.decode_runner()``); ``stats``: filled with the decode
+    steps' count, tokens and time."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
     if decode_batch is not None and decode_batch <= 0:
@@ -83,6 +104,10 @@ def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: in
         for i, t in zip(group, logits.argmax(-1).tolist(), strict=True):
             nxt[i] = t
         start = end
+    runner = runner or model.decode_runner()
+    before = dict(runner.stats)
+    t0 = time.perf_counter()
+    decoded = steps = 0
     active = list(range(len(prompts)))
     for step in range(max_new_tokens):
         for i in active:
@@ -94,15 +119,23 @@ def generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_new_tokens: in
         for s in range(0, len(active), size):
             rows = active[s:s + size]
             tokens = torch.tensor([nxt[i] for i in rows], device=dev)
-            pos = torch.tensor([len(prompts[i]) + step for i in rows], device=dev)
-            logits = model(tokens, pos, [caches[i] for i in rows], [1] * len(rows))
+            logits = runner([caches[i] for i in rows], tokens)
             for i, t in zip(rows, logits.argmax(-1).tolist(), strict=True):
                 nxt[i] = t
+            decoded += len(rows)
+            steps += 1
+    if stats is not None:
+        stats.steps += steps
+        stats.tokens += decoded
+        stats.seconds += time.perf_counter() - t0  # each step read its tokens back: all done
+        stats.runner = {k: v - before.get(k, 0) for k, v in runner.stats.items()}
     return outs
 
 
-def generate(model: TinyLM, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
-    """Greedy text continuations of ``prompts`` (up to ``<eos>``)."""
+def generate(model: TinyLM, prompts: Sequence[str], max_new_tokens: int = 8,
+             stats: DecodeStats | None = None) -> list[str]:
+    """Greedy text continuations of ``prompts`` (up to ``<eos>``); ``stats``: filled with the
+    decode steps' count, tokens and time."""
     ids = encode_prompts(model, prompts, max_new_tokens)
     tok = model.cfg.tokenizer
-    return [tok.decode(o) for o in generate_ids(model, ids, max_new_tokens)]
+    return [tok.decode(o) for o in generate_ids(model, ids, max_new_tokens, stats=stats)]

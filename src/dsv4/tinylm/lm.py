@@ -12,14 +12,17 @@ sequence, ``seq_lens`` tokens each (a prefill of several prompts, or a decode ba
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.attention import DeepseekV4Attention
+from dsv4.attention import AttentionInputError, DeepseekV4Attention
+from dsv4.cache.plan import StepPlan
 from dsv4.cache.pool import AttentionCache
 from dsv4.layers.norm import RMSNorm
+from dsv4.runner import DecodeRunner
 from dsv4.tinylm.config import TinyLMConfig
 
 
@@ -60,9 +63,15 @@ class Block(nn.Module):
         self.ffn = SwiGLU(h, cfg.intermediate_size, dtype, device)
         self.acc = torch.float64 if dtype == torch.float64 else torch.float32
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, caches: list[AttentionCache],
-                seq_lens: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x, self.acc), positions, caches, seq_lens)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                caches: list[AttentionCache] | None = None, seq_lens: Sequence[int] | None = None,
+                *, plan: StepPlan | None = None) -> torch.Tensor:
+        """The block on x; the attention takes its step from ``plan`` (a model's step) or plans
+        its own from positions, caches and seq_lens."""
+        h = self.attn_norm(x, self.acc)
+        a = self.attn(h, plan=plan) if plan is not None else self.attn(h, positions, caches,
+                                                                      seq_lens)
+        x = x + a
         return x + self.ffn(self.ffn_norm(x, self.acc))
 
 
@@ -116,12 +125,62 @@ class TinyLM(nn.Module):
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, vocab] (fp32; fp64 for a float64 model) of the rows ``logit_rows`` (default:
         all) of tokens [T]; ``caches[s]`` holds sequence s's per-layer caches, ``seq_lens[s]``
-        its token count."""
+        its token count, ``positions`` [T] continue each sequence.
+
+        A call that fits one step of every layer runs as one :class:`StepPlan` (its metadata
+        built once for all layers; all layers or none advance); a longer one layer by layer,
+        each splitting it into steps."""
+        if not caches or sum(seq_lens) > min(c.pool.step_tokens for c in caches[0]):
+            x = F.embedding(tokens, self.embed.weight)
+            for i, block in enumerate(self.blocks):
+                x = block(x, positions, [c[i] for c in caches], seq_lens)
+            return self._logits(x, logit_rows)
+        plan = StepPlan(caches, seq_lens)
+        try:
+            _check_positions(positions, plan)
+            logits = self.run_step(tokens, plan, logit_rows)
+        except BaseException:
+            plan.rollback()
+            raise
+        plan.commit()
+        return logits
+
+    @torch.no_grad()
+    def run_step(self, tokens: torch.Tensor, plan: StepPlan,
+                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The step of ``plan`` (tokens [T], one per plan token): every block takes its
+        attention step from the plan; the caller commits it. What :meth:`decode_runner`
+        captures."""
         x = F.embedding(tokens, self.embed.weight)
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions, [c[i] for c in caches], seq_lens)
+        for block in self.blocks:
+            x = block(x, plan=plan)
+        return self._logits(x, logit_rows)
+
+    def decode_runner(self, **kwargs: Any) -> DecodeRunner:
+        """A :class:`~dsv4.runner.DecodeRunner` of this model's decode step:
+        ``runner(caches, tokens)`` -> logits [M, vocab] (CUDA graphs per batch bucket on a GPU;
+        ``kwargs``: ``mode``, ``buckets``)."""
+        return DecodeRunner(lambda plan, tokens: self.run_step(tokens, plan), **kwargs)
+
+    def _logits(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
         if logit_rows is not None:
             x = x[logit_rows]
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         logits = F.linear(self.norm(x, acc), self.head.weight)
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
+
+
+def _check_positions(positions: torch.Tensor, plan: StepPlan) -> None:
+    """``positions`` continue each sequence of the plan (read once on the host, not per layer)."""
+    got = positions.detach().to("cpu", torch.long)
+    if got.shape != (sum(plan.seq_lens),):
+        raise AttentionInputError(f"positions has shape {tuple(got.shape)}; expected "
+                                  f"[{sum(plan.seq_lens)}] (one per token)")
+    b = 0
+    for i, (a, n) in enumerate(zip(plan.starts, plan.seq_lens, strict=True)):
+        want = torch.arange(a, a + n)
+        if not torch.equal(got[b:b + n], want):
+            raise AttentionInputError(
+                f"positions of sequence {i} are {got[b:b + n].tolist()[:6]} but its caches hold "
+                f"{a} tokens: they must continue them as {want.tolist()[:6]}")
+        b += n
