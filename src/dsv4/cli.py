@@ -26,6 +26,7 @@ VERIFY_MIN_TOKENS = 16
 BENCH_SUITES = {
     "input-proj": "dsv4.bench.input_proj",
     "decode-step": "dsv4.bench.decode_step",
+    "model-decode": "dsv4.bench.model_decode",
     "pooled-decode": "dsv4.bench.pooled_decode",
     "transformers-decode": "dsv4.bench.transformers_decode",
     "attention-kernels": "dsv4.bench.attention_kernels",
@@ -178,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show this help, or with a SUITE the suite's options, and exit")
     b.add_argument("suite", nargs="?", choices=sorted(BENCH_SUITES),
                    help="input-proj, decode-step, attention-kernels, prefill (CUDA GPU), "
-                   "pooled-decode or kv-memory (any device), transformers-decode (a GPU, or "
-                   "--device cpu with --tiny for a smoke run)")
+                   "model-decode (a GPU, or --dry-run on the CPU), pooled-decode or kv-memory "
+                   "(any device), transformers-decode (a GPU, or --device cpu with --tiny for "
+                   "a smoke run)")
     b.set_defaults(func=_cmd_bench, bench_parser=b)
     add_model_commands(sub)
     return p

@@ -177,12 +177,9 @@ class DecodeRunner:
         self.stats["padded"] += 1
         if not capture:
             return self.step_fn(plan, *state.inputs)
-        device = state.metadata.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # the warm-up: compiles kernels, sizes workspaces
-            outs = self.step_fn(plan, *state.inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
+        # the real step, and the warm-up (compiles kernels, sizes workspaces), on the current
+        # stream: its outputs are read there
+        outs = self.step_fn(plan, *state.inputs)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -49,8 +49,8 @@ def test_a_completing_decode_token_reads_its_sources_from_the_ring_and_itself(ra
 
 def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot():
     """A padded step (CUDA-graph buckets): the real tokens' and jobs' metadata as unpadded,
-    then padded tokens at position 0 of the padding slot and unused jobs there with no
-    sources; every part at its fixed size."""
+    then padded tokens at position 0 of the padding slot and unused jobs there, reading the
+    step's first raw row; every part at its fixed size."""
     starts, slots, pad, t = [7, 11, 2], [2, 0, 1], 9, 5
     for ratio in (4, 128):
         cr = SPECS[ratio][0][1].rows
@@ -71,6 +71,6 @@ def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot(
             assert j_slots[e_real:].tolist() == [pad] * (t - e_real)
             assert entries[:e_real].tolist() == r[1].tolist()
             assert ring_src[e_real * cr:].tolist() == [-1] * (cr * (t - e_real))
-            assert call_src[e_real * cr:].tolist() == [-1] * (cr * (t - e_real))
+            assert call_src[e_real * cr:].tolist() == [0] * (cr * (t - e_real))
             assert keep_dst.tolist() == r[4].tolist() + [pad * cr] * 2
             assert keep_src.tolist() == list(range(t))

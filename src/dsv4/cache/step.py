@@ -23,8 +23,9 @@ back its length, rings and blocks as they were before the call.
 
 A padded step (``pad_to``, for CUDA graphs: docs/design.md, "The decode runner") has fixed
 shapes: ``pad_to`` tokens, the padded ones at position 0 in the pool's padding slot; ``pad_to``
-entry jobs per compressor, the unused ones in the padding slot with no sources; and per ratio a
-fixed width of visible entries (:attr:`StepMetadata.visible_caps`) in place of the step's own.
+entry jobs per compressor, the unused ones for the padding slot (from the step's first raw row:
+finite, and stored where no sequence reads); and per ratio a fixed width of visible entries
+(:attr:`StepMetadata.visible_caps`) in place of the step's own.
 """
 
 from __future__ import annotations
@@ -383,10 +384,12 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
                 ring_src.append(s * cr + q % cr if 0 <= q < a else -1)
                 call_src.append(i + q - a if q >= a else -1)  # q == a: this step's row i
         e = len(done) if pad_to is None else pad_to
-        unused = e - len(done)  # padded jobs: no sources, entry 0 of the padding slot
+        # unused jobs: entry 0 of the padding slot, from the step's first raw row (finite
+        # values; the entry lands in the padding block, which no sequence reads)
+        unused = e - len(done)
         flat += [slots[i] for i in done] + [pad_slot] * unused
         flat += [starts[i] // ratio for i in done] + [0] * unused
-        flat += ring_src + [-1] * (cr * unused) + call_src + [-1] * (cr * unused)
+        flat += ring_src + [-1] * (cr * unused) + call_src + [0] * (cr * unused)
         flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)]
         flat += [pad_slot * cr] * pads + list(range(t))
         shapes += [(e,), (e,), (e, cr), (e, cr), (t,), (t,)]

@@ -1,0 +1,320 @@
+"""A model's attention stack decoding: eager calls against the decode runner's CUDA graphs.
+
+The layers of a preset (``flash``, ``pro``) in its real schedule (all of them, or the first
+``--layers N``), each on the ``cuda`` platform as it ships with the serving configuration
+(``fp8_ds_mla`` / ``fp8`` caches, ``act_quant``, ``attention_backend=auto``), random weights
+(one set per layer type, shared), M sequences of synthetic history of ``context`` tokens in one
+pool per layer. A decode step is the stack with residuals, ``x = x + layer(x)``, one token per
+sequence. Three ways of running it, each timed over ``--steps`` consecutive steps (wall time,
+the host's work included, as a serving loop pays it):
+
+* ``eager_layers``: each layer called as the README's first example does,
+  ``layer(x, positions, caches)`` (each plans its own step);
+* ``eager_plan``: one :class:`~dsv4.cache.plan.StepPlan` per step for all layers
+  (``DecodeRunner(mode="eager")``);
+* ``runner``: the decode runner, the whole step one CUDA-graph replay
+  (:class:`~dsv4.runner.DecodeRunner`; ``--dry-run``: its padded steps, eagerly).
+
+Beside them, in the same run, the single-layer graph row of each layer type (one layer's step
+captured by hand, as ``dsv4 bench decode-step`` does) and their sum over the schedule: the
+runner's goal is at most 1.10x that sum. Before timing, the runner's step is checked against
+the eager plan's on the same caches (one step, taken back with ``truncate``).
+
+    dsv4 bench model-decode --out DIR [--models flash,pro] [--layers N] [--ms 1,16,64]
+        [--contexts 512,16384,65536]
+
+``--dry-run`` runs the tiny preset on the CPU (eager and padded runner steps; the times mean
+nothing) to check the plumbing without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4.bench.args import (
+    add_out_options,
+    check_out,
+    choice_list,
+    int_list,
+    pyplot,
+    require_cuda,
+)
+from dsv4.bench.synthetic_cache import fill_history
+from dsv4.cache.plan import StepPlan
+from dsv4.config import PRESET_NAMES, DSV4Config
+from dsv4.passes import process_weights_after_loading
+from dsv4.platforms import build_attention
+from dsv4.runner import DecodeRunner, capture_graph
+from dsv4.testing.random_weights import random_layer_weights
+from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
+
+MODES = ("eager_layers", "eager_plan", "runner")
+RESULTS = ("model_decode.json", "model_decode.md", "model_decode.png")
+TYPE_NAMES = {0: "SWA", 4: "C4", 128: "C128"}
+
+
+def serving_config(cfg: DSV4Config) -> DSV4Config:
+    """The configuration the rows run: the serving caches and activation quantisation."""
+    return cfg.replace(kv_cache_dtype="fp8_ds_mla", index_cache_dtype="fp8", act_quant=True,
+                       attention_backend="auto")
+
+
+def build_stack(cfg: DSV4Config, n_layers: int, device: torch.device, platform: str
+                ) -> list[Any]:
+    """The first ``n_layers`` attention layers of ``cfg``'s schedule with random weights (one
+    set per layer type), post-load passes applied."""
+    weights: dict[int, dict[str, torch.Tensor]] = {}
+    layers = []
+    for i in range(n_layers):
+        r = cfg.compress_ratio(i)
+        if r not in weights:
+            weights[r] = random_layer_weights(cfg, i, seed=r)
+        layer = build_attention(cfg, i, platform=platform, device=device, dtype=torch.bfloat16)
+        layer.load_weights(weights[r].items())
+        process_weights_after_loading(layer)
+        layers.append(layer)
+    return layers
+
+
+def stack_step(layers: list[Any]) -> Any:
+    def run(plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = x + layer(x, plan=plan)
+        return x
+    return run
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Any, steps: int, device: torch.device) -> float:
+    """us per call of ``step()`` over ``steps`` consecutive calls (wall time, synchronised at
+    both ends)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e6 / steps
+
+
+def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int) -> float:
+    """us per replay of one layer's decode step captured by hand (the decode-step bench's row);
+    the caches are left as they were."""
+    context = caches[0].length
+    pos = torch.full((len(caches),), context, dtype=torch.long)
+    layer(x, pos, caches)
+    for c in caches:
+        c.truncate(context)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        layer(x, pos, caches)
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        for _ in range(10):
+            graph.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / 10)
+    for c in caches:
+        c.truncate(context)
+    del graph
+    return statistics.median(times)
+
+
+def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: int,
+             steps: int, reps: int, device: torch.device, graphs: bool) -> dict[str, Any]:
+    pools = [layer.new_cache_pool(m, context + 4 * steps * reps + 64) for layer in layers]
+    seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
+    for k in range(len(layers)):
+        fill_history([s[k] for s in seqs], context, seed=k)
+    gen = torch.Generator().manual_seed(0)
+    x = (0.1 * torch.randn(m, cfg.hidden_size, generator=gen)).to(device, torch.bfloat16)
+    fn = stack_step(layers)
+    runner = DecodeRunner(fn, mode="graphs" if graphs else "padded")
+    eager = DecodeRunner(fn, mode="eager")
+
+    def back() -> None:  # one step back (what truncate always allows)
+        for seq in seqs:
+            for c in seq:
+                c.truncate(context)
+
+    # the bucket's graph captured (its first step runs eagerly), then a replay against the
+    # eager plan's step on the same caches
+    runner(seqs, x)
+    back()
+    y_runner = runner(seqs, x)
+    back()
+    y_eager = eager(seqs, x)
+    err = float((y_runner.double() - y_eager.double()).norm() / y_eager.double().norm())
+    if err > 2e-2:
+        raise RuntimeError(f"{model} M={m} ctx={context}: runner vs eager rel err {err:.2e}")
+
+    def eager_layers() -> None:
+        pos = torch.tensor([s[0].length for s in seqs])
+        y = x
+        for k, layer in enumerate(layers):
+            y = y + layer(y, pos, [s[k] for s in seqs])
+
+    row: dict[str, Any] = {"model": model, "layers": len(layers), "M": m, "context": context,
+                           "runner_mode": runner.mode, "rel_err_runner_vs_eager": err}
+    for mode, step in (("eager_layers", eager_layers), ("eager_plan", lambda: eager(seqs, x)),
+                       ("runner", lambda: runner(seqs, x))):
+        times = [time_steps(step, steps, device) for _ in range(reps)]
+        us = statistics.median(times)
+        row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
+                     "tokens_per_s": m / us * 1e6}
+    row["runner_stats"] = dict(runner.stats)
+    if graphs:  # the single-layer graph rows of each type, at the caches' present length
+        singles: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for k, layer in enumerate(layers):
+            name = TYPE_NAMES[layer.compress_ratio]
+            counts[name] = counts.get(name, 0) + 1
+            if name not in singles:
+                singles[name] = single_layer_graph_us(layer, [s[k] for s in seqs], x, reps)
+        total = sum(singles[n] * c for n, c in counts.items())
+        row["single_layer_graph_us"] = singles
+        row["layer_counts"] = counts
+        row["sum_of_single_layer_graphs_us"] = total
+        row["runner_vs_sum_of_single_layers"] = row["runner"]["us_per_step"] / total
+        row["eager_plan_vs_runner"] = (row["eager_plan"]["us_per_step"]
+                                        / row["runner"]["us_per_step"])
+    for seq in seqs:
+        for c in seq:
+            c.free()
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["model", "layers", "ctx", "M"] + [f"{m} us/step (us/layer)" for m in MODES] + [
+        "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "eager_plan / runner"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
+        cells = [r["model"], str(r["layers"]), ctx, str(r["M"])]
+        cells += [f"{r[m]['us_per_step']:.0f} ({r[m]['us_per_layer']:.0f})" for m in MODES]
+        cells.append(f"{r['runner']['tokens_per_s']:.0f}")
+        s = r.get("sum_of_single_layer_graphs_us")
+        cells.append("-" if s is None else f"{s:.0f}")
+        v = r.get("runner_vs_sum_of_single_layers")
+        cells.append("-" if v is None else f"{v:.2f}x")
+        v = r.get("eager_plan_vs_runner")
+        cells.append("-" if v is None else f"{v:.1f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    plt = pyplot("model-decode", path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4.5))
+    width = 0.8 / (len(MODES) + 1)
+    for j, mode in enumerate(MODES):
+        ax.bar([i + j * width for i in range(len(rows))],
+               [r[mode]["us_per_layer"] for r in rows], width,
+               label=f"runner ({rows[0]['runner_mode']})" if mode == "runner" else mode)
+    ax.bar([i + len(MODES) * width for i in range(len(rows))],
+           [r.get("sum_of_single_layer_graphs_us", 0) / r["layers"] for r in rows], width,
+           label="single-layer graphs (sum / layers)")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['model']} x{r['layers']}\nctx {r['context']} M={r['M']}"
+                        for r in rows], fontsize=7)
+    ax.set_ylabel("us per layer and decode step")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("DSV4 attention stack decode step: eager vs the decode runner")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parser(prog: str | None = None) -> OneLineArgumentParser:
+    ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_out_options(ap, "model_decode.json, .md and .png")
+    ap.add_argument("--models", default=["flash", "pro"],
+                    type=choice_list(PRESET_NAMES, "model preset"),
+                    help="comma-separated model presets (default flash,pro)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the first N layers of each model's schedule (default: all)")
+    ap.add_argument("--ms", default=[1, 16, 64], type=int_list,
+                    help="comma-separated sequences per decode step (default 1,16,64)")
+    ap.add_argument("--contexts", default=None, type=int_list,
+                    help="comma-separated cached tokens per sequence (default 512,16384,65536; "
+                    "with --dry-run 40,300)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="consecutive steps per timing (default 10)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="timings per mode, median taken (default 3)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the tiny preset on the CPU, eager and padded runner steps (checks the "
+                    "plumbing; the times mean nothing)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = parser(prog)
+    args = ap.parse_args(argv)
+    with ap.usage_errors():
+        for name in ("--steps", "--reps"):
+            check_at_least(name, getattr(args, name.lstrip("-")), 1)
+        if args.layers is not None:
+            check_at_least("--layers", args.layers, 1)
+        check_out(args.out, RESULTS, args.overwrite)
+    contexts = args.contexts or ([40, 300] if args.dry_run else [512, 16384, 65536])
+    if args.dry_run:
+        device, platform, models = torch.device("cpu"), "reference", ["tiny"]
+        limit = DSV4Config.preset("tiny").max_position_embeddings
+        with ap.usage_errors():
+            if max(contexts) + 4 * args.steps * args.reps + 64 > limit:
+                raise UsageError(f"--contexts {max(contexts)}: with --dry-run (the tiny "
+                                 f"preset) at most {limit - 4 * args.steps * args.reps - 64}")
+    else:
+        require_cuda("model-decode")
+        device, platform, models = torch.device("cuda"), "cuda", args.models
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    rows: list[dict[str, Any]] = []
+    for model in models:
+        cfg = serving_config(DSV4Config.preset(model))
+        if args.dry_run:
+            cfg = cfg.replace(kv_cache_dtype="auto", index_cache_dtype="auto", act_quant=False)
+        n = cfg.num_hidden_layers if args.layers is None else min(args.layers,
+                                                                  cfg.num_hidden_layers)
+        layers = build_stack(cfg, n, device, platform)
+        for context in contexts:
+            for m in args.ms:
+                row = run_case(model, cfg, layers, m, context, args.steps, args.reps, device,
+                               graphs=not args.dry_run)
+                rows.append(row)
+                print(markdown([row])[-1], flush=True)
+        del layers
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "seconds": time.time() - t0, "argv": argv,
+            "dry_run": args.dry_run}
+    (args.out / "model_decode.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
+    lines = markdown(rows)
+    (args.out / "model_decode.md").write_text(
+        f"Attention-stack decode step on {info['device']}: us per step (us per layer), wall "
+        f"time of {args.steps} consecutive steps, median of {args.reps}\n\n"
+        + "\n".join(lines) + "\n")
+    plot(rows, args.out / "model_decode.png")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
