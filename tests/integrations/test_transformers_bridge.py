@@ -80,6 +80,23 @@ def test_logits_and_greedy_generation_match_transformers(model: Any, reference: 
         handle.restore()
 
 
+@pytest.mark.parametrize("mode", ["eager", "padded"])
+def test_decode_calls_run_through_each_layers_runner(model: Any, reference: Any,
+                                                     mode: str) -> None:
+    """generate()'s decode calls go through each adapter's DecodeRunner (on a GPU its CUDA
+    graphs; ``padded``: their fixed-shape steps, eagerly) and give transformers' tokens."""
+    handle = use_dsv4_attention(model, decode_mode=mode)
+    try:
+        gen = model.generate(reference["a"], max_new_tokens=NEW, do_sample=False)
+        stats = [d.self_attn.runner.stats for d in model.model.layers]
+    finally:
+        handle.restore()
+    assert torch.equal(gen, reference["gen_a"])
+    assert all(s[mode] == NEW - 1 for s in stats), stats  # the first token came from prefill
+    with pytest.raises(BridgeError, match="decode_mode='fast'"):
+        use_dsv4_attention(model, decode_mode="fast")
+
+
 def test_left_padded_batch_equals_each_row_alone(model: Any, reference: Any) -> None:
     a, b = reference["a"], reference["b"]
     pad = a.shape[1] - b.shape[1]

@@ -45,6 +45,7 @@ from torch import nn
 from transformers import Cache
 
 from dsv4.attention import DeepseekV4Attention
+from dsv4.cache.plan import StepPlan
 from dsv4.config import DSV4Config
 from dsv4.dialects.transformers_names import (
     official_to_transformers_rel,
@@ -52,6 +53,8 @@ from dsv4.dialects.transformers_names import (
 )
 from dsv4.layers.weight_layout import canonical
 from dsv4.platforms import build_attention
+from dsv4.runner import MODES as RUNNER_MODES
+from dsv4.runner import DecodeRunner
 from dsv4.weights import official_weight_specs
 
 __all__ = ["DSV4AttentionAdapter", "DSV4AttentionHandle", "DSV4Cache", "dsv4_config_of",
@@ -131,6 +134,8 @@ class DSV4Cache(Cache):
 class _CallContext:
     real: torch.Tensor | None = None
     """[B, q] bool, True at real tokens of this forward call (None: all real)."""
+    decode_mode: str = "auto"
+    """How the adapters run decode calls: a :class:`~dsv4.runner.DecodeRunner` mode."""
 
 
 # --------------------------------------------------------------------------------- the adapter
@@ -142,6 +147,13 @@ class DSV4AttentionAdapter(nn.Module):
         self.dsv4 = layer
         self.layer_idx = layer_idx
         self._context = context
+        self.runner = DecodeRunner(self._decode_step, mode=context.decode_mode)
+        """Decode calls (one token per row): the layer's step as a CUDA graph per batch bucket
+        on a GPU (transformers calls each attention module on its own, so each layer's decode
+        call is its own graph, with static buffers)."""
+
+    def _decode_step(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
+        return self.dsv4(x, plan=plan)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None,
                 position_ids: Any = None, attention_mask: Any = None, cache: Any = None,
@@ -178,9 +190,13 @@ class DSV4AttentionAdapter(nn.Module):
         if not rows:
             return out, None
         xs = x[real].to(self.dsv4.dtype)
-        positions = torch.cat([torch.arange(caches[b].length, caches[b].length + counts[b],
-                                            device=x.device) for b in rows])
-        y = self.dsv4(xs, positions, [caches[b] for b in rows], seq_lens=[counts[b] for b in rows])
+        if seq == 1 and isinstance(cache, DSV4Cache):  # a decode call: through the runner
+            y = self.runner([[caches[b]] for b in rows], xs)
+        else:
+            positions = torch.cat([torch.arange(caches[b].length, caches[b].length + counts[b])
+                                   for b in rows])
+            y = self.dsv4(xs, positions, [caches[b] for b in rows],
+                          seq_lens=[counts[b] for b in rows])
         out[real] = y.to(out.dtype)
         return out, None
 
@@ -404,19 +420,25 @@ class DSV4AttentionHandle:
 
 
 def use_dsv4_attention(model: nn.Module, platform: str = "reference",
-                       max_seq_len: int | None = None, **build_kwargs: Any
-                       ) -> DSV4AttentionHandle:
+                       max_seq_len: int | None = None, decode_mode: str = "auto",
+                       **build_kwargs: Any) -> DSV4AttentionHandle:
     """Run every attention module of a transformers DeepSeek-V4 model with dsv4's layer on
     ``platform``; returns the handle whose ``restore()`` undoes it.
 
     ``max_seq_len`` sizes the dsv4 caches of plain forward calls with ``use_cache`` (default:
-    ``min(max_position_embeddings, 4096)``); ``generate()`` sizes its cache itself. If a layer
-    fails to swap, the layers already swapped are restored and the error is raised.
+    ``min(max_position_embeddings, 4096)``); ``generate()`` sizes its cache itself.
+    ``decode_mode``: how decode calls (one token per row) run, a
+    :class:`~dsv4.runner.DecodeRunner` mode (``auto``: each layer's decode step a CUDA graph
+    per batch bucket on a GPU, eager elsewhere). If a layer fails to swap, the layers already
+    swapped are restored and the error is raised.
     """
+    if decode_mode not in RUNNER_MODES:
+        raise BridgeError(f"decode_mode={decode_mode!r}; valid: {', '.join(RUNNER_MODES)}")
     inner, decoders = _decoder_layers(model)
     cfg = dsv4_config_of(inner.config)
     limit = max_seq_len or min(cfg.max_position_embeddings, 4096)
     handle = DSV4AttentionHandle(model, inner, platform, limit, cfg)
+    handle.context.decode_mode = decode_mode
     try:
         for i, decoder in enumerate(decoders):
             handle.swapped.append(_swap_one(decoder, i, cfg, platform, handle.context,
