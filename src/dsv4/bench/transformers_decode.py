@@ -9,7 +9,10 @@ for ``--check-steps`` steps (``--no-strict`` records a disagreement and goes on)
 
 For each batch size and context length, the context is prefilled in chunks (``--prefill-chunk``,
 default: as large as keeps transformers' eager score tensor under ~4 GiB) and then ``--steps``
-greedy decode steps are timed (after ``--warmup`` untimed ones); tokens/s = batch x steps / time.
+greedy decode steps are timed (after ``--warmup`` untimed ones); tokens/s = batch x steps / time;
+the peak of allocated device memory of each cell (prefill and decode) is recorded, and a side
+that runs out of memory is a row saying so. dsv4 decodes through the bridge's decode runners
+(each layer's decode step a CUDA graph per batch bucket on a GPU).
 Writes ``transformers_decode.json``, ``transformers_decode.md`` and (with matplotlib)
 ``transformers_decode.png`` under ``--out``.
 
@@ -187,13 +190,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).to(args.device)
     ref_tokens = greedy(model, prompt, args.check_steps, _hf_cache(model),
                         chunk_for(1, prompt_len))
-    timings: dict[tuple[str, int, int], float] = {}
+    timings: dict[tuple[str, int, int], tuple[float | None, int | None]] = {}
     for b in batches:
         for c in contexts:
-            timings[("transformers", b, c)] = time_decode(
+            timings[("transformers", b, c)] = measured(lambda b=b, c=c: time_decode(
                 model, b, c, args.steps, args.warmup, _hf_cache(model), chunk_for(b, c),
-                args.device, args.seed)
-            _free(args.device)
+                args.device, args.seed), args.device)
     handle = use_dsv4_attention(model, platform=args.platform, max_seq_len=need)
     try:
         got_tokens = greedy(model, prompt, args.check_steps, handle.new_cache(need),
@@ -207,20 +209,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "time anyway)")
         for b in batches:
             for c in contexts:
-                timings[("dsv4", b, c)] = time_decode(
+                timings[("dsv4", b, c)] = measured(lambda b=b, c=c: time_decode(
                     model, b, c, args.steps, args.warmup, handle.new_cache(need),
-                    chunk_for(b, c), args.device, args.seed)
-                _free(args.device)
+                    chunk_for(b, c), args.device, args.seed), args.device)
     finally:
         handle.restore()
     rows = []
     for b in batches:
         for c in contexts:
-            t_hf, t_ds = timings[("transformers", b, c)], timings[("dsv4", b, c)]
-            rows.append({"batch": b, "context": c,
-                         "transformers_tok_s": b / t_hf, "dsv4_tok_s": b / t_ds,
-                         "transformers_ms_step": 1e3 * t_hf, "dsv4_ms_step": 1e3 * t_ds,
-                         "speedup": t_hf / t_ds})
+            row: dict[str, Any] = {"batch": b, "context": c}
+            for side in ("transformers", "dsv4"):
+                t, peak = timings[(side, b, c)]
+                row[f"{side}_tok_s"] = None if t is None else b / t
+                row[f"{side}_ms_step"] = None if t is None else 1e3 * t
+                row[f"{side}_peak_gib"] = None if peak is None else peak / 2**30
+                row[f"{side}_oom"] = t is None
+            t_hf, t_ds = timings[("transformers", b, c)][0], timings[("dsv4", b, c)][0]
+            row["speedup"] = None if t_hf is None or t_ds is None else t_hf / t_ds
+            rows.append(row)
     device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else "cpu")
     return {"model": "tiny" if args.tiny else f"flash-cut-{args.layers}-layers",
@@ -234,6 +240,22 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def measured(fn: Any, device: str) -> tuple[float | None, int | None]:
+    """(``fn()``'s seconds per step, the peak of allocated device memory during it in bytes);
+    (None, the peak) when it ran out of device memory; the peak is None on the CPU."""
+    cuda = device.startswith("cuda")
+    _free(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        t: float | None = fn()
+    except torch.OutOfMemoryError:
+        t = None
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    _free(device)
+    return t, peak
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# transformers DeepSeek-V4 decode: own attention vs dsv4 (`{result['platform']}`)",
@@ -245,13 +267,22 @@ def to_markdown(result: dict[str, Any]) -> str:
         "tokens agree.",
         "",
         "| batch | context | transformers tok/s | dsv4 tok/s | transformers ms/step | "
-        "dsv4 ms/step | speed-up |",
-        "|---|---|---|---|---|---|---|",
+        "dsv4 ms/step | speed-up | transformers peak GiB | dsv4 peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(v: Any, fmt: str, oom: bool) -> str:
+        return "out of memory" if oom else ("-" if v is None else format(v, fmt))
+
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['transformers_tok_s']:.1f} | "
-                     f"{r['dsv4_tok_s']:.1f} | {r['transformers_ms_step']:.2f} | "
-                     f"{r['dsv4_ms_step']:.2f} | {r['speedup']:.2f}x |")
+        hf, ds = r["transformers_oom"], r["dsv4_oom"]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {cell(r['transformers_tok_s'], '.1f', hf)} | "
+            f"{cell(r['dsv4_tok_s'], '.1f', ds)} | {cell(r['transformers_ms_step'], '.2f', hf)} | "
+            f"{cell(r['dsv4_ms_step'], '.2f', ds)} | "
+            f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} | "
+            f"{cell(r['transformers_peak_gib'], '.2f', False)} | "
+            f"{cell(r['dsv4_peak_gib'], '.2f', False)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -265,14 +296,15 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows)), 4))
     w = 0.4
-    ax.bar([i - w / 2 for i in x], [r["transformers_tok_s"] for r in rows], w,
-           label="transformers attention")
-    ax.bar([i + w / 2 for i in x], [r["dsv4_tok_s"] for r in rows], w,
+    ax.bar([i - w / 2 for i in x], [r["transformers_tok_s"] or 0 for r in rows], w,
+           label="transformers attention (0: out of memory)")
+    ax.bar([i + w / 2 for i in x], [r["dsv4_tok_s"] or 0 for r in rows], w,
            label=f"dsv4 ({result['platform']})")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("decode tokens / s")
-    ax.set_yscale("log" if any(r["speedup"] > 10 or r["speedup"] < 0.1 for r in rows)
-                  else "linear")
+    ax.set_yscale("log" if any(r["speedup"] is not None and (r["speedup"] > 10
+                                                             or r["speedup"] < 0.1)
+                               for r in rows) else "linear")
     ax.set_title(f"{result['model']}, {result['dtype']}, {result['device']}")
     ax.legend()
     fig.tight_layout()
@@ -302,8 +334,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--vocab", type=int, default=129280, help="vocabulary size (default 129280)")
     ap.add_argument("--batches", default=[1, 16], type=int_list,
                     help="comma-separated sequences per decode step (default 1,16)")
-    ap.add_argument("--contexts", default=[4096, 32768], type=int_list,
-                    help="comma-separated cached tokens per sequence (default 4096,32768)")
+    ap.add_argument("--contexts", default=[4096, 32768, 262144], type=int_list,
+                    help="comma-separated cached tokens per sequence (default 4096,32768,262144;"
+                    " a side that runs out of device memory is recorded as such)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
     ap.add_argument("--warmup", type=int, default=4,
                     help="untimed decode steps before them (default 4)")
