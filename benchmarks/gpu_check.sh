@@ -8,6 +8,9 @@
 #                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K
 #   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens, 8K over 64K
 #   bash benchmarks/gpu_check.sh kernels  # attention kernels, fp8 GEMMs, input projections alone
+#   bash benchmarks/gpu_check.sh runner   # the decode runner's GPU tests, then Flash's whole
+#                                         # attention stack: eager vs runner (model-decode)
+#   bash benchmarks/gpu_check.sh models   # Pro's stack (model-decode); transformers-decode
 #
 # FlashMLA: put the `sgl-flash-mla` wheel in .whl/ (ignored by git); it is installed into
 # /tmp/fm with --no-deps. Without it the FlashMLA rows skip and `auto` runs our kernel.
@@ -25,9 +28,9 @@
 # they mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | verify | decode | prefill | kernels) ;;
+suite | verify | decode | prefill | kernels | runner | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|verify|decode|prefill|kernels" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|verify|decode|prefill|kernels|runner|models" >&2
     exit 2
     ;;
 esac
@@ -57,6 +60,7 @@ SKIP=(--deselect tests/test_readme.py --ignore=tests/integrations
       --deselect tests/test_transformers_dialect.py)
 DECODE=(python3 -m dsv4 bench decode-step --models flash,pro --layers "${LAYERS:-C4}"
         --ms 1,16,64)
+MODEL=(python3 -m dsv4 bench model-decode --ms 1,16,64 --contexts 512,16384,65536)
 PREFILL=(python3 -m dsv4 bench prefill --only layer --models flash,pro --layers C4
          --tokens 16384,65536 --attention-backend flashmla --reps 2 --max-case-seconds 30)
 BASE_PATH=${BASELINE:+$BASELINE/src:/tmp/fm}
@@ -105,5 +109,15 @@ kernels)
         --out "$OUT/gemm-probes" --only gemm --quick
     step input-projections/log.txt 180 python3 -m dsv4 bench input-proj \
         --out "$OUT/input-projections" --quick
+    ;;
+runner)
+    step runner/tests.txt 200 "${PYTEST[@]}" -rf -s tests/platforms/test_runner_cuda.py \
+        tests/test_decode_runner.py
+    step model-decode/flash/log.txt 380 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
+    ;;
+models)
+    step model-decode/pro/log.txt 330 "${MODEL[@]}" --models pro --out "$OUT/model-decode/pro"
+    step transformers-decode/log.txt 240 python3 -m dsv4 bench transformers-decode \
+        --out "$OUT/transformers-decode" --batches 1,16 --contexts 4096,32768,262144
     ;;
 esac

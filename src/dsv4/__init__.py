@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from dsv4 import platforms
     from dsv4.attention import AttentionInputError, DeepseekV4Attention
     from dsv4.cache.blocks import CacheCapacityError
+    from dsv4.cache.plan import StepPlan, StepPlanError
     from dsv4.cache.pool import AttentionCache, CachePool
     from dsv4.checkpoint import (
         AttentionStack,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from dsv4.config import ConfigError, DSV4Config
     from dsv4.passes import PassReport, process_weights_after_loading
     from dsv4.platforms import build_attention
+    from dsv4.runner import DecodeRunner
     from dsv4.testing.random_weights import random_layer_weights
     from dsv4.weights import WeightLoadError
 
@@ -35,8 +37,11 @@ _WHERE = {
     "CheckpointError": "dsv4.checkpoint",
     "ConfigError": "dsv4.config",
     "DSV4Config": "dsv4.config",
+    "DecodeRunner": "dsv4.runner",
     "DeepseekV4Attention": "dsv4.attention",
     "PassReport": "dsv4.passes",
+    "StepPlan": "dsv4.cache.plan",
+    "StepPlanError": "dsv4.cache.plan",
     "WeightLoadError": "dsv4.weights",
     "build_attention": "dsv4.platforms",
     "load_checkpoint": "dsv4.checkpoint",
@@ -54,8 +59,11 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DSV4Config",
+    "DecodeRunner",
     "DeepseekV4Attention",
     "PassReport",
+    "StepPlan",
+    "StepPlanError",
     "WeightLoadError",
     "build_attention",
     "load_checkpoint",
