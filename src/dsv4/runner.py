@@ -145,17 +145,25 @@ class DecodeRunner:
             with StepPlan(caches) as plan:
                 return self.step_fn(plan, *inputs)
         caps = visible_caps(pools, caches)
-        size, layout = StepPlan.padded_layout(caches, bucket, caps)
-        key = (bucket, tuple(sorted(caps.items())), tuple(id(p) for p in pools), layout,
-               tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
-        state = self._buckets.get(key)
-        if state is None:
-            device = pools[0].device
-            state = _Bucket(bucket, caps, torch.zeros(size, dtype=torch.int64, device=device),
-                            [torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                             for t in inputs])
-            self._buckets[key] = state
-        plan = StepPlan(caches, pad_to=bucket, visible_caps=caps, into=state.metadata)
+        picked: list[_Bucket] = []
+
+        def buffer_for(size: int, layout: tuple[int, ...]) -> torch.Tensor:
+            """The bucket of this step's shapes (made on first use): its metadata buffer."""
+            key = (bucket, tuple(sorted(caps.items())), tuple(id(p) for p in pools), layout,
+                   size, tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
+            state = self._buckets.get(key)
+            if state is None:
+                device = pools[0].device
+                state = _Bucket(bucket, caps,
+                                torch.zeros(size, dtype=torch.int64, device=device),
+                                [torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype,
+                                             device=t.device) for t in inputs])
+                self._buckets[key] = state
+            picked.append(state)
+            return state.metadata
+
+        plan = StepPlan(caches, pad_to=bucket, visible_caps=caps, into=buffer_for)
+        state = picked[0]
         try:
             for static, t in zip(state.inputs, inputs, strict=True):
                 static[:m].copy_(t)

@@ -23,7 +23,7 @@ replays (:mod:`dsv4.cache.step`; the decode runner, :mod:`dsv4.runner`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +40,9 @@ from dsv4.cache.step import (
 )
 from dsv4.host_copy import upload, upload_into, upload_once
 
+BufferFor = Callable[[int, tuple[int, ...]], torch.Tensor]
+"""(metadata size, the metadata group of each layer) -> the device buffer to write it into."""
+
 
 class StepPlanError(ValueError):
     """A step plan's sequences or a layer's use of the plan is invalid; nothing was changed."""
@@ -51,12 +54,15 @@ class StepPlan:
 
     ``positions`` (device, [T]) and ``seq_lens`` are the step's; a layer called with
     ``plan=plan`` takes its step from the plan (:meth:`step_for`). Padded plans (``pad_to``,
-    ``visible_caps``, decode steps only) and ``into`` serve the decode runner."""
+    ``visible_caps``, decode steps only) and ``into`` serve the decode runner: ``into`` is the
+    int64 device buffer the metadata is written into, or a function of (its size, which
+    metadata group each layer reads) that returns it - a graph captured over one such layout
+    replays only plans of the same."""
 
     def __init__(self, caches: Sequence[Sequence[AttentionCache]],
                  seq_lens: Sequence[int] | None = None, *, pad_to: int | None = None,
                  visible_caps: dict[int, int] | None = None,
-                 into: torch.Tensor | None = None) -> None:
+                 into: torch.Tensor | BufferFor | None = None) -> None:
         seqs, self.pools, self.starts = _checked(caches)
         counts = [1] * len(seqs) if seq_lens is None else list(seq_lens)
         if (len(counts) != len(seqs)
@@ -100,7 +106,7 @@ class StepPlan:
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self, pad_to: int | None, visible_caps: dict[int, int] | None,
-                  into: torch.Tensor | None) -> dict[int, CacheStep]:
+                  into: torch.Tensor | BufferFor | None) -> dict[int, CacheStep]:
         """Each pool's CacheStep, the metadata built once per (slots, ring specs) and uploaded
         in one copy."""
         groups = _groups(self.pools, self.caches, pad_to is not None)
@@ -111,6 +117,12 @@ class StepPlan:
         buffer = torch.cat([h.buffer for h in hosts]) if len(hosts) > 1 else hosts[0].buffer
         device = self.pools[0].device
         keep = None
+        if callable(into):  # the caller picks the buffer by the layout (a graph's buffer)
+            layout = [0] * len(self.pools)
+            for g, members in enumerate(groups.values()):
+                for k in members:
+                    layout[k] = g
+            into = into(buffer.numel(), tuple(layout))
         if into is not None:
             if into.dtype != torch.int64 or into.device != device or into.dim() != 1 \
                     or into.numel() != buffer.numel():
@@ -132,24 +144,6 @@ class StepPlan:
                                             list(self.seq_lens), meta, keep)
         self._first = steps[id(self.pools[0])]
         return steps
-
-    @staticmethod
-    def padded_layout(caches: Sequence[Sequence[AttentionCache]], pad_to: int,
-                      visible_caps: dict[int, int] | None = None
-                      ) -> tuple[int, tuple[int, ...]]:
-        """(int64 elements of a padded plan's metadata over these sequences - what ``into``
-        must hold -, which metadata group each layer reads): a graph captured over one layout
-        replays only plans of the same."""
-        seqs, pools, _ = _checked(caches)
-        total = 0
-        member = [0] * len(pools)
-        for g, ((_, _, specs), ks) in enumerate(_groups(pools, seqs, True).items()):
-            # positions and slots; per compressor: slots, entries, two sources per ring row of
-            # each job, the kept rows' destinations and sources (build_metadata's parts)
-            total += pad_to * (2 + sum(4 + 2 * spec.rows for _, spec in specs))
-            for k in ks:
-                member[k] = g
-        return total, tuple(member)
 
     # ------------------------------------------------------------------ the layers' view
     @property
