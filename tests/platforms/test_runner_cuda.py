@@ -113,3 +113,27 @@ def test_tiny_model_greedy_tokens_through_graphs_equal_eager():
                                   runner=model.decode_runner(mode=mode), stats=stats)
         print(mode, f"{stats.tokens_per_second:.0f} tokens/s", stats.runner)
     assert runs["graphs"] == runs["eager"]
+
+
+def test_planned_and_replayed_steps_make_no_host_syncs():
+    """The lean path: an eager step with a plan and a runner replay neither wait for the GPU
+    nor copy device data to the host (torch's sync debug mode raises on either)."""
+    cfg, layers = cuda_stack()
+    fn = stack_fn(layers)
+    runner = DecodeRunner(fn, mode="graphs", buckets=(4,))
+    pools = [lay.new_cache_pool(4, 2048) for lay in layers]
+    seqs = [[p.add_sequence() for p in pools] for _ in range(3)]
+    with StepPlan(seqs, [300, 70, 5]) as plan:
+        fn(plan, torch.randn(375, cfg.hidden_size, device="cuda").bfloat16())
+    x = torch.randn(3, cfg.hidden_size, device="cuda").bfloat16()
+    runner(seqs, x)  # the bucket's eager step and its capture (which synchronises)
+    runner(seqs, x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            with StepPlan(seqs) as plan:
+                fn(plan, x)
+            runner(seqs, x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
