@@ -185,17 +185,20 @@ class DeepseekV4Attention(nn.Module):
 
     def new_cache_pool(self, max_seqs: int, max_seq_len: int = 4096, *,
                        capacity_tokens: int | None = None, step_tokens: int | None = None,
-                       kv_cache_dtype: str | None = None, index_cache_dtype: str | None = None
-                       ) -> CachePool:
+                       kv_cache_dtype: str | None = None, index_cache_dtype: str | None = None,
+                       max_rollback: int = 1) -> CachePool:
         """An empty paged cache pool of this layer for up to ``max_seqs`` sequences of at most
         ``max_seq_len`` positions (:class:`~dsv4.cache.pool.CachePool`): ``pool.add_sequence()``,
-        ``cache.fork()``, ``cache.free()``. ``capacity_tokens`` (default ``max_seqs *
-        max_seq_len``) sizes the compressed-entry stores; the formats default to the config's
-        ``kv_cache_dtype`` / ``index_cache_dtype``."""
+        ``cache.fork()``, ``cache.free()``, ``cache.truncate(n)``. ``capacity_tokens`` (default
+        ``max_seqs * max_seq_len``) sizes the compressed-entry stores; the formats default to
+        the config's ``kv_cache_dtype`` / ``index_cache_dtype``; ``max_rollback``: positions a
+        sequence can always be truncated back by (speculative decoding of k drafted tokens a
+        step: k)."""
         return CachePool(self.cfg, self.layer_id, max_seqs=max_seqs, max_seq_len=max_seq_len,
                          dtype=self.dtype, acc_dtype=self.acc_dtype, device=self.device,
                          capacity_tokens=capacity_tokens, step_tokens=step_tokens,
-                         kv_format_name=kv_cache_dtype, index_format_name=index_cache_dtype)
+                         kv_format_name=kv_cache_dtype, index_format_name=index_cache_dtype,
+                         max_rollback=max_rollback)
 
     def new_cache(self, max_seq_len: int = 4096, **pool_kwargs: Any) -> AttentionCache:
         """One sequence's cache (a pool of one; see :meth:`new_cache_pool`)."""

@@ -3,8 +3,9 @@
 A :class:`CachePool` holds, for up to ``max_seqs`` sequences of one layer:
 
 * ``kv``: window rows (post-norm, post-RoPE kv of each position), kept only as far back as
-  attention can read them: after a call, blocks whose rows all lie before ``length - window + 1``
-  go back to the free list;
+  attention and a truncation (``max_rollback``) can read them: after a step, blocks whose rows
+  all lie before ``length - window + 1 - max_rollback`` go back to the free list
+  (:meth:`CachePool.window_release_row`);
 * ``compressed`` (ratio 4 and 128): the compressed entries, ``ratio`` positions each;
 * ``idx_keys`` (ratio 4): the indexer's keys, one per entry;
 * the compressors' raw rows ``[a_p | s_p + ape]`` (fp32) of the last ``coff * ratio`` positions,
@@ -44,15 +45,23 @@ compressed entries (256 positions at ratio 4, 8192 at ratio 128), 64 indexer key
 
 @dataclass(frozen=True)
 class RingSpec:
-    """A compressor's raw-row ring: the last ``rows`` positions (row of position p at p % rows)."""
+    """A compressor's raw-row ring: the last ``rows`` positions (row of position p at p % rows):
+    the ``sources`` positions an entry pools, and ``history`` more, so that a sequence can be
+    truncated back by ``history + 1`` positions (:attr:`CachePool.max_rollback`)."""
 
     ratio: int
     coff: int
     width: int
+    history: int = 0
+
+    @property
+    def sources(self) -> int:
+        """Source positions of one entry (its block and, at ratio 4, the one before)."""
+        return self.coff * self.ratio
 
     @property
     def rows(self) -> int:
-        return self.coff * self.ratio
+        return self.sources + self.history
 
 
 class AttentionCache:
@@ -142,15 +151,18 @@ class CachePool:
 
     ``capacity_tokens`` sizes the entry stores (total positions of all live sequences, default
     ``max_seqs * max_seq_len``); ``step_tokens`` is the most tokens one forward step writes (the
-    layer splits longer calls), which sizes the window store."""
+    layer splits longer calls), which sizes the window store. ``max_rollback``: how many
+    positions a sequence can always be truncated back by (default 1: one decode step; a
+    speculative decoder verifying k drafted tokens a step needs k), which sizes the compressors'
+    rings and how long window blocks are kept."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, *, max_seqs: int, max_seq_len: int,
                  dtype: torch.dtype, acc_dtype: torch.dtype, device: torch.device | str,
                  capacity_tokens: int | None = None, step_tokens: int | None = None,
                  kv_format_name: str | None = None, index_format_name: str | None = None,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, max_rollback: int = 1) -> None:
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len),
-                        ("block_size", block_size)):
+                        ("block_size", block_size), ("max_rollback", max_rollback)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if max_seq_len > cfg.max_position_embeddings:
@@ -171,6 +183,7 @@ class CachePool:
         self.capacity_tokens = capacity
         self.step_tokens = step
         self.window = cfg.sliding_window
+        self.max_rollback = max_rollback
         self.block_size = block_size
         self.dtype = dtype
         self.acc_dtype = acc_dtype
@@ -179,9 +192,9 @@ class CachePool:
                                               cfg.qk_rope_head_dim, dtype)
         self.index_format: RowFormat | None = None
         b = block_size
-        # window rows: each slot keeps at most window - 1 committed rows (+ one block of
-        # straddle), and one step adds at most step_tokens rows over all sequences
-        per_slot = ceil_div(self.window - 1, b) + 2
+        # window rows: each slot keeps at most window - 1 + 2 * max_rollback committed rows (+ one
+        # block of straddle), and one step adds at most step_tokens rows over all sequences
+        per_slot = ceil_div(self.window - 1 + 2 * max_rollback, b) + 2
         self.stores: dict[str, PagedStore] = {
             "kv": PagedStore("kv", self.kv_format, b,
                              max_seqs * per_slot + ceil_div(step, b), max_seqs + 1,
@@ -194,7 +207,7 @@ class CachePool:
             self.stores["compressed"] = PagedStore(
                 "compressed", self.kv_format, b, n_blocks, max_seqs + 1, ceil_div(n_entries, b),
                 self.device, max_seqs)
-            spec = RingSpec(r, coff, 2 * coff * cfg.head_dim)
+            spec = RingSpec(r, coff, 2 * coff * cfg.head_dim, max_rollback - 1)
             self.rings["compressed"] = (spec, self._ring(spec))
         if r == 4:
             self.index_format = index_format(index_format_name or cfg.index_cache_dtype,
@@ -202,7 +215,7 @@ class CachePool:
             self.stores["idx_keys"] = PagedStore(
                 "idx_keys", self.index_format, b, self.stores["compressed"].alloc.num_blocks,
                 max_seqs + 1, self.stores["compressed"].max_logical, self.device, max_seqs)
-            spec = RingSpec(4, 2, 4 * cfg.index_head_dim)
+            spec = RingSpec(4, 2, 4 * cfg.index_head_dim, max_rollback - 1)
             self.rings["idx_keys"] = (spec, self._ring(spec))
         self.pad_slot = max_seqs
         """The padding slot: a row of every table (its one block: the store's padding block) and
@@ -285,12 +298,25 @@ class CachePool:
         self._lengths[child.slot] = length
         return child
 
-    def truncate(self, cache: AttentionCache, length: int) -> None:
-        """Forget positions ``length`` .. current length - 1 (e.g. to re-run a decode step).
+    def window_release_row(self, start: int, count: int) -> int:
+        """The first window row a sequence keeps after a step of ``count`` tokens from position
+        ``start`` (its blocks before it go back). A truncation back by up to ``max_rollback``
+        positions from the step's end reads the window of the position it ends at. A step of at
+        most ``max_rollback + 1`` tokens (a decode or verify step) releases as one token would,
+        so that a verify step truncated to its accepted tokens holds exactly what a step of
+        only those would; a longer one (a prefill chunk) releases all it can."""
+        end = start + 1 if count <= self.max_rollback + 1 else start + count
+        return max(0, end - self.max_rollback - self.window + 1)
 
-        Allowed only where the state that position ``length`` needs is still held: the window
-        rows back to ``length - window + 1`` and the compressors' ring rows that the next entry
-        reads (always true for one step back)."""
+    def truncate(self, cache: AttentionCache, length: int) -> None:
+        """Forget positions ``length`` .. current length - 1 (rejected draft tokens, or to
+        re-run a step): every store, ring, block table and free list as if they had never been
+        written - the blocks only they filled go back, a block shared with a fork that the next
+        writes would reach is copied first.
+
+        Always possible for ``length >= current length - max_rollback`` (the compressors' rings
+        and the window hold what position ``length`` needs); further back where that state is
+        still held, else an error with nothing changed."""
         slot = self._own(cache, "truncate")
         cur = self._lengths[slot]
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= cur:
@@ -298,14 +324,31 @@ class CachePool:
         if length == cur:
             return
         first_window_row = max(0, length - self.window + 1)
-        if not self.stores["kv"].holds_rows(slot, first_window_row, cur):
+        if not self.stores["kv"].holds_rows(slot, first_window_row, length):
             raise ValueError(f"truncate to {length}: the window rows from {first_window_row} were "
-                             "already freed")
+                             f"already freed (a pool keeps {self.max_rollback} position(s) of "
+                             "rollback: new_cache_pool(max_rollback=...))")
         for spec, _ in self.rings.values():
             needed_from = max(0, (length // spec.ratio - spec.coff + 1) * spec.ratio)
             if needed_from < cur - spec.rows:
                 raise ValueError(f"truncate to {length}: the raw rows from position "
-                                 f"{needed_from} were overwritten (at most one step back)")
+                                 f"{needed_from} were overwritten (the pool keeps "
+                                 f"{self.max_rollback} position(s) of rollback: "
+                                 "new_cache_pool(max_rollback=...))")
+        rows = {name: self._rows_held(name, length) for name in self.stores}
+        copies = {name: store.shared_partial_block(slot, rows[name])
+                  for name, store in self.stores.items()}
+        for name, store in self.stores.items():  # every copy checked before any is made
+            if copies[name] is not None and store.alloc.num_free < 1:
+                raise CacheCapacityError(
+                    f"truncate to {length}: the {name} store's block at row {rows[name]} is "
+                    "shared with a fork and there is no free block to copy it into")
+        for name, store in self.stores.items():
+            store.shrink_to(slot, ceil_div(rows[name], store.block_size))
+            shared = copies[name]
+            if shared is not None:
+                store.make_private(slot, shared)
+            store.sync()
         self._lengths[slot] = length
 
     def read_rows(self, cache: AttentionCache, name: str, start: int = 0,

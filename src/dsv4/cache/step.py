@@ -58,7 +58,7 @@ class EntryJobs:
     keep_dst: torch.Tensor
     """[K] flat ring rows this step's rows go to at commit ..."""
     keep_src: torch.Tensor
-    """[K] ... from these step rows (the last ``coff * ratio`` positions of each sequence)."""
+    """[K] ... from these step rows (the last ring-length positions of each sequence)."""
 
 
 RingSpecs = tuple[tuple[str, RingSpec], ...]
@@ -209,23 +209,24 @@ class CacheStep:
     # ------------------------------------------------------------------ end of step
     def keep_ring_rows(self, name: str, rows: torch.Tensor) -> None:
         """Copy the step's raw rows ``rows`` [T, raw_width] that compressor store ``name``'s
-        rings keep (the last ``coff * ratio`` positions of each sequence) into the rings."""
+        rings keep (the last ring-length positions of each sequence) into the rings."""
         job = self.jobs[name]
         spec, ring = self.pool.rings[name]
         ring.view(-1, spec.width)[job.keep_dst] = rows[job.keep_src].to(ring.dtype)
 
     def commit(self, release_from: list[int] | None = None) -> None:
-        """Advance the lengths, release window blocks no query can read (host work; the rings'
-        rows are kept before, :meth:`keep_ring_rows`). ``release_from[i]``: release only among
-        logical blocks from this index (a multi-step call keeps the blocks it started with
-        until it ends)."""
-        kv, lengths, window = self.pool.stores["kv"], self.pool._lengths, self.pool.window
-        slots = [c.slot for c in self.caches]
-        ends = [a + n for a, n in zip(self.starts, self.counts, strict=True)]
-        for slot, end in zip(slots, ends, strict=True):
-            lengths[slot] = end
-        kv.release_before_each(slots, [max(0, e - window + 1) for e in ends], release_from)
-        kv.sync()
+        """Advance the lengths and release the window blocks the sequences no longer need
+        (:meth:`CachePool.window_release_row`) - host work; the rings' rows are kept before
+        (:meth:`keep_ring_rows`). ``release_from[i]``: release only among logical blocks from
+        this index (a multi-step call keeps the blocks it started with until it ends)."""
+        pool = self.pool
+        lengths, slots = pool._lengths, [c.slot for c in self.caches]
+        for slot, a, n in zip(slots, self.starts, self.counts, strict=True):
+            lengths[slot] = a + n
+        pool.stores["kv"].release_before_each(
+            slots, [pool.window_release_row(a, n) for a, n in zip(self.starts, self.counts,
+                                                                  strict=True)], release_from)
+        pool.stores["kv"].sync()
 
 
 def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], ends: list[int]
@@ -237,8 +238,8 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
     slot, logical blocks before) of each table that grew (what an undo shrinks back to).
 
     Only sequences whose rows cross into a new logical block can need one (a sequence holds the
-    logical blocks of its rows: growing, forking and undoing keep that), so a decode step looks
-    at a few sequences, not every sequence of every store of every layer."""
+    logical blocks of its rows: growing, forking and truncating keep that), so a decode step
+    looks at a few sequences, not every sequence of every store of every layer."""
     crossing: dict[int, list[int]] = {}  # rows per position -> the sequences that may grow
 
     def may_grow(per: int, b: int) -> list[int]:
@@ -296,10 +297,12 @@ class CallTransaction:
         return self.logical["kv"]
 
     def finish(self) -> None:
-        """The call succeeded: release every window block no query can read any more."""
+        """The call succeeded: release the window blocks its sequences no longer need, as for
+        one step of all the call's tokens."""
         kv = self.pool.stores["kv"]
-        for c in self.caches:
-            kv.release_before(c.slot, max(0, self.pool._lengths[c.slot] - self.pool.window + 1))
+        for c, a in zip(self.caches, self.lengths, strict=True):
+            n = self.pool._lengths[c.slot] - a
+            kv.release_before(c.slot, self.pool.window_release_row(a, n))
         kv.sync()
 
     def rollback(self) -> None:
@@ -336,7 +339,7 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
     for name, spec in specs:
-        cr, ratio = spec.rows, spec.ratio
+        cr, src, ratio = spec.rows, spec.sources, spec.ratio
         # entries j = a // ratio .. (a + n) // ratio - 1 of each sequence
         first_j = a_arr // ratio
         per_seq = (a_arr + n_arr) // ratio - first_j
@@ -344,7 +347,7 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
         e = int(e_seq.shape[0])
         e_j = first_j[e_seq] + _ramp(per_seq)
         a_e, s_e, tb_e = a_arr[e_seq, None], s_arr[e_seq, None], begins[e_seq, None]
-        q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(cr)[None, :]
+        q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(src)[None, :]
         ring_src = np.where((q >= 0) & (q < a_e), s_e * cr + q % cr, -1)
         call_src = np.where(q >= a_e, tb_e + q - a_e, -1)
         # the last min(n, cr) positions of each sequence stay in its ring
@@ -354,7 +357,7 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
         kq = (a_arr + n_arr - kept)[k_seq] + _ramp(kept)
         parts += [s_arr[e_seq], e_j, ring_src.reshape(-1), call_src.reshape(-1),
                   s_arr[k_seq] * cr + kq % cr, begins[k_seq] + kq - a_arr[k_seq]]
-        shapes += [(e,), (e,), (e, cr), (e, cr), (k,), (k,)]
+        shapes += [(e,), (e,), (e, src), (e, src), (k,), (k,)]
         job_meta.append((name, e, k))
     host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
     return host, shapes, job_meta, torch.from_numpy(seq_ids)
@@ -373,14 +376,14 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
     for name, spec in specs:
-        cr, ratio, coff = spec.rows, spec.ratio, spec.coff
+        cr, src, ratio, coff = spec.rows, spec.sources, spec.ratio, spec.coff
         done = [i for i, a in enumerate(starts) if (a + 1) % ratio == 0]  # entry a // ratio
         ring_src: list[int] = []
         call_src: list[int] = []
         for i in done:
             a, s = starts[i], slots[i]
             first = (a // ratio - coff + 1) * ratio
-            for q in range(first, first + cr):
+            for q in range(first, first + src):
                 ring_src.append(s * cr + q % cr if 0 <= q < a else -1)
                 call_src.append(i + q - a if q >= a else -1)  # q == a: this step's row i
         e = len(done) if pad_to is None else pad_to
@@ -389,10 +392,10 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
         unused = e - len(done)
         flat += [slots[i] for i in done] + [pad_slot] * unused
         flat += [starts[i] // ratio for i in done] + [0] * unused
-        flat += ring_src + [-1] * (cr * unused) + call_src + [0] * (cr * unused)
+        flat += ring_src + [-1] * (src * unused) + call_src + [0] * (src * unused)
         flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)]
         flat += [pad_slot * cr] * pads + list(range(t))
-        shapes += [(e,), (e,), (e, cr), (e, cr), (t,), (t,)]
+        shapes += [(e,), (e,), (e, src), (e, src), (t,), (t,)]
         job_meta.append((name, e, t))
     # through an int64 array: torch.tensor of a Python list costs ~4x as much host time
     host = (torch.frombuffer(array("q", flat), dtype=torch.int64) if flat

@@ -93,7 +93,7 @@ class PagedStore:
         held = self._blocks[slot]
         if len(held) <= logical:
             return
-        for b in held[logical:]:
+        for b in reversed(held[logical:]):  # last taken first: the free list as before
             if b >= 0:
                 self.alloc.release(b)
         end = len(held)
@@ -130,6 +130,32 @@ class PagedStore:
                 # prefill releases hundreds of blocks, one indexed write each cost ~5 us
                 self.table[slot, changed[0]:changed[-1] + 1] = -1
                 self._mark(slot, changed[0], changed[-1] + 1)
+
+    def shared_partial_block(self, slot: int, rows: int) -> int | None:
+        """The logical block holding row ``rows`` (the next row written after a truncation to
+        ``rows`` rows) when it also holds earlier rows and is shared with another sequence (a
+        fork): the one block a truncation must copy before writing there. None otherwise."""
+        if not rows % self.block_size:
+            return None  # the next row starts a block: nothing before it to keep
+        logical = rows // self.block_size
+        held = self._blocks[slot]
+        if logical >= len(held) or held[logical] < 0:
+            return None
+        return logical if self.alloc.refcount(held[logical]) > 1 else None
+
+    def make_private(self, slot: int, logical: int) -> None:
+        """Give the slot its own copy of a shared logical block (copy-on-write); needs a free
+        block."""
+        held = self._blocks[slot]
+        old = held[logical]
+        (new,) = self.alloc.allocate(1)
+        b = self.block_size
+        offsets = torch.arange(b, device=self.data.device)
+        self.fmt.copy_rows(self.data, old * b + offsets, new * b + offsets)
+        self.alloc.release(old)
+        held[logical] = new
+        self.table[slot, logical] = new
+        self._mark(slot, logical, logical + 1)
 
     def release_all(self, slot: int) -> None:
         self.shrink_to(slot, 0)
