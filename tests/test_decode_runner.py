@@ -172,3 +172,55 @@ def test_a_failing_step_leaves_every_cache_as_it_was(tiny_exact):
         DecodeRunner(failing, mode="padded")(seqs, torch.randn(2, 256, dtype=torch.float64))
     assert calls and [p.blocks_in_use() for p in pools] == before
     assert [c.length for s in seqs for c in s] == [70, 70, 9, 9]
+
+
+@pytest.mark.parametrize("mode", ["padded", "eager"])
+def test_verify_steps_and_accepts_through_the_runner_equal_eager(tiny_exact, mode):
+    """Speculative steps through the runner: each sequence brings 1 + k tokens (k in 0 .. 7,
+    its own per sequence; query buckets 1, 2, 4, 8 beside the batch buckets), then keeps
+    1 + a of them (``truncate``); against the same steps of each layer called on its own, over
+    200 steps with joins and forks, every layer type."""
+    layers = stack(tiny_exact)
+    runner = DecodeRunner(step_fn(layers), mode=mode, buckets=(1, 2, 4, 8))
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    h = tiny_exact.hidden_size
+    pools = {side: [lay.new_cache_pool(8, 1500, max_rollback=7) for lay in layers]
+             for side in "ab"}
+    live: dict[str, list] = {"a": [], "b": []}
+
+    def join(n):
+        x = torch.randn(n, h, dtype=torch.float64, generator=gen)
+        for side in "ab":
+            seq = [p.add_sequence() for p in pools[side]]
+            live[side].append(seq)
+            with StepPlan([seq], [n]) as plan:
+                step_fn(layers)(plan, x)
+
+    for n in (9, 140):
+        join(n)
+    for step in range(200):
+        if step % 40 == 20 and len(live["a"]) < 6:
+            join(rng.choice([1, 33]))
+        if step % 50 == 30 and len(live["a"]) < 6:
+            for side in "ab":
+                live[side].append([c.fork() for c in live[side][0]])
+        ks = [rng.randint(0, 7) for _ in live["a"]]
+        lens = [k + 1 for k in ks]
+        x = torch.randn(sum(lens), h, dtype=torch.float64, generator=gen)
+        ya = runner(live["a"], x, seq_lens=lens)
+        pos = torch.cat([torch.arange(s[0].length, s[0].length + n)
+                         for s, n in zip(live["b"], lens, strict=True)])
+        yb = x
+        for k, lay in enumerate(layers):
+            yb = yb + lay(torch.tanh(yb), pos, [s[k] for s in live["b"]], lens)
+        assert torch.allclose(ya, yb, rtol=0, atol=1e-10), step
+        for side in "ab":
+            for seq, k in zip(live[side], ks, strict=True):
+                a = (step * 7 + k) % (k + 1)  # accepted drafts, the same on both sides
+                for c in seq:
+                    c.truncate(c.length - (k - a))
+    assert [s[0].length for s in live["a"]] == [s[0].length for s in live["b"]]
+    if mode == "padded":
+        assert runner.stats["padded"] == 200
+        assert {k[1] for k in runner._buckets} >= {2, 4, 8}  # query buckets used

@@ -6,8 +6,10 @@ captures the whole step - ``step_fn(plan, *inputs)``, any code whose dsv4 layers
 step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
 
 * **Buckets.** ``M`` sequences run in the smallest batch bucket ``B >= M`` (1, 2, 4, ..., 128 by
-  default); the ``B - M`` padded tokens sit in each pool's padding slot at position 0, where
-  they write nothing a sequence reads (:mod:`dsv4.cache.step`). Per compression ratio the
+  default) and, for verify steps of several tokens per sequence (``seq_lens``), the smallest
+  query bucket ``Q`` at or above the longest (1, 2, 4, 8); the ``B * Q - T`` padded tokens sit in
+  each pool's padding slot at position 0, where they write nothing a sequence reads
+  (:mod:`dsv4.cache.step`). Per compression ratio the
   width of visible entries is fixed too: the next power of two at or above the step's widest
   (at least 1), so a graph serves a context range of 2x and the C4 indexer runs wherever
   that width exceeds ``index_topk`` (a query with fewer visible entries takes them all: the
@@ -18,7 +20,7 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   bucket's static input; the graph replays; the plan commits (lengths, window releases) while
   the GPU runs. The first step of a bucket runs eagerly over the same buffers (the real step,
   and the kernels' warm-up), then the graph is captured for the next ones.
-* **Not captured.** Steps of more than the largest bucket, and every step in ``mode="eager"``
+* **Not captured.** Steps beyond the largest buckets, and every step in ``mode="eager"``
   (the default off CUDA), run eagerly with an unpadded plan - the same API. ``mode="padded"``
   runs the padded step eagerly without a graph: the bucket logic on any device (the CPU
   tests use it).
@@ -42,6 +44,8 @@ from dsv4.cache.plan import StepPlan, StepPlanError
 from dsv4.cache.pool import AttentionCache, CachePool
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_QUERY_BUCKETS = (1, 2, 4, 8)
+"""Tokens per sequence of the captured steps: decode (1) and verify steps of up to 7 drafts."""
 MODES = ("auto", "graphs", "padded", "eager")
 
 StepFn = Callable[..., Any]
@@ -80,25 +84,29 @@ class _Bucket:
 
 
 class DecodeRunner:
-    """Runs decode steps of ``step_fn`` (module docstring) over sequences given as one cache
-    list per sequence (its cache in every layer, as :class:`~dsv4.cache.plan.StepPlan` takes
-    them).
+    """Runs decode and verify steps of ``step_fn`` (module docstring) over sequences given as
+    one cache list per sequence (its cache in every layer, as
+    :class:`~dsv4.cache.plan.StepPlan` takes them).
 
     ``mode``: ``auto`` (graphs on CUDA, else eager), ``graphs``, ``padded`` or ``eager``;
-    ``buckets``: the batch sizes captured, ascending."""
+    ``buckets``: the batch sizes captured, ascending; ``query_buckets``: the tokens per
+    sequence captured, ascending."""
 
     def __init__(self, step_fn: StepFn, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 query_buckets: Sequence[int] = DEFAULT_QUERY_BUCKETS,
                  mode: str = "auto") -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; valid: {', '.join(MODES)}")
-        b = list(buckets)
-        if (not b or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in b)
-                or b != sorted(set(b))):
-            raise ValueError(f"buckets={tuple(buckets)} must be ascending positive integers")
+        for name, values in (("buckets", buckets), ("query_buckets", query_buckets)):
+            b = list(values)
+            if (not b or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in b)
+                    or b != sorted(set(b))):
+                raise ValueError(f"{name}={tuple(values)} must be ascending positive integers")
         self.step_fn = step_fn
-        self.buckets = tuple(b)
+        self.buckets = tuple(buckets)
+        self.query_buckets = tuple(query_buckets)
         self.mode = mode
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._mempool: Any = None
@@ -121,49 +129,64 @@ class DecodeRunner:
 
     def bucket_for(self, m: int) -> int | None:
         """The batch bucket of ``m`` sequences (None: more than the largest, run eagerly)."""
-        for b in self.buckets:
-            if b >= m:
-                return b
-        return None
+        return _smallest_at_least(self.buckets, m)
 
-    def __call__(self, caches: Sequence[Sequence[AttentionCache]], *inputs: torch.Tensor) -> Any:
-        """One decode step (one token per sequence) of ``caches[i]``'s sequences: ``inputs``
-        [M, ...] per token (e.g. token ids); returns ``step_fn``'s outputs for the M tokens."""
+    def query_bucket_for(self, n: int) -> int | None:
+        """The query bucket of steps whose longest sequence brings ``n`` tokens (None: more
+        than the largest, run eagerly)."""
+        return _smallest_at_least(self.query_buckets, n)
+
+    def __call__(self, caches: Sequence[Sequence[AttentionCache]], *inputs: torch.Tensor,
+                 seq_lens: Sequence[int] | None = None) -> Any:
+        """One step of ``caches[i]``'s sequences, ``seq_lens[i]`` tokens each (default 1: a
+        decode step; up to the largest query bucket, e.g. a verify step of 1 + k tokens):
+        ``inputs`` [T, ...] by token (e.g. token ids); returns ``step_fn``'s outputs for the T
+        tokens."""
         m = len(caches)
-        for i, t in enumerate(inputs):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != m:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"input {i} has shape {shape}; expected [{m}, ...] (one row per "
-                                 "sequence)")
         if not m:
             raise StepPlanError("caches: no sequences")
+        counts = [1] * m if seq_lens is None else list(seq_lens)
+        if len(counts) != m or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0
+                                   for n in counts):
+            raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
+                                f"the {m} sequence(s)")
+        t_real = sum(counts)
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != t_real:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"input {i} has shape {shape}; expected [{t_real}, ...] (one "
+                                 "row per token)")
         pools = _pools(caches)
         mode = self.mode_on(pools[0].device)
         bucket = self.bucket_for(m)
-        if mode == "eager" or bucket is None:
+        per_seq = self.query_bucket_for(max(counts))
+        if mode == "eager" or bucket is None or per_seq is None:
             self.stats["eager"] += 1
-            with StepPlan(caches) as plan:
+            with StepPlan(caches, counts) as plan:
                 return self.step_fn(plan, *inputs)
-        caps = visible_caps(pools, caches)
+        caps = visible_caps(pools, caches, max(counts))
+        rows = bucket * per_seq
         picked: list[_Bucket] = []
 
         def buffer_for(size: int, layout: tuple[int, ...]) -> torch.Tensor:
             """The bucket of this step's shapes (made on first use): its metadata buffer."""
-            key = (bucket, tuple(sorted(caps.items())), tuple(id(p) for p in pools), layout,
-                   size, tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
+            key = (bucket, per_seq, tuple(sorted(caps.items())), tuple(id(p) for p in pools),
+                   layout, size, tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
             state = self._buckets.get(key)
             if state is None:
                 device = pools[0].device
-                state = _Bucket(bucket, caps,
+                state = _Bucket(rows, caps,
                                 torch.zeros(size, dtype=torch.int64, device=device),
-                                [torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype,
+                                [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype,
                                              device=t.device) for t in inputs])
                 self._buckets[key] = state
             picked.append(state)
             return state.metadata
 
-        plan = StepPlan(caches, pad_to=bucket, visible_caps=caps, into=buffer_for)
+        plan = StepPlan(caches, counts, pad_to=(bucket, per_seq), visible_caps=caps,
+                        into=buffer_for)
         state = picked[0]
+        m = t_real
         try:
             for static, t in zip(state.inputs, inputs, strict=True):
                 static[:m].copy_(t)
@@ -198,12 +221,19 @@ class DecodeRunner:
         return outs
 
 
-def visible_caps(pools: list[CachePool], caches: Sequence[Sequence[AttentionCache]]
-                 ) -> dict[int, int]:
-    """Per compression ratio of ``pools``, the fixed width of visible entries for a decode step
-    of these sequences: the next power of two at or above the most entries a query sees
-    (at least 1), at most the pools' entries per sequence."""
-    longest = max(seq[0].length for seq in caches) + 1  # the position this step writes, + 1
+def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def visible_caps(pools: list[CachePool], caches: Sequence[Sequence[AttentionCache]],
+                 tokens: int = 1) -> dict[int, int]:
+    """Per compression ratio of ``pools``, the fixed width of visible entries for a step of at
+    most ``tokens`` tokens per sequence: the next power of two at or above the most entries a
+    query sees (at least 1), at most the pools' entries per sequence."""
+    longest = max(seq[0].length for seq in caches) + tokens  # the last position written, + 1
     caps: dict[int, int] = {}
     for pool in pools:
         r = pool.compress_ratio

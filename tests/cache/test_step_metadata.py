@@ -74,3 +74,29 @@ def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot(
             assert call_src[e_real * cr:].tolist() == [0] * (cr * (t - e_real))
             assert keep_dst.tolist() == r[4].tolist() + [pad * cr] * 2
             assert keep_src.tolist() == list(range(t))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ratio=st.sampled_from([0, 4, 128]), data=st.data())
+def test_a_padded_verify_step_keeps_the_real_parts_at_fixed_sizes(ratio, data):
+    """B sequences of up to Q tokens: every part of the unpadded step's metadata first, then
+    padding, each part at B * Q tokens, B * ceil(Q / ratio) jobs, B * min(Q, ring rows) kept
+    rows (the most a step of that shape can need)."""
+    from dsv4.cache.step import build_metadata
+
+    b, q = data.draw(st.sampled_from([(2, 2), (4, 4), (3, 8)]))
+    m = data.draw(st.integers(1, b))
+    counts = data.draw(st.lists(st.integers(1, q), min_size=m, max_size=m))
+    starts = data.draw(st.lists(st.integers(0, 700), min_size=m, max_size=m))
+    slots = list(range(m))
+    specs = tuple(SPECS[ratio])
+    real = build_metadata(starts, slots, counts, specs)
+    padded = build_metadata(starts, slots, counts, specs, pad_to=(b, q), pad_slot=9)
+    assert padded.tokens == b * q and padded.seq_ids[sum(counts):].eq(-1).all()
+    rp = torch.split(real.buffer, [int(torch.tensor(s).prod()) for s in real.shapes])
+    pp = torch.split(padded.buffer, [int(torch.tensor(s).prod()) for s in padded.shapes])
+    for k, (name, spec) in enumerate(specs):
+        assert padded.jobs[k] == (name, b * -(-q // spec.ratio), b * min(q, spec.rows))
+    for i, (r, p) in enumerate(zip(rp, pp, strict=True)):
+        assert torch.equal(p[:r.numel()], r), i
+    assert pp[1][sum(counts):].eq(9).all()  # padded tokens in the padding slot

@@ -53,14 +53,16 @@ class StepPlan:
     ``caches[i]`` (its cache in every layer, as a model keeps them), for every layer.
 
     ``positions`` (device, [T]) and ``seq_lens`` are the step's; a layer called with
-    ``plan=plan`` takes its step from the plan (:meth:`step_for`). Padded plans (``pad_to``,
-    ``visible_caps``, decode steps only) and ``into`` serve the decode runner: ``into`` is the
+    ``plan=plan`` takes its step from the plan (:meth:`step_for`). Padded plans (``pad_to`` =
+    (sequences, tokens per sequence), ``visible_caps``) and ``into`` serve the decode runner:
+    ``into`` is the
     int64 device buffer the metadata is written into, or a function of (its size, which
     metadata group each layer reads) that returns it - a graph captured over one such layout
     replays only plans of the same."""
 
     def __init__(self, caches: Sequence[Sequence[AttentionCache]],
-                 seq_lens: Sequence[int] | None = None, *, pad_to: int | None = None,
+                 seq_lens: Sequence[int] | None = None, *,
+                 pad_to: tuple[int, int] | None = None,
                  visible_caps: dict[int, int] | None = None,
                  into: torch.Tensor | BufferFor | None = None) -> None:
         seqs, self.pools, self.starts = _checked(caches)
@@ -70,12 +72,12 @@ class StepPlan:
             raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
                                 f"the {len(seqs)} sequence(s)")
         total = sum(counts)
-        if pad_to is not None:
-            if any(n != 1 for n in counts):
-                raise StepPlanError("a padded plan is a decode step: one token per sequence")
-            if isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < len(seqs):
-                raise StepPlanError(f"pad_to={pad_to!r} must be an integer >= the {len(seqs)} "
-                                    "sequence(s)")
+        if pad_to is not None and (
+                not isinstance(pad_to, tuple) or len(pad_to) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in pad_to)
+                or pad_to[0] < len(seqs) or pad_to[1] < max(counts)):
+            raise StepPlanError(f"pad_to={pad_to!r} must be (sequences, tokens per sequence) of "
+                                f"at least ({len(seqs)}, {max(counts)})")
         self.caches = seqs
         self.seq_lens = counts
         ends = [a + n for a, n in zip(self.starts, counts, strict=True)]
@@ -92,20 +94,22 @@ class StepPlan:
                     f"{pool.step_tokens}: a plan is one step (call the layers without a plan, "
                     "which split the call into steps)")
         self._done = False
-        # the rings: a step of one token per sequence replaces only ring rows no retry reads;
-        # longer ones replace rows the step's own entries read, so keep them for a rollback
-        self._rings: list[dict[str, torch.Tensor]] = []
-        if any(n > 1 for n in counts):
-            for k, pool in enumerate(self.pools):
+        # the rings: a step of at most max_rollback tokens per sequence replaces only ring rows
+        # no retry reads (the rings' history); longer ones replace rows the step's own entries
+        # read, so keep those pools' rows of these sequences for a rollback
+        self._rings: dict[int, dict[str, torch.Tensor]] = {}
+        longest = max(counts)
+        for k, pool in enumerate(self.pools):
+            if pool.rings and longest > pool.max_rollback:
                 idx = upload_once(torch.tensor([c.slot for c in _column(seqs, k)]), pool.device)
-                self._rings.append({name: ring[idx].clone()
-                                    for name, (_, ring) in pool.rings.items()})
+                self._rings[k] = {name: ring[idx].clone()
+                                  for name, (_, ring) in pool.rings.items()}
         self._grown = take_blocks([(pool, [c.slot for c in _column(seqs, k)])
                                    for k, pool in enumerate(self.pools)], self.starts, ends)
         self.steps = self._metadata(pad_to, visible_caps, into)
 
     # ------------------------------------------------------------------ metadata
-    def _metadata(self, pad_to: int | None, visible_caps: dict[int, int] | None,
+    def _metadata(self, pad_to: tuple[int, int] | None, visible_caps: dict[int, int] | None,
                   into: torch.Tensor | BufferFor | None) -> dict[int, CacheStep]:
         """Each pool's CacheStep, the metadata built once per (slots, ring specs) and uploaded
         in one copy."""
@@ -148,7 +152,7 @@ class StepPlan:
     # ------------------------------------------------------------------ the layers' view
     @property
     def positions(self) -> torch.Tensor:
-        """[T] int64 positions of the step's tokens on the device (padded: ``pad_to`` of them)."""
+        """[T] int64 positions of the step's tokens on the device (padded: B * Q of them)."""
         return self._first.pos
 
     @property
@@ -190,7 +194,7 @@ class StepPlan:
         for pool in {id(p): p for p, _, _, _ in self._grown}.values():
             for store in pool.stores.values():
                 store.sync()
-        for k, saved_rings in enumerate(self._rings):
+        for k, saved_rings in self._rings.items():
             pool = self.pools[k]
             idx = upload_once(torch.tensor([c.slot for c in _column(self.caches, k)]),
                               pool.device)

@@ -21,10 +21,11 @@ The device side then writes, selects and attends for every sequence in single ba
 :class:`CallTransaction` makes a multi-step call all-or-nothing: on failure every sequence gets
 back its length, rings and blocks as they were before the call.
 
-A padded step (``pad_to``, for CUDA graphs: docs/design.md, "The decode runner") has fixed
-shapes: ``pad_to`` tokens, the padded ones at position 0 in the pool's padding slot; ``pad_to``
-entry jobs per compressor, the unused ones for the padding slot (from the step's first raw row:
-finite, and stored where no sequence reads); and per ratio a fixed width of visible entries
+A padded step (``pad_to`` = (B, Q), for CUDA graphs: docs/design.md, "The step plan and the
+decode runner") has fixed shapes: B * Q tokens (B sequences of at most Q tokens; the real ones
+first), the padded ones at position 0 in the pool's padding slot; B * ceil(Q / ratio) entry jobs
+per compressor, the unused ones for the padding slot (from the step's first raw row: finite, and
+stored where no sequence reads); and per ratio a fixed width of visible entries
 (:attr:`StepMetadata.visible_caps`) in place of the step's own.
 """
 
@@ -85,12 +86,22 @@ class HostMetadata:
 
 
 def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs: RingSpecs,
-                   pad_to: int | None = None, pad_slot: int = -1,
+                   pad_to: tuple[int, int] | None = None, pad_slot: int = -1,
                    visible_caps: dict[int, int] | None = None) -> HostMetadata:
-    """The step's metadata on the host; ``pad_to``: a padded decode step (every count 1) of
-    ``pad_to`` tokens and jobs per compressor, padding in ``pad_slot`` (module docstring)."""
+    """The step's metadata on the host; ``pad_to`` = (B, Q): a padded step of B sequences of
+    at most Q tokens each, padding in ``pad_slot`` (module docstring)."""
     if pad_to is not None:
-        return _padded_decode_metadata(starts, slots, specs, pad_to, pad_slot, visible_caps)
+        b, q = pad_to
+        if len(starts) > b or max(counts) > q:
+            raise ValueError(f"a padded step of {b} sequences of at most {q} tokens cannot hold "
+                             f"{len(starts)} sequences of up to {max(counts)} tokens")
+        if q == 1:
+            host, shapes, jobs, seq_ids = _decode_metadata(starts, slots, counts, list(specs), b,
+                                                           pad_slot)
+        else:
+            host, shapes, jobs, seq_ids = _padded(
+                _step_metadata(starts, slots, counts, list(specs)), specs, b, q, pad_slot)
+        return HostMetadata(host, shapes, jobs, seq_ids, b * q, dict(visible_caps or {}))
     build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
     host, shapes, jobs, seq_ids = build(starts, slots, counts, list(specs))
     return HostMetadata(host, shapes, jobs, seq_ids, sum(counts), None)
@@ -406,14 +417,31 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     return host, shapes, job_meta, seq_ids
 
 
-def _padded_decode_metadata(starts: list[int], slots: list[int], specs: RingSpecs, pad_to: int,
-                            pad_slot: int, visible_caps: dict[int, int] | None
-                            ) -> HostMetadata:
-    if len(starts) > pad_to:
-        raise ValueError(f"a padded step of {pad_to} tokens cannot hold {len(starts)} sequences")
-    host, shapes, jobs, seq_ids = _decode_metadata(starts, slots, [1] * len(starts), list(specs),
-                                                   pad_to, pad_slot)
-    return HostMetadata(host, shapes, jobs, seq_ids, pad_to, dict(visible_caps or {}))
+def _padded(real: Metadata, specs: RingSpecs, b: int, q: int, pad_slot: int) -> Metadata:
+    """A step's metadata (:func:`_step_metadata`) padded to B * Q tokens and, per compressor,
+    B * ceil(Q / ratio) entry jobs (the most Q tokens of a sequence complete) and B * min(Q,
+    ring rows) kept rows; the padding as in :func:`_decode_metadata`'s."""
+    host, shapes, jobs, seq_ids = real
+    parts = list(torch.split(host, [_numel(s) for s in shapes]))
+    t = b * q
+
+    def pad(part: torch.Tensor, size: int, value: int) -> torch.Tensor:
+        return torch.cat((part, part.new_full((size - part.numel(),), value)))
+
+    out = [pad(parts[0], t, 0), pad(parts[1], t, pad_slot)]
+    out_shapes: list[tuple[int, ...]] = [(t,), (t,)]
+    out_jobs: list[tuple[str, int, int]] = []
+    for k, (name, spec) in enumerate(specs):
+        e, kept = b * -(-q // spec.ratio), b * min(q, spec.rows)
+        src = spec.sources
+        slots_e, entries, ring_src, call_src, keep_dst, keep_src = parts[2 + 6 * k: 8 + 6 * k]
+        out += [pad(slots_e, e, pad_slot), pad(entries, e, 0), pad(ring_src, e * src, -1),
+                pad(call_src, e * src, 0), pad(keep_dst, kept, pad_slot * spec.rows),
+                pad(keep_src, kept, 0)]
+        out_shapes += [(e,), (e,), (e, src), (e, src), (kept,), (kept,)]
+        out_jobs.append((name, e, kept))
+    ids = torch.cat((seq_ids, seq_ids.new_full((t - seq_ids.numel(),), -1)))
+    return torch.cat(out), out_shapes, out_jobs, ids
 
 
 def _ramp(lengths: np.ndarray) -> np.ndarray:

@@ -47,9 +47,10 @@ order (~1e-7 relative), so selections agree except where two scores are that clo
 (equal keys, zero queries) stay exact ties and follow the tie rule.
 
 Limits: ``indexer_topk`` is meant for decode-sized steps (the layer takes it for at most
-``KERNEL_MAX_TOKENS`` queries; larger steps share one sequence's keys between many queries,
-which the torch path's GEMMs do better). The score workspace is [queries, width] fp32, in
-chunks of queries that fit ``workspace_bytes`` (at least one query: 1 MiB at width 256K).
+``KERNEL_MAX_TOKENS`` queries, or at most ``VERIFY_MAX_TOKENS`` per sequence; larger steps share
+one sequence's keys between many queries, which the torch path's GEMMs do better). The score
+workspace is [queries, width] fp32, in chunks of queries that fit ``workspace_bytes`` (at least
+one query: 1 MiB at width 256K).
 Nothing syncs with the host and every shape comes from the host's arguments, so a step can be
 captured in a CUDA graph (the workspace comes from the caching allocator).
 """
@@ -62,13 +63,17 @@ from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowF
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.kernels.sparse_mqa import _n_sm
 
-__all__ = ["KERNEL_MAX_TOKENS", "check_key_store", "index_kernel_format", "indexer_scores",
-           "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
+__all__ = ["KERNEL_MAX_TOKENS", "VERIFY_MAX_TOKENS", "check_key_store", "index_kernel_format",
+           "indexer_scores", "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
            "choose_digit_bits", "choose_score_programs", "choose_split"]
 
 FMTS = ("bf16", "fp8", "fp4")
 KERNEL_MAX_TOKENS = 64
-"""Steps of more queries take the torch path (prefill: its GEMMs share the keys)."""
+"""Steps of more queries take the torch path (prefill: its GEMMs share the keys) ..."""
+VERIFY_MAX_TOKENS = 8
+"""... unless no sequence brings more than this many (decode and speculative verify steps of up
+to 7 drafts: each query reads its own sequence's keys, and the decode runner's fixed-shape steps
+stay on this kernel, whose launches a CUDA graph can replay)."""
 SCORE_BLOCK = 64
 """Entries per scoring program (one page of the default block size)."""
 SCORE_PROGRAMS_PER_SM = 4

@@ -22,7 +22,8 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   (:mod:`dsv4.kernels.compress_entries`).
 * Stage 4: the indexer's query is one launch after its GEMM; its selection (bf16 queries, an
   index key format the kernels read) runs in Triton over the paged ``idx_keys`` store -
-  decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries) in two launches
+  decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, or at most ``VERIFY_MAX_TOKENS`` per
+  sequence: decode and verify steps of any batch) in two launches
   (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of one sequence sharing the
   keys, in chunks bounded by ``attention_workspace_bytes`` (:mod:`dsv4.kernels.indexer_prefill`).
   The flat store rows are one launch: the window rows with the selected entries' rows, or with
@@ -64,7 +65,12 @@ from dsv4.kernels.compress_entries import (
 )
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
-from dsv4.kernels.indexer_topk import KERNEL_MAX_TOKENS, index_kernel_format, indexer_topk
+from dsv4.kernels.indexer_topk import (
+    KERNEL_MAX_TOKENS,
+    VERIFY_MAX_TOKENS,
+    index_kernel_format,
+    indexer_topk,
+)
 from dsv4.kernels.paged_rows import (
     entry_and_window_rows,
     paged_rows_usable,
@@ -422,12 +428,12 @@ class CudaAttention(DeepseekV4Attention):
         if not fmt:
             return super()._indexer_select(step, idx_q, idx_weights)
         assert self.indexer is not None
-        if step.num_tokens > KERNEL_MAX_TOKENS and max(step.counts) > 1:
+        if step.num_tokens > KERNEL_MAX_TOKENS and max(step.counts) > VERIFY_MAX_TOKENS:
             # prefill: query tiles of one sequence share the keys
             return select_prefill(step, idx_q, idx_weights, self.indexer,
                                   self.cfg.attention_workspace_bytes)
-        # decode (any batch: a query per sequence shares no keys): the entries by ascending
-        # index (no sort: the attention reads any order)
+        # decode and verify steps (any batch; a sequence's few queries share little): the
+        # entries by ascending index (no sort: the attention reads any order)
         store = step.pool.stores["idx_keys"]
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
