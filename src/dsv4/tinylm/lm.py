@@ -109,10 +109,14 @@ class TinyLM(nn.Module):
         """One sequence's caches, one per layer."""
         return [block.attn.new_cache(max_seq_len) for block in self.blocks]
 
-    def new_pooled_caches(self, n: int, max_seq_len: int) -> list[list[AttentionCache]]:
+    def new_pooled_caches(self, n: int, max_seq_len: int, max_rollback: int = 1
+                          ) -> list[list[AttentionCache]]:
         """``n`` sequences' caches (one list per sequence, one cache per layer), each layer's in
-        one pool, so that decode batches of them run batched (``layer.new_caches``)."""
-        per_layer = [block.attn.new_caches(n, max_seq_len) for block in self.blocks]
+        one pool, so that decode batches of them run batched (``layer.new_caches``);
+        ``max_rollback``: positions a sequence can be truncated back by (speculative decoding
+        with k drafts: k)."""
+        per_layer = [block.attn.new_caches(n, max_seq_len, max_rollback=max_rollback)
+                     for block in self.blocks]
         return [[caches[s] for caches in per_layer] for s in range(n)]
 
     @property
