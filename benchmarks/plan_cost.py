@@ -78,5 +78,35 @@ def commit_cost() -> None:
         print(f"context {context:5d} M={m}: commit {best * 1e6:6.1f} us", flush=True)
 
 
+def rollback_cost() -> None:
+    """Host time of rolling back rejected drafts in one C4 layer after a verify step of 4
+    tokens (``max_rollback=7``): ``truncate`` of one sequence by 3 positions, and
+    ``truncate_many`` of 16 sequences (per sequence), by context - constant in the context (the
+    block tables shrink by at most one block per store)."""
+    cfg = DSV4Config.preset("tiny").replace(max_position_embeddings=65536)
+    layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
+    for context in (600, 8192, 32768):
+        pool = layer.new_cache_pool(16, context + 512, max_rollback=7)
+        caches = [pool.add_sequence() for _ in range(16)]
+        fill_history(caches, context)
+        one = many = float("inf")
+        for _ in range(5):
+            spent_one = spent_many = 0.0
+            for _ in range(30):
+                CacheStep.plan(pool, caches, [4] * 16).commit()
+                t0 = time.perf_counter()
+                caches[0].truncate(caches[0].length - 3)
+                spent_one += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                pool.truncate_many(caches[1:], [c.length - 3 for c in caches[1:]])
+                spent_many += (time.perf_counter() - t0) / 15
+            one = min(one, spent_one / 30)
+            many = min(many, spent_many / 30)
+        print(f"context {context:5d}: rollback by 3 in one C4 layer: {one * 1e6:5.1f} us "
+              f"(truncate, one sequence), {many * 1e6:5.1f} us per sequence (truncate_many "
+              "of 15)", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    rollback_cost()

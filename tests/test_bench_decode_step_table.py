@@ -39,6 +39,10 @@ def test_speedups_are_against_the_best_upstream_strategy_and_every_strategy_is_l
     assert not any(f"{s} launches" in lines[0] for s in ("upstream", "rocm_style"))
     assert lines[2].startswith("| flash | C4 | 512 | 1 | 4.0 (0.50) | 5.0 (0.50) | skipped |")
     assert lines[2].endswith("| 5.00x | 4.00x | 2.50x |")
+    # verify steps (1 + k tokens per sequence) are their own cases
+    verify = [{**r, "draft_tokens": 3} for r in rows if r["M"] == 4]
+    lines = markdown_table(rows + verify)
+    assert len(lines) == 5 and lines[4].startswith("| flash | C4 | 512 | 4 x (1 + 3) |")
 
 
 def test_strategies_are_few_and_led_by_the_library_default():

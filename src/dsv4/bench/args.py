@@ -16,14 +16,15 @@ LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 """Layer types by name: their compress ratio."""
 
 
-def int_list(text: str) -> list[int]:
-    """``"1,16,64"`` -> [1, 16, 64]; positive integers only."""
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """``"1,16,64"`` -> [1, 16, 64]; integers of at least ``minimum`` (default: positive)."""
     try:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
         values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    if not values or any(v < minimum for v in values):
+        what = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}")
     return values
 
 

@@ -73,7 +73,7 @@ from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan
 from dsv4.runner import capture_graph
 from dsv4.testing.random_weights import random_layer_weights
-from dsv4.usage import OneLineArgumentParser, check_at_least
+from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
 _BOTH_PASSES = ("compressor_fusion", "fuse_input_projections")
 
@@ -160,8 +160,8 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
 
 
 def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
-                   caches: list[Any], context: int, title: str = ""
-                   ) -> tuple[int, str]:
+                   caches: list[Any], context: int, title: str = "",
+                   lens: list[int] | None = None) -> tuple[int, str]:
     """(GPU operations of one eager decode step, the profiler's kernel table of it). The step's
     writes are undone (the caches are truncated back to ``context``). Counted as a layer called
     on its own: with its own step metadata upload (a model's step plan uploads it once for all
@@ -169,7 +169,7 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(x, pos, caches)
+        layer(x, pos, caches, lens)
         torch.cuda.synchronize()
     for c in caches:
         c.truncate(context)
@@ -183,7 +183,7 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
 
 
 def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
-                   context: int, title: str = "") -> str:
+                   context: int, title: str = "", lens: list[int] | None = None) -> str:
     """Where one eager step's GPU work is launched from: the profiler's operators (PyTorch's
     own kernels, copies and fills among them) with their device time, grouped by the Python
     stack that called them (5 frames) - what names the small copies a kernel table only calls
@@ -194,7 +194,7 @@ def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
     with profile(activities=acts, with_stack=True) as prof:
-        layer(x, pos, caches)
+        layer(x, pos, caches, lens)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     for c in caches:
@@ -227,10 +227,10 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
-             cold_l2: bool = False) -> list[dict[str, Any]]:
+             cold_l2: bool = False, draft_tokens: int = 0) -> list[dict[str, Any]]:
     with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
         return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
-                         pooled, strategies, fill, cold_l2)
+                         pooled, strategies, fill, cold_l2, draft_tokens)
 
 
 def l2_scrub_buffer(dev: torch.device) -> torch.Tensor:
@@ -270,25 +270,29 @@ def replay_times(graph: Any, reps: int, scrub: torch.Tensor | None) -> list[floa
 def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
               dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
               profiles: list[str] | None, pooled: bool, strategies: tuple[str, ...], fill: str,
-              cold_l2: bool = False) -> list[dict[str, Any]]:
+              cold_l2: bool = False, draft_tokens: int = 0) -> list[dict[str, Any]]:
     scrub = l2_scrub_buffer(dev) if cold_l2 else None
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(m, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+    n = 1 + draft_tokens  # tokens per sequence: a decode step, or a verify step of k drafts
+    x = torch.randn(m * n, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     prompts = (torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
                if fill == "prefill" else None)
-    pos = torch.full((m,), context, dtype=torch.long)  # CPU positions: no sync, capturable
+    # CPU positions: no sync, capturable
+    pos = torch.arange(context, context + n).repeat(m)
+    lens = [n] * m
     rows: list[dict[str, Any]] = []
     base: tuple[torch.Tensor, str] | None = None  # the first strategy's output checks the rest
     for strategy in strategies:
         key = {"model": model, "layer_type": layer_type, "M": m, "context": context,
-               "strategy": strategy}
+               "draft_tokens": draft_tokens, "strategy": strategy}
         # PDL as the strategy says for its eager steps, its capture (the graph keeps it) and
         # its launch count
         set_programmatic_launch(STRATEGY_SPECS[strategy].pdl)
         layer = build(cfg, layer_id, strategy, weights, dev)
-        caches = (layer.new_caches(m, context + 8) if pooled else
-                  [layer.new_cache(context + 8) for _ in range(m)])
+        # each replay's tokens are taken back (truncate): the pools keep n positions of rollback
+        caches = (layer.new_caches(m, context + 8, max_rollback=n) if pooled else
+                  [layer.new_cache(context + 8, max_rollback=n) for _ in range(m)])
         if prompts is not None:
             for i, c in enumerate(caches):
                 layer(prompts[i], torch.arange(context), c)
@@ -296,7 +300,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             fill_history(caches, context, seed=7)
         try:
             choice = layer.attention_choice(caches[0].pool).describe()
-            eager = layer(x, pos, caches)  # warm-up and the eager answer
+            eager = layer(x, pos, caches, lens)  # warm-up and the eager answer
         except RuntimeError as ex:
             if STRATEGY_SPECS[strategy].attention_backend != "flashmla":
                 raise
@@ -310,13 +314,13 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            layer(x, pos, caches)
+            layer(x, pos, caches, lens)
             for c in caches:
                 c.truncate(context)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with capture_graph(graph):
-            out = layer(x, pos, caches)
+            out = layer(x, pos, caches, lens)
         for c in caches:
             c.truncate(context)
         graph.replay()
@@ -336,13 +340,15 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         us = statistics.median(times)
         nbytes = step_bytes(layer, m, context)
         floor = nbytes / bw * 1e6
+        case = f"{model} {layer_type} ctx={context} M={m}" + (
+            f" k={draft_tokens}" if draft_tokens else "")
         launches, table = count_launches(layer, x, pos, caches, context,
-                                         f"{model} {layer_type} ctx={context} M={m} {strategy}")
+                                         f"{case} {strategy}", lens)
         if profiles is not None and strategy in OURS:
-            title = f"{model} {layer_type} ctx={context} M={m} {strategy}"
+            title = f"{case} {strategy}"
             profiles.append(table)
             profiles.append(replay_table(graph, caches, context, title))
-            profiles.append(launch_origins(layer, x, pos, caches, context, title))
+            profiles.append(launch_origins(layer, x, pos, caches, context, title, lens))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
@@ -351,20 +357,25 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                      "l2": "cold" if cold_l2 else "replays back to back",
                      "us": us, "bytes": nbytes, "floor_us": floor, "fraction": floor / us,
                      "launches": launches, "rel_err_vs": base[1], "rel_err": err})
-        print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} {strategy:>15}: "
-              f"{us:8.1f} us (floor {floor:6.1f} us, {floor / us:.3f}), {launches} launches, "
-              f"err {err:.1e}", flush=True)
+        print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} k={draft_tokens} "
+              f"{strategy:>15}: {us:8.1f} us (floor {floor:6.1f} us, {floor / us:.3f}), "
+              f"{launches} launches, err {err:.1e}", flush=True)
         del layer, caches, graph
         torch.cuda.empty_cache()
     add_speedups(rows)
     return rows
 
 
+def case_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A row's case: (model, layer type, context, M, drafted tokens per sequence)."""
+    return r["model"], r["layer_type"], r.get("context", 0), r["M"], r.get("draft_tokens", 0)
+
+
 def add_speedups(rows: list[dict[str, Any]]) -> None:
     """``speedup_vs_best_upstream`` of every timed row: the fastest upstream strategy's time at
     the same (model, layer, context, M) over this row's (absent when no upstream row ran)."""
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        return r["model"], r["layer_type"], r.get("context"), r["M"]
+        return case_key(r)
 
     best: dict[tuple[Any, ...], float] = {}
     for r in rows:
@@ -386,10 +397,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
     head = (["model", "layer", "ctx", "M"] + present + [f"{s} launches" for s in new]
             + [f"{s} vs best upstream" for s in ours])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    keys = sorted({(r["model"], r["layer_type"], r.get("context", 0), r["M"]) for r in rows})
+    keys = sorted({case_key(r) for r in rows})
     for k in keys:
         cells = {r["strategy"]: r for r in rows
-                 if (r["model"], r["layer_type"], r.get("context", 0), r["M"]) == k}
+                 if case_key(r) == k}
 
         def cell(s: str, what: str, cells: dict[str, dict[str, Any]] = cells) -> str:
             r = cells.get(s)
@@ -406,7 +417,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
             return "-" if v is None else f"{v:.2f}x"
 
         ctx = f"{k[2] // 1024}K" if k[2] >= 1024 else str(k[2])
-        lines.append(f"| {k[0]} | {k[1]} | {ctx} | {k[3]} | "
+        m_cell = f"{k[3]}" if not k[4] else f"{k[3]} x (1 + {k[4]})"
+        lines.append(f"| {k[0]} | {k[1]} | {ctx} | {m_cell} | "
                      + " | ".join([cell(s, "us") for s in present]
                                   + [cell(s, "launches") for s in new]
                                   + [cell(s, "speedup") for s in ours]) + " |")
@@ -426,17 +438,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     if plt is None:
         return False
     timed = [r for r in rows if "fraction" in r]
-    cases = sorted({(r["model"], r["layer_type"], r["context"], r["M"]) for r in timed})
+    cases = sorted({case_key(r) for r in timed})
     present = [s for s in STRATEGIES if any(r["strategy"] == s for r in timed)]
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(present) / 3), 4.5))
     width = 0.8 / max(1, len(present))
     for j, s in enumerate(present):
         vals = [next((r["fraction"] for r in timed if r["strategy"] == s and
-                      (r["model"], r["layer_type"], r["context"], r["M"]) == c), 0.0)
+                      case_key(r) == c), 0.0)
                 for c in cases]
         ax.bar([i + j * width for i in range(len(cases))], vals, width, label=s)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-    ax.set_xticklabels([f"{m} {lt}\nctx {c} M={mm}" for m, lt, c, mm in cases], fontsize=7)
+    ax.set_xticklabels([f"{m} {lt}\nctx {c} M={mm}" + (f" k={k}" if k else "")
+                        for m, lt, c, mm, k in cases], fontsize=7)
     ax.set_ylabel("fraction of floor (weights + cache bytes / copy bw)")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
@@ -467,6 +480,10 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     type=choice_list(STRATEGIES, "strategy"),
                     help=f"comma-separated subset of {','.join(STRATEGIES)} (default all; the "
                     "first is the reference the others are checked against)")
+    ap.add_argument("--draft-tokens", default=[0], type=lambda t: int_list(t, minimum=0),
+                    help="comma-separated drafted tokens per sequence, k: steps of 1 + k tokens "
+                    "per sequence, the verify steps of speculative decoding (default 0: decode "
+                    "steps; at most 7)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
@@ -501,6 +518,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     tp_run = args.tp != 1 or args.dry_run or "WORLD_SIZE" in os.environ
     with ap.usage_errors():
         check_at_least("--reps", args.reps, 1)
+        if max(args.draft_tokens) > 7:
+            raise UsageError(f"--draft-tokens {max(args.draft_tokens)}: at most 7 (the query "
+                             "buckets of the decode runner)")
         if args.context is not None:
             check_at_least("--context", args.context, 1)
         check_out(args.out, TP_RESULTS if tp_run else RESULTS, args.overwrite)
@@ -534,9 +554,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             weights = random_layer_weights(cfg, cfg.layer_of_ratio(LAYER_RATIO[layer_type]))
             for context in contexts:
                 for m in args.ms:
-                    rows += run_case(cfg, model, layer_type, m, context, dev, bw, args.reps,
-                                     weights, profiles, not args.per_sequence, strategies,
-                                     args.fill, args.cold_l2)
+                    for k in args.draft_tokens:
+                        rows += run_case(cfg, model, layer_type, m, context, dev, bw,
+                                         args.reps, weights, profiles, not args.per_sequence,
+                                         strategies, args.fill, args.cold_l2, k)
                     partial = {"rows": rows, "copy_bw": bw}
                     (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
                     if profiles:  # kept as it grows: a run cut short keeps what it measured

@@ -296,3 +296,16 @@ def _groups(pools: list[CachePool], seqs: list[list[AttentionCache]], padded: bo
 
 def _column(seqs: list[list[AttentionCache]], k: int) -> list[AttentionCache]:
     return [s[k] for s in seqs]
+
+
+def truncate_sequences(caches: Sequence[Sequence[AttentionCache]], lengths: Sequence[int]
+                       ) -> None:
+    """Truncate sequence i (its cache in every layer, ``caches[i]``) to ``lengths[i]``
+    positions - a speculative step's rollback of its rejected drafts - every layer checked
+    before any changes (:meth:`CachePool.truncate_many`)."""
+    seqs, pools, starts = _checked(caches)
+    if len(lengths) != len(seqs):
+        raise StepPlanError(f"{len(lengths)} lengths for {len(seqs)} sequence(s)")
+    plans = [pool.check_truncation(_column(seqs, k), lengths) for k, pool in enumerate(pools)]
+    for pool, plan in zip(pools, plans, strict=True):
+        pool.apply_truncation(plan)

@@ -29,6 +29,7 @@ An :class:`AttentionCache` is one sequence's handle; the layer's forward takes a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -316,13 +317,62 @@ class CachePool:
 
         Always possible for ``length >= current length - max_rollback`` (the compressors' rings
         and the window hold what position ``length`` needs); further back where that state is
-        still held, else an error with nothing changed."""
-        slot = self._own(cache, "truncate")
-        cur = self._lengths[slot]
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= cur:
-            raise ValueError(f"truncate: length={length!r} must be an integer in 0 .. {cur}")
-        if length == cur:
-            return
+        still held, else an error with nothing changed. :meth:`truncate_many` does several
+        sequences at once."""
+        self.truncate_many([cache], [length])
+
+    def truncate_many(self, caches: Sequence[AttentionCache], lengths: Sequence[int]) -> None:
+        """:meth:`truncate` of each cache to its length, all checked before any changes (a
+        speculative step's rollback: one call per layer, not one per sequence and layer;
+        :func:`dsv4.cache.plan.truncate_sequences` does a model's layers)."""
+        self.apply_truncation(self.check_truncation(caches, lengths))
+
+    def check_truncation(self, caches: Sequence[AttentionCache], lengths: Sequence[int]
+                         ) -> list[tuple[int, int, dict[str, int | None]]]:
+        """:meth:`truncate_many`'s checks (errors name the cache and the fix); returns what
+        :meth:`apply_truncation` does: (slot, length, the block each store copies)."""
+        if len(caches) != len(lengths):
+            raise ValueError(f"truncate: {len(caches)} caches but {len(lengths)} lengths")
+        plan: list[tuple[int, int, dict[str, int | None]]] = []
+        need_copy = dict.fromkeys(self.stores, 0)
+        for cache, length in zip(caches, lengths, strict=True):
+            slot = self._own(cache, "truncate")
+            cur = self._lengths[slot]
+            if isinstance(length, bool) or not isinstance(length, int) \
+                    or not 0 <= length <= cur:
+                raise ValueError(f"truncate: length={length!r} must be an integer in 0 .. {cur}")
+            if length == cur:
+                continue
+            self._check_held(slot, cur, length)
+            copies = {name: store.shared_partial_block(slot, self._rows_held(name, length))
+                      for name, store in self.stores.items()}
+            for name, block in copies.items():
+                need_copy[name] += block is not None
+            plan.append((slot, length, copies))
+        for name, store in self.stores.items():  # every copy checked before any is made
+            if need_copy[name] > store.alloc.num_free:
+                raise CacheCapacityError(
+                    f"truncate: the {name} store's blocks at the new lengths are shared with a "
+                    f"fork and there are {store.alloc.num_free} free blocks to copy "
+                    f"{need_copy[name]} into")
+        return plan
+
+    def apply_truncation(self, plan: list[tuple[int, int, dict[str, int | None]]]) -> None:
+        """Carry out a checked truncation (:meth:`check_truncation`)."""
+        for slot, length, copies in plan:
+            for name, store in self.stores.items():
+                store.shrink_to(slot, ceil_div(self._rows_held(name, length), store.block_size))
+                shared = copies[name]
+                if shared is not None:
+                    store.make_private(slot, shared)
+            self._lengths[slot] = length
+        if plan:
+            for store in self.stores.values():
+                store.sync()
+
+    def _check_held(self, slot: int, cur: int, length: int) -> None:
+        """Raise (naming the fix) unless the state position ``length`` needs is still held: the
+        window rows before it and the compressors' ring rows the next entry pools."""
         first_window_row = max(0, length - self.window + 1)
         if not self.stores["kv"].holds_rows(slot, first_window_row, length):
             raise ValueError(f"truncate to {length}: the window rows from {first_window_row} were "
@@ -335,21 +385,6 @@ class CachePool:
                                  f"{needed_from} were overwritten (the pool keeps "
                                  f"{self.max_rollback} position(s) of rollback: "
                                  "new_cache_pool(max_rollback=...))")
-        rows = {name: self._rows_held(name, length) for name in self.stores}
-        copies = {name: store.shared_partial_block(slot, rows[name])
-                  for name, store in self.stores.items()}
-        for name, store in self.stores.items():  # every copy checked before any is made
-            if copies[name] is not None and store.alloc.num_free < 1:
-                raise CacheCapacityError(
-                    f"truncate to {length}: the {name} store's block at row {rows[name]} is "
-                    "shared with a fork and there is no free block to copy it into")
-        for name, store in self.stores.items():
-            store.shrink_to(slot, ceil_div(rows[name], store.block_size))
-            shared = copies[name]
-            if shared is not None:
-                store.make_private(slot, shared)
-            store.sync()
-        self._lengths[slot] = length
 
     def read_rows(self, cache: AttentionCache, name: str, start: int = 0,
                   end: int | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.cache.plan import truncate_sequences
 from dsv4.runner import DecodeRunner
 from dsv4.tinylm.lm import TinyLM
 
@@ -102,6 +103,7 @@ def speculative_generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_ne
         lens = [1 + len(drafts[i]) for i in active]
         tokens = torch.tensor([t for i in active for t in [nxt[i], *drafts[i]]], device=dev)
         choice = runner([caches[i] for i in active], tokens, seq_lens=lens).argmax(-1).tolist()
+        keep = []
         b = 0
         for i, n in zip(active, lens, strict=True):
             mine, d = choice[b:b + n], drafts[i]
@@ -112,11 +114,11 @@ def speculative_generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_ne
                     break
             outs[i] += d[:a]  # the accepted drafts ...
             nxt[i] = mine[a]  # ... and the model's own choice after them
-            for c in caches[i]:
-                c.truncate(c.length - (len(d) - a))
+            keep.append(caches[i][0].length - (len(d) - a))
             stats.drafted += len(d)
             stats.accepted += a
             b += n
+        truncate_sequences([caches[i] for i in active], keep)  # the rejected drafts go
         stats.steps += 1
     for o in outs:
         del o[max_new_tokens:]
