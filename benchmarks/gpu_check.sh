@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_check.sh runner   # the decode runner's GPU tests, then Flash's whole
 #                                         # attention stack: eager vs runner (model-decode)
 #   bash benchmarks/gpu_check.sh models   # Pro's stack (model-decode); transformers-decode
+#   bash benchmarks/gpu_check.sh verify-steps  # decode-step rows of 1 + k tokens per sequence
+#                                         # (k = 0, 1, 3, 7), Flash / Pro C4, contexts 512, 64K
 #
 # FlashMLA: put the `sgl-flash-mla` wheel in .whl/ (ignored by git); it is installed into
 # /tmp/fm with --no-deps. Without it the FlashMLA rows skip and `auto` runs our kernel.
@@ -28,9 +30,10 @@
 # they mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | verify | decode | prefill | kernels | runner | models) ;;
+suite | verify | decode | prefill | kernels | runner | models | verify-steps) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|verify|decode|prefill|kernels|runner|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh" \
+        "suite|verify|decode|prefill|kernels|runner|models|verify-steps" >&2
     exit 2
     ;;
 esac
@@ -119,5 +122,11 @@ models)
     step model-decode/pro/log.txt 330 "${MODEL[@]}" --models pro --out "$OUT/model-decode/pro"
     step transformers-decode/log.txt 240 python3 -m dsv4 bench transformers-decode \
         --out "$OUT/transformers-decode" --batches 1,16 --contexts 4096,32768,262144
+    ;;
+verify-steps)
+    for ctx in 512 65536; do
+        step "decode-step-verify/$ctx/log.txt" 280 "${DECODE[@]}" --strategies default \
+            --draft-tokens 0,1,3,7 --contexts "$ctx" --reps 3 --out "$OUT/decode-step-verify/$ctx"
+    done
     ;;
 esac

@@ -137,3 +137,24 @@ def test_planned_and_replayed_steps_make_no_host_syncs():
             runner(seqs, x)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_tiny_model_speculative_tokens_through_graphs_equal_greedy():
+    """Verify steps of 1 + k tokens replayed as graphs (query buckets), rejected drafts rolled
+    back: the greedy tokens, for drafts of every quality."""
+    from dsv4.tinylm.checkpoint import load_tiny_lm
+    from dsv4.tinylm.generate import generate_ids
+    from dsv4.tinylm.paths import default_model_dir
+    from dsv4.tinylm.speculative import CorruptedOracle, speculative_generate_ids
+    from dsv4.tinylm.task import heldout_problems
+
+    model = load_tiny_lm(default_model_dir(), platform="cuda", device="cuda")
+    tok = model.cfg.tokenizer
+    prompts = [tok.encode(p.prompt, bos=True) for p in heldout_problems(24, model.cfg.task)]
+    n = model.cfg.task.max_answer_tokens + 2
+    greedy = generate_ids(model, prompts, n, runner=model.decode_runner(mode="graphs"))
+    for k, error in ((1, 0.0), (3, 0.3), (7, 0.5)):
+        runner = model.decode_runner(mode="graphs")
+        oracle = CorruptedOracle(prompts, greedy, model.cfg.vocab_size, error, seed=k)
+        assert speculative_generate_ids(model, prompts, n, oracle, k, runner=runner) == greedy
+        assert runner.stats["replays"] > 0
