@@ -9,11 +9,11 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   default) and, for verify steps of several tokens per sequence (``seq_lens``), the smallest
   query bucket ``Q`` at or above the longest (1, 2, 4, 8); the ``B * Q - T`` padded tokens sit in
   each pool's padding slot at position 0, where they write nothing a sequence reads
-  (:mod:`dsv4.cache.step`). Per compression ratio the
-  width of visible entries is fixed too: the next power of two at or above the step's widest
-  (at least 1), so a graph serves a context range of 2x and the C4 indexer runs wherever
-  that width exceeds ``index_topk`` (a query with fewer visible entries takes them all: the
-  indexer's contract). A bucket is (B, the widths, the pools).
+  (:mod:`dsv4.cache.step`). Per compression ratio the width of visible entries is fixed too:
+  the next power of two at or above the step's widest (at least 1), so a graph serves a context
+  range of 2x and the C4 indexer runs wherever that width exceeds ``index_topk`` (a query with
+  fewer visible entries takes them all: the indexer's contract). A bucket is (B, Q, the widths,
+  the pools).
 * **A step.** On the host: the plan (:class:`dsv4.cache.plan.StepPlan` with ``pad_to`` and
   ``into``) takes the step's blocks in every pool, copies changed block tables, and writes the
   step's metadata into the bucket's device buffer in one copy; each input is copied into the
@@ -25,9 +25,9 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   runs the padded step eagerly without a graph: the bucket logic on any device (the CPU
   tests use it).
 
-Outputs are copies (``[M, ...]`` of the step function's ``[B, ...]`` outputs): they stay valid
-after the next step. Graphs hold the layers' weights and the pools' tensors by address: after
-weights are reloaded or pools replaced, call :meth:`DecodeRunner.reset`.
+Outputs are copies (the ``T`` real rows of the step function's ``[B * Q, ...]`` outputs): they
+stay valid after the next step. Graphs hold the layers' weights and the pools' tensors by
+address: after weights are reloaded or pools replaced, call :meth:`DecodeRunner.reset`.
 """
 
 from __future__ import annotations
@@ -186,10 +186,9 @@ class DecodeRunner:
         plan = StepPlan(caches, counts, pad_to=(bucket, per_seq), visible_caps=caps,
                         into=buffer_for)
         state = picked[0]
-        m = t_real
         try:
             for static, t in zip(state.inputs, inputs, strict=True):
-                static[:m].copy_(t)
+                static[:t_real].copy_(t)
             if mode == "graphs" and state.graph is not None:
                 state.graph.replay()
                 outs = state.outputs
@@ -200,7 +199,7 @@ class DecodeRunner:
             plan.rollback()
             raise
         plan.commit()
-        return _rows(outs, m)
+        return _rows(outs, t_real)
 
     def _run_padded(self, plan: StepPlan, state: _Bucket, capture: bool) -> Any:
         """The padded step eagerly over the bucket's buffers (its real result); with

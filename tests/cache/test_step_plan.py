@@ -173,3 +173,14 @@ def test_bad_plans_and_bad_uses_are_errors_naming_the_culprit(tiny_exact):
     with pytest.raises(StepPlanError, match="step is over"):
         layers[0](x, plan=plan)
     assert [c.length for c in caches[0]] == [4, 4] and [c.length for c in caches[1]] == [1, 1]
+
+
+def test_a_plan_that_cannot_be_made_takes_no_blocks(tiny_exact):
+    layers = _stack(tiny_exact, [0, 4])
+    caches = _caches(layers, 2)
+    pools = [c.pool for c in caches[0]]
+    before = [p.blocks_in_use() for p in pools]
+    with pytest.raises(StepPlanError, match="into: an int64"):
+        StepPlan(caches, [100, 70], into=torch.zeros(3, dtype=torch.int64))
+    assert [p.blocks_in_use() for p in pools] == before
+    assert [c.length for s in caches for c in s] == [0, 0, 0, 0]

@@ -253,8 +253,9 @@ def test_the_decode_selection_is_by_ascending_entry(cpu_cuda_layer, monkeypatch)
 @pytest.mark.parametrize("formats", [("bf16", "bf16"), ("fp8_ds_mla", "fp8")])
 def test_padded_runner_steps_equal_eager_steps(cpu_cuda_layer, formats):
     """The decode runner's padded steps (what its CUDA graphs replay: padding slot, padded jobs,
-    fixed widths, the decode indexer at every width) through every step kernel, against the
-    same layers called eagerly, as sequences fork and join across entry boundaries."""
+    fixed widths, the decode indexer at every width; verify steps of up to 4 tokens per
+    sequence, truncated back) through every step kernel, against the same layers called
+    eagerly, as sequences fork and join across entry boundaries."""
     from dsv4.cache.plan import StepPlan
     from dsv4.runner import DecodeRunner
 
@@ -267,10 +268,11 @@ def test_padded_runner_steps_equal_eager_steps(cpu_cuda_layer, formats):
             x = x + lay(x, plan=plan)
         return x
 
-    runner = DecodeRunner(stack, mode="padded", buckets=(2, 4))
+    runner = DecodeRunner(stack, mode="padded", buckets=(2, 4), query_buckets=(1, 4))
     gen = torch.Generator().manual_seed(3)
     h = cfg.hidden_size
-    pools = {side: [lay.new_cache_pool(4, 300) for lay in layers] for side in "ab"}
+    pools = {side: [lay.new_cache_pool(4, 300, max_rollback=3) for lay in layers]
+             for side in "ab"}
     seqs: dict[str, list] = {"a": [], "b": []}
 
     def join(n):
@@ -290,13 +292,19 @@ def test_padded_runner_steps_equal_eager_steps(cpu_cuda_layer, formats):
                 seqs[side].append([c.fork() for c in seqs[side][0]])
         if step == 9:
             join(2)
-        x = torch.randn(len(seqs["a"]), h, generator=gen).bfloat16()
-        ya = runner(seqs["a"], x).float()
-        pos = torch.tensor([s[0].length for s in seqs["b"]])
+        lens = [1 + (step + i) % 4 if step % 3 == 2 else 1 for i in range(len(seqs["a"]))]
+        x = torch.randn(sum(lens), h, generator=gen).bfloat16()
+        ya = runner(seqs["a"], x, seq_lens=lens).float()  # every third step a verify step
+        pos = torch.cat([torch.arange(s[0].length, s[0].length + n)
+                         for s, n in zip(seqs["b"], lens, strict=True)])
         yb = x
         for k, lay in enumerate(layers):
-            yb = yb + lay(yb, pos, [s[k] for s in seqs["b"]])
+            yb = yb + lay(yb, pos, [s[k] for s in seqs["b"]], lens)
         yb = yb.float()
+        for side in "ab":  # keep the first token of each verify step
+            for seq, n in zip(seqs[side], lens, strict=True):
+                for c in seq:
+                    c.truncate(c.length - (n - 1))
         err = ((ya - yb).norm() / yb.norm()).item()
         worst = max(worst, err)
         assert err < 1e-2, (step, err)

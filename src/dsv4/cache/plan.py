@@ -55,10 +55,9 @@ class StepPlan:
     ``positions`` (device, [T]) and ``seq_lens`` are the step's; a layer called with
     ``plan=plan`` takes its step from the plan (:meth:`step_for`). Padded plans (``pad_to`` =
     (sequences, tokens per sequence), ``visible_caps``) and ``into`` serve the decode runner:
-    ``into`` is the
-    int64 device buffer the metadata is written into, or a function of (its size, which
-    metadata group each layer reads) that returns it - a graph captured over one such layout
-    replays only plans of the same."""
+    ``into`` is the int64 device buffer the metadata is written into, or a function of (its
+    size, which metadata group each layer reads) that returns it - a graph captured over one
+    such layout replays only plans of the same."""
 
     def __init__(self, caches: Sequence[Sequence[AttentionCache]],
                  seq_lens: Sequence[int] | None = None, *,
@@ -106,7 +105,11 @@ class StepPlan:
                                   for name, (_, ring) in pool.rings.items()}
         self._grown = take_blocks([(pool, [c.slot for c in _column(seqs, k)])
                                    for k, pool in enumerate(self.pools)], self.starts, ends)
-        self.steps = self._metadata(pad_to, visible_caps, into)
+        try:
+            self.steps = self._metadata(pad_to, visible_caps, into)
+        except BaseException:
+            self._give_back_blocks()  # nothing taken survives a plan that was not made
+            raise
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self, pad_to: tuple[int, int] | None, visible_caps: dict[int, int] | None,
@@ -189,17 +192,21 @@ class StepPlan:
     def rollback(self) -> None:
         """The step failed: every pool as before the plan (blocks, ring rows, lengths)."""
         self._finish()
-        for pool, name, slot, before in self._grown:  # lengths change only at commit
-            pool.stores[name].shrink_to(slot, before)
-        for pool in {id(p): p for p, _, _, _ in self._grown}.values():
-            for store in pool.stores.values():
-                store.sync()
+        self._give_back_blocks()  # lengths change only at commit
         for k, saved_rings in self._rings.items():
             pool = self.pools[k]
             idx = upload_once(torch.tensor([c.slot for c in _column(self.caches, k)]),
                               pool.device)
             for name, saved in saved_rings.items():
                 pool.rings[name][1][idx] = saved
+
+    def _give_back_blocks(self) -> None:
+        """The blocks this plan took go back, last taken first (the free lists as before)."""
+        for pool, name, slot, before in reversed(self._grown):
+            pool.stores[name].shrink_to(slot, before)
+        for pool in {id(p): p for p, _, _, _ in self._grown}.values():
+            for store in pool.stores.values():
+                store.sync()
 
     def _finish(self) -> None:
         if self._done:
