@@ -52,5 +52,64 @@ def test_through_the_runners_padded_steps(model_and_greedy):
 
 def test_bad_k_is_refused(model_and_greedy):
     model, prompts, n, greedy = model_and_greedy
+    oracle = CorruptedOracle(prompts, greedy, model.cfg.vocab_size, 0.0)
     with pytest.raises(ValueError, match="k=8"):
-        speculative_generate_ids(model, prompts, n, lambda i, t, k: [], 8)
+        speculative_generate_ids(model, prompts, n, oracle, 8)
+
+
+def test_the_mtp_layer_drafts_from_exact_caches():
+    """The MTP drafter (random weights: the tiny model has no MTP head): its attention runs
+    beside the main layers with its own caches, rolled back after each verify step and rebuilt
+    from the main model's hidden states of the kept tokens. Every first draft's logits equal
+    those of a fresh MTP layer fed all the true pairs (h_j, t_j+1) of the sequence so far
+    (float64, to rounding), and the output is greedy decoding."""
+    from dsv4.cache.plan import StepPlan
+    from dsv4.tinylm.mtp import MTPDrafter, MTPLayer
+
+    model = load_tiny_lm(default_model_dir(), platform="reference", device="cpu",
+                         dtype=torch.float64)
+    tok = model.cfg.tokenizer
+    prompts = [tok.encode(p.prompt, bos=True) for p in heldout_problems(5, model.cfg.task)]
+    n = model.cfg.task.max_answer_tokens + 2
+    greedy = generate_ids(model, prompts, n)
+    mtp = MTPLayer.random(model, seed=1)
+
+    class Checked(MTPDrafter):
+        """Records, for every proposal, the sequence so far and the first draft's logits."""
+
+        history: dict[int, list[int]] = {}
+        seen: list[tuple[list[int], torch.Tensor]] = []
+
+        def prefill(self, i, tokens, hidden):
+            self.history[i] = list(tokens)
+            super().prefill(i, tokens, hidden)
+
+        def accepted(self, i, tokens, hidden):
+            self.history[i] += tokens
+            super().accepted(i, tokens, hidden)
+
+        def _step(self, plan, hidden, tokens):
+            logits, h = super()._step(plan, hidden, tokens)
+            self.steps.append(logits)
+            return logits, h
+
+        def propose(self, seqs, nxt, k):
+            self.steps = []
+            out = super().propose(seqs, nxt, k)
+            self.seen += [(self.history[i] + [nxt[i]], self.steps[0][j])
+                          for j, i in enumerate(seqs)]
+            return out
+
+    drafter = Checked(mtp)
+    assert speculative_generate_ids(model, prompts, n, drafter, 3) == greedy
+    assert len(drafter.seen) >= len(prompts)
+    for tokens, logits in drafter.seen:
+        # a fresh start: the main model's hidden states of t_0 .. t_L-1, then a fresh MTP cache
+        # fed every pair (h_j, t_j+1); its last row is what the first draft saw
+        main = model.new_pooled_caches(1, len(tokens) + 2)
+        with StepPlan(main, [len(tokens) - 1]) as plan:
+            h = model.hidden_states(torch.tensor(tokens[:-1]), plan)
+        cache = [[mtp.block.attn.new_cache_pool(1, len(tokens) + 2).add_sequence()]]
+        with StepPlan(cache, [len(tokens) - 1]) as plan:
+            ref, _ = mtp(h, torch.tensor(tokens[1:]), plan)
+        assert torch.allclose(logits, ref[-1], rtol=0, atol=1e-9)

@@ -150,20 +150,36 @@ class TinyLM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def run_step(self, tokens: torch.Tensor, plan: StepPlan,
-                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The step of ``plan`` (tokens [T], one per plan token): every block takes its
-        attention step from the plan; the caller commits it. What :meth:`decode_runner`
-        captures."""
+    def hidden_states(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The last block's output [T, hidden] (before the final norm: what an MTP layer
+        takes) for the step of ``plan`` (tokens [T], one per plan token): every block takes its
+        attention step from the plan; the caller commits it."""
         x = F.embedding(tokens, self.embed.weight)
         for block in self.blocks:
             x = block(x, plan=plan)
-        return self._logits(x, logit_rows)
+        return x
 
-    def decode_runner(self, **kwargs: Any) -> DecodeRunner:
+    @torch.no_grad()
+    def run_step(self, tokens: torch.Tensor, plan: StepPlan,
+                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the step of ``plan`` (:meth:`hidden_states`): what :meth:`decode_runner`
+        captures."""
+        return self._logits(self.hidden_states(tokens, plan), logit_rows)
+
+    def run_step_with_hidden(self, tokens: torch.Tensor, plan: StepPlan
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden states) of the step of ``plan``."""
+        x = self.hidden_states(tokens, plan)
+        return self._logits(x, None), x
+
+    def decode_runner(self, hidden: bool = False, **kwargs: Any) -> DecodeRunner:
         """A :class:`~dsv4.runner.DecodeRunner` of this model's decode step:
-        ``runner(caches, tokens)`` -> logits [M, vocab] (CUDA graphs per batch bucket on a GPU;
-        ``kwargs``: ``mode``, ``buckets``)."""
+        ``runner(caches, tokens)`` -> logits [M, vocab] (with ``hidden``: (logits, hidden
+        states)); CUDA graphs per batch bucket on a GPU; ``kwargs``: ``mode``, ``buckets``,
+        ``query_buckets``."""
+        if hidden:
+            return DecodeRunner(lambda plan, tokens: self.run_step_with_hidden(tokens, plan),
+                                **kwargs)
         return DecodeRunner(lambda plan, tokens: self.run_step(tokens, plan), **kwargs)
 
     def _logits(self, x: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
