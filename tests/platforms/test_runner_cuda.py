@@ -158,3 +158,9 @@ def test_tiny_model_speculative_tokens_through_graphs_equal_greedy():
         oracle = CorruptedOracle(prompts, greedy, model.cfg.vocab_size, error, seed=k)
         assert speculative_generate_ids(model, prompts, n, oracle, k, runner=runner) == greedy
         assert runner.stats["replays"] > 0
+    from dsv4.tinylm.mtp import MTPDrafter, MTPLayer
+
+    drafter = MTPDrafter(MTPLayer.random(model, seed=1, platform="cuda"), mode="graphs")
+    runner = model.decode_runner(hidden=True, mode="graphs")
+    assert speculative_generate_ids(model, prompts, n, drafter, 3, runner=runner) == greedy
+    assert drafter.runner.stats["replays"] > 0
