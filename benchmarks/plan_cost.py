@@ -2,7 +2,8 @@
 the CPU per step. Per layer type and M, best of 7 batches of 60 steps: a layer planning its own
 step (``CacheStep.plan``, what ``layer(x, positions, caches)`` does) and a model's
 ``StepPlan`` over 8 layers of the type (one metadata build and upload for all of them; blocks
-and tables per layer), per layer; then ``CacheStep.commit`` by context.
+and tables per layer), per layer; then ``CacheStep.commit`` by context, a rollback of rejected
+drafts, and a whole 43-layer model's plan and commit.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -107,6 +108,36 @@ def rollback_cost() -> None:
               "of 15)", flush=True)
 
 
+def model_step_cost() -> None:
+    """Host time of a whole model's step: ``StepPlan`` and its commit over 43 layers in
+    Flash's schedule (SWA, SWA, then C4 / C128 alternating), the tiny preset's pools, by M -
+    what the decode runner pays per step on the host (the commit while the GPU replays)."""
+    ratios = [0, 0] + [4, 128] * 20 + [4]
+    cfg = DSV4Config.preset("tiny")
+    cfg = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
+    layers = [build_attention(cfg, i, dtype=torch.bfloat16) for i in range(len(ratios))]
+    for m in (1, 16, 64):
+        pools = [layer.new_cache_pool(m, 2048) for layer in layers]
+        seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
+        for k in range(len(layers)):
+            fill_history([s[k] for s in seqs], 600)
+        plan_best = commit_best = float("inf")
+        for _ in range(5):
+            spent_plan = spent_commit = 0.0
+            for _ in range(20):
+                t0 = time.perf_counter()
+                plan = StepPlan(seqs)
+                t1 = time.perf_counter()
+                plan.commit()
+                spent_plan += t1 - t0
+                spent_commit += time.perf_counter() - t1
+            plan_best = min(plan_best, spent_plan / 20)
+            commit_best = min(commit_best, spent_commit / 20)
+        print(f"{len(layers)} layers M={m:2d}: StepPlan {plan_best * 1e3:5.2f} ms, commit "
+              f"{commit_best * 1e3:5.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     main()
     rollback_cost()
+    model_step_cost()

@@ -64,7 +64,8 @@ class StepPlan:
                  pad_to: tuple[int, int] | None = None,
                  visible_caps: dict[int, int] | None = None,
                  into: torch.Tensor | BufferFor | None = None) -> None:
-        seqs, self.pools, self.starts = _checked(caches)
+        seqs, self.pools, self.starts, self.columns = _checked(caches)
+        self.slots = [[c.slot for c in column] for column in self.columns]
         counts = [1] * len(seqs) if seq_lens is None else list(seq_lens)
         if (len(counts) != len(seqs)
                 or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in counts)):
@@ -100,11 +101,11 @@ class StepPlan:
         longest = max(counts)
         for k, pool in enumerate(self.pools):
             if pool.rings and longest > pool.max_rollback:
-                idx = upload_once(torch.tensor([c.slot for c in _column(seqs, k)]), pool.device)
+                idx = upload_once(torch.tensor(self.slots[k]), pool.device)
                 self._rings[k] = {name: ring[idx].clone()
                                   for name, (_, ring) in pool.rings.items()}
-        self._grown = take_blocks([(pool, [c.slot for c in _column(seqs, k)])
-                                   for k, pool in enumerate(self.pools)], self.starts, ends)
+        self._grown = take_blocks(list(zip(self.pools, self.slots, strict=True)), self.starts,
+                                  ends)
         try:
             self.steps = self._metadata(pad_to, visible_caps, into)
         except BaseException:
@@ -116,7 +117,7 @@ class StepPlan:
                   into: torch.Tensor | BufferFor | None) -> dict[int, CacheStep]:
         """Each pool's CacheStep, the metadata built once per (slots, ring specs) and uploaded
         in one copy."""
-        groups = _groups(self.pools, self.caches, pad_to is not None)
+        groups = _groups(self.pools, self.slots, pad_to is not None)
         hosts: list[HostMetadata] = []
         for (slots, pad_slot, specs), _ in groups.items():
             hosts.append(build_metadata(self.starts, list(slots), self.seq_lens, specs, pad_to,
@@ -147,7 +148,7 @@ class StepPlan:
             offset += host.buffer.numel()
             for k in members:
                 pool = self.pools[k]
-                steps[id(pool)] = CacheStep(pool, _column(self.caches, k), list(self.starts),
+                steps[id(pool)] = CacheStep(pool, self.columns[k], list(self.starts),
                                             list(self.seq_lens), meta, keep)
         self._first = steps[id(self.pools[0])]
         return steps
@@ -186,8 +187,13 @@ class StepPlan:
         """The step ran in every layer: advance every sequence's length in every pool and
         release the window blocks no query reads any more."""
         self._finish()
+        rows: dict[tuple[int, int], list[int]] = {}  # the same for every pool of one window
         for step in self.steps.values():
-            step.commit()
+            pool = step.pool
+            key = (pool.window, pool.max_rollback)
+            if key not in rows:
+                rows[key] = pool.window_release_rows(self.starts, self.seq_lens)
+            step.commit(release_rows=rows[key])
 
     def rollback(self) -> None:
         """The step failed: every pool as before the plan (blocks, ring rows, lengths)."""
@@ -195,7 +201,7 @@ class StepPlan:
         self._give_back_blocks()  # lengths change only at commit
         for k, saved_rings in self._rings.items():
             pool = self.pools[k]
-            idx = upload_once(torch.tensor([c.slot for c in _column(self.caches, k)]),
+            idx = upload_once(torch.tensor(self.slots[k]),
                               pool.device)
             for name, saved in saved_rings.items():
                 pool.rings[name][1][idx] = saved
@@ -231,8 +237,10 @@ class StepPlan:
                 f"{len(self.pools)} layer(s), {state})")
 
 
-def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], list[int]]:
-    """(the sequences' cache lists, the pool of each layer, each sequence's length), checked:
+def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], list[int],
+                                   list[list[AttentionCache]]]:
+    """(the sequences' cache lists, the pool of each layer, each sequence's length, each layer's
+    caches), checked:
     live caches, one pool per layer (and layer id), every sequence once per pool and at one
     length in every layer. One pass over the caches (a model's step checks L x M of them)."""
     if isinstance(caches, AttentionCache) or not isinstance(caches, Sequence) or not caches:
@@ -251,6 +259,7 @@ def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], 
     assert first is not None
     pools: list[CachePool] = []
     starts: list[int] = []
+    columns: list[list[AttentionCache]] = []
     for k in range(len(first)):
         c0 = first[k]
         if not isinstance(c0, AttentionCache):
@@ -273,11 +282,12 @@ def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], 
         if len({c.slot for c in column}) != len(column):
             raise StepPlanError(f"a sequence appears twice in layer {pool.layer_id}'s caches")
         pools.append(pool)
+        columns.append(column)
     ids = [p.layer_id for p in pools]
     if len(set(ids)) != len(ids):
         raise StepPlanError(f"two caches of one sequence belong to the same layer id ({ids}): a "
                             "plan takes one pool per layer")
-    return seqs, pools, starts  # type: ignore[return-value]
+    return seqs, pools, starts, columns  # type: ignore[return-value]
 
 
 def _column_problem(c: Any, i: int, k: int) -> str:
@@ -289,20 +299,15 @@ def _column_problem(c: Any, i: int, k: int) -> str:
             "layer")
 
 
-def _groups(pools: list[CachePool], seqs: list[list[AttentionCache]], padded: bool
+def _groups(pools: list[CachePool], slots: list[list[int]], padded: bool
             ) -> dict[tuple[Any, ...], list[int]]:
     """The layers (by index) that read one copy of the metadata: those whose pools hold the
     sequences in the same slots (and padding slot) and have the same compressor rings."""
     groups: dict[tuple[Any, ...], list[int]] = {}
     for k, pool in enumerate(pools):
-        slots = tuple(c.slot for c in _column(seqs, k))
-        key = (slots, pool.pad_slot if padded else -1, ring_specs(pool))
+        key = (tuple(slots[k]), pool.pad_slot if padded else -1, ring_specs(pool))
         groups.setdefault(key, []).append(k)
     return groups
-
-
-def _column(seqs: list[list[AttentionCache]], k: int) -> list[AttentionCache]:
-    return [s[k] for s in seqs]
 
 
 def truncate_sequences(caches: Sequence[Sequence[AttentionCache]], lengths: Sequence[int]
@@ -310,9 +315,10 @@ def truncate_sequences(caches: Sequence[Sequence[AttentionCache]], lengths: Sequ
     """Truncate sequence i (its cache in every layer, ``caches[i]``) to ``lengths[i]``
     positions - a speculative step's rollback of its rejected drafts - every layer checked
     before any changes (:meth:`CachePool.truncate_many`)."""
-    seqs, pools, starts = _checked(caches)
+    seqs, pools, _, columns = _checked(caches)
     if len(lengths) != len(seqs):
         raise StepPlanError(f"{len(lengths)} lengths for {len(seqs)} sequence(s)")
-    plans = [pool.check_truncation(_column(seqs, k), lengths) for k, pool in enumerate(pools)]
+    plans = [pool.check_truncation(column, lengths)
+             for pool, column in zip(pools, columns, strict=True)]
     for pool, plan in zip(pools, plans, strict=True):
         pool.apply_truncation(plan)

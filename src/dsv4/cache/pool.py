@@ -309,6 +309,12 @@ class CachePool:
         end = start + 1 if count <= self.max_rollback + 1 else start + count
         return max(0, end - self.max_rollback - self.window + 1)
 
+    def window_release_rows(self, starts: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """:meth:`window_release_row` of each sequence of a step."""
+        r, back = self.max_rollback, self.max_rollback + self.window - 1
+        return [max(0, (a + 1 if n <= r + 1 else a + n) - back)
+                for a, n in zip(starts, counts, strict=True)]
+
     def truncate(self, cache: AttentionCache, length: int) -> None:
         """Forget positions ``length`` .. current length - 1 (rejected draft tokens, or to
         re-run a step): every store, ring, block table and free list as if they had never been

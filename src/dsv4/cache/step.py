@@ -225,18 +225,20 @@ class CacheStep:
         spec, ring = self.pool.rings[name]
         ring.view(-1, spec.width)[job.keep_dst] = rows[job.keep_src].to(ring.dtype)
 
-    def commit(self, release_from: list[int] | None = None) -> None:
+    def commit(self, release_from: list[int] | None = None,
+               release_rows: list[int] | None = None) -> None:
         """Advance the lengths and release the window blocks the sequences no longer need
-        (:meth:`CachePool.window_release_row`) - host work; the rings' rows are kept before
+        (:meth:`CachePool.window_release_row`, or ``release_rows`` computed by the caller for
+        several pools at once) - host work; the rings' rows are kept before
         (:meth:`keep_ring_rows`). ``release_from[i]``: release only among logical blocks from
         this index (a multi-step call keeps the blocks it started with until it ends)."""
         pool = self.pool
         lengths, slots = pool._lengths, [c.slot for c in self.caches]
         for slot, a, n in zip(slots, self.starts, self.counts, strict=True):
             lengths[slot] = a + n
-        pool.stores["kv"].release_before_each(
-            slots, [pool.window_release_row(a, n) for a, n in zip(self.starts, self.counts,
-                                                                  strict=True)], release_from)
+        if release_rows is None:
+            release_rows = pool.window_release_rows(self.starts, self.counts)
+        pool.stores["kv"].release_before_each(slots, release_rows, release_from)
         pool.stores["kv"].sync()
 
 

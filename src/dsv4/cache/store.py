@@ -114,10 +114,12 @@ class PagedStore:
         new first row's block: none at all in all but one step in a block's worth."""
         b, blocks, watermark = self.block_size, self._blocks, self._released_below
         for k, (slot, first_row) in enumerate(zip(slots, first_rows, strict=True)):
+            below = watermark[slot]
+            if first_row // b <= below:
+                continue  # the common case: nothing past the watermark to release
             floor = 0 if from_logical is None else from_logical[k]
             held = blocks[slot]
             last = min(first_row // b, len(held))
-            below = watermark[slot]
             if last <= max(floor, below):
                 continue  # nothing between the watermark (or floor) and ``last``
             changed = [i for i in range(max(floor, below), last) if held[i] >= 0]
