@@ -117,3 +117,61 @@ def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def layer_stack(cfg: DSV4Config, ratios: list[int], dtype: torch.dtype = torch.float64,
+                platform: str = "reference", device: str = "cpu") -> list[DeepseekV4Attention]:
+    """Layers 0 .. len(ratios) - 1 of ``cfg`` with that schedule of compress ratios (a model's
+    stack, distinct layer ids), random weights seeded by layer."""
+    c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
+    layers = []
+    for i in range(len(ratios)):
+        layer = build_attention(c, i, dtype=dtype, platform=platform, device=device)
+        layer.load_weights(random_layer_weights(c, i, seed=i))
+        layers.append(layer)
+    return layers
+
+
+def tanh_residual(layers: list[DeepseekV4Attention]) -> Callable[..., torch.Tensor]:
+    """A model's step over ``layers``: residuals with a row-wise nonlinearity between them (the
+    user's code between the layers), each layer taking its step from ``plan``."""
+    def run(plan: object, x: torch.Tensor) -> torch.Tensor:
+        for lay in layers:
+            x = x + lay(torch.tanh(x), plan=plan)
+        return x
+    return run
+
+
+class Twins:
+    """The same sequences in several sets of pools (one per side), changed in lockstep: what a
+    run and its reference share. ``live[side][i]``: sequence i's caches on that side."""
+
+    def __init__(self, layers: list[DeepseekV4Attention], sides: str | tuple[str, ...],
+                 max_seqs: int, max_seq_len: int, **pool_kwargs: object) -> None:
+        self.layers = layers
+        self.sides = tuple(sides)
+        self.pools = {s: [lay.new_cache_pool(max_seqs, max_seq_len, **pool_kwargs)
+                          for lay in layers] for s in self.sides}
+        self.live: dict[str, list[list]] = {s: [] for s in self.sides}
+
+    def __len__(self) -> int:
+        return len(self.live[self.sides[0]])
+
+    def join(self, x: torch.Tensor) -> None:
+        """A new sequence on every side, prefilled with the rows of ``x`` (one plan)."""
+        from dsv4.cache.plan import StepPlan
+
+        for s in self.sides:
+            seq = [p.add_sequence() for p in self.pools[s]]
+            self.live[s].append(seq)
+            with StepPlan([seq], [x.shape[0]]) as plan:
+                tanh_residual(self.layers)(plan, x)
+
+    def fork(self, i: int) -> None:
+        for s in self.sides:
+            self.live[s].append([c.fork() for c in self.live[s][i]])
+
+    def leave(self, i: int) -> None:
+        for s in self.sides:
+            for c in self.live[s].pop(i):
+                c.free()

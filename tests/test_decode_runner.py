@@ -10,30 +10,18 @@ import pytest
 import torch
 
 from dsv4.cache.plan import StepPlan, StepPlanError
-from dsv4.platforms import build_attention
 from dsv4.runner import DecodeRunner, visible_caps
-from dsv4.testing.random_weights import random_layer_weights
+
+from conftest import Twins, layer_stack, tanh_residual
 
 RATIOS = [0, 4, 128, 0, 4]
 
 
-def stack(cfg, ratios=RATIOS, dtype=torch.float64, platform="reference", device="cpu"):
-    c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
-    layers = []
-    for i in range(len(ratios)):
-        layer = build_attention(c, i, dtype=dtype, platform=platform, device=device)
-        layer.load_weights(random_layer_weights(c, i, seed=i))
-        layers.append(layer)
-    return layers
+def stack(cfg, ratios=RATIOS):
+    return layer_stack(cfg, ratios)
 
 
-def step_fn(layers):
-    """A residual stack with a row-wise nonlinearity between the layers (the user's code)."""
-    def run(plan, x):
-        for lay in layers:
-            x = x + lay(torch.tanh(x), plan=plan)
-        return x
-    return run
+step_fn = tanh_residual
 
 
 def test_buckets_and_widths():
@@ -93,43 +81,27 @@ def test_runner_steps_equal_eager_steps_as_sequences_join_leave_and_fork(tiny_ex
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
     h = tiny_exact.hidden_size
-    pools = {side: [lay.new_cache_pool(8, 1200) for lay in layers] for side in "ab"}
-    live: dict[str, list[list]] = {"a": [], "b": []}
-
-    def join(n):
-        x = torch.randn(n, h, dtype=torch.float64, generator=gen)
-        for side in "ab":
-            seq = [p.add_sequence() for p in pools[side]]
-            live[side].append(seq)
-            with StepPlan([seq], [n]) as plan:
-                step_fn(layers)(plan, x)
-
+    twins = Twins(layers, "ab", 8, 1200)
+    live = twins.live
     for n in (30, 129, 5):
-        join(n)
+        twins.join(torch.randn(n, h, dtype=torch.float64, generator=gen))
     worst = 0.0
     steps = 0
     while steps < 500:
         event = rng.random()
-        if event < 0.03 and len(live["a"]) < 7:
-            join(rng.choice([1, 17, 64, 200]))
-        elif event < 0.06 and len(live["a"]) > 1:
-            i = rng.randrange(len(live["a"]))
-            for side in "ab":
-                for c in live[side].pop(i):
-                    c.free()
-        elif event < 0.09 and len(live["a"]) < 7:
-            i = rng.randrange(len(live["a"]))
-            for side in "ab":
-                live[side].append([c.fork() for c in live[side][i]])
+        if event < 0.03 and len(twins) < 7:
+            twins.join(torch.randn(rng.choice([1, 17, 64, 200]), h, dtype=torch.float64,
+                                   generator=gen))
+        elif event < 0.06 and len(twins) > 1:
+            twins.leave(rng.randrange(len(twins)))
+        elif event < 0.09 and len(twins) < 7:
+            twins.fork(rng.randrange(len(twins)))
         if any(s[0].length + 1 >= 1200 for s in live["a"]):
-            i = max(range(len(live["a"])), key=lambda j: live["a"][j][0].length)
-            for side in "ab":
-                for c in live[side].pop(i):
-                    c.free()
-            if not live["a"]:
-                join(3)
+            twins.leave(max(range(len(twins)), key=lambda j: live["a"][j][0].length))
+            if not len(twins):
+                twins.join(torch.randn(3, h, dtype=torch.float64, generator=gen))
             continue
-        x = torch.randn(len(live["a"]), h, dtype=torch.float64, generator=gen)
+        x = torch.randn(len(twins), h, dtype=torch.float64, generator=gen)
         ya = runner(live["a"], x)
         yb = _eager_step(layers, live["b"], x)
         worst = max(worst, float((ya - yb).abs().max()))
@@ -144,9 +116,8 @@ def test_runner_steps_equal_eager_steps_as_sequences_join_leave_and_fork(tiny_ex
             for name in ("compressed", "idx_keys"):
                 if name in ca.pool.stores:
                     assert torch.allclose(ca.rows(name), cb.rows(name), atol=1e-10)
-    for side in "ab":
-        assert [p.blocks_in_use() for p in pools[side]] == [p.blocks_in_use()
-                                                            for p in pools["a"]]
+    assert [p.blocks_in_use() for p in twins.pools["b"]] == [p.blocks_in_use()
+                                                             for p in twins.pools["a"]]
     if mode == "padded":
         assert runner.stats["padded"] == 500 and runner.stats["eager"] == 0
         assert len(runner._buckets) > 4  # several batch buckets and widths were used
@@ -185,26 +156,15 @@ def test_verify_steps_and_accepts_through_the_runner_equal_eager(tiny_exact, mod
     rng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
     h = tiny_exact.hidden_size
-    pools = {side: [lay.new_cache_pool(8, 1500, max_rollback=7) for lay in layers]
-             for side in "ab"}
-    live: dict[str, list] = {"a": [], "b": []}
-
-    def join(n):
-        x = torch.randn(n, h, dtype=torch.float64, generator=gen)
-        for side in "ab":
-            seq = [p.add_sequence() for p in pools[side]]
-            live[side].append(seq)
-            with StepPlan([seq], [n]) as plan:
-                step_fn(layers)(plan, x)
-
+    twins = Twins(layers, "ab", 8, 1500, max_rollback=7)
+    live = twins.live
     for n in (9, 140):
-        join(n)
+        twins.join(torch.randn(n, h, dtype=torch.float64, generator=gen))
     for step in range(200):
-        if step % 40 == 20 and len(live["a"]) < 6:
-            join(rng.choice([1, 33]))
-        if step % 50 == 30 and len(live["a"]) < 6:
-            for side in "ab":
-                live[side].append([c.fork() for c in live[side][0]])
+        if step % 40 == 20 and len(twins) < 6:
+            twins.join(torch.randn(rng.choice([1, 33]), h, dtype=torch.float64, generator=gen))
+        if step % 50 == 30 and len(twins) < 6:
+            twins.fork(0)
         ks = [rng.randint(0, 7) for _ in live["a"]]
         lens = [k + 1 for k in ks]
         x = torch.randn(sum(lens), h, dtype=torch.float64, generator=gen)

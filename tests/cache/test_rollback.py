@@ -12,29 +12,18 @@ import torch
 
 from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.plan import StepPlan
-from dsv4.platforms import build_attention
-from dsv4.testing.random_weights import random_layer_weights
+
+from conftest import Twins, layer_stack, tanh_residual
 
 K = 7
 RATIOS = [0, 4, 128]
 
 
 def stack(cfg, ratios=RATIOS):
-    c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
-    layers = []
-    for i in range(len(ratios)):
-        layer = build_attention(c, i, dtype=torch.float64)
-        layer.load_weights(random_layer_weights(c, i, seed=i))
-        layers.append(layer)
-    return layers
+    return layer_stack(cfg, ratios)
 
 
-def step_fn(layers):
-    def run(plan, x):
-        for lay in layers:
-            x = x + lay(torch.tanh(x), plan=plan)
-        return x
-    return run
+step_fn = tanh_residual
 
 
 def held_state(seq):
@@ -64,40 +53,24 @@ def test_verify_and_accept_cycles_are_exact(tiny_exact):
     gen = torch.Generator().manual_seed(11)
     h = tiny_exact.hidden_size
     sides = ("a", "a2", "b")
-    pools = {s: [lay.new_cache_pool(8, 1400, max_rollback=K) for lay in layers] for s in sides}
-    live: dict[str, list] = {s: [] for s in sides}
-
-    def join(n):
-        x = torch.randn(n, h, dtype=torch.float64, generator=gen)
-        for s in sides:
-            seq = [p.add_sequence() for p in pools[s]]
-            live[s].append(seq)
-            with StepPlan([seq], [n]) as plan:
-                fn(plan, x)
-
+    twins = Twins(layers, sides, 8, 1400, max_rollback=K)
+    pools, live = twins.pools, twins.live
     for n in (5, 70, 131):
-        join(n)
+        twins.join(torch.randn(n, h, dtype=torch.float64, generator=gen))
     worst, cycles = 0.0, 0
     while cycles < 600:
         event = rng.random()
-        if event < 0.03 and len(live["a"]) < 7:
-            join(rng.choice([1, 9, 64]))
-        elif event < 0.05 and len(live["a"]) > 1:
-            i = rng.randrange(len(live["a"]))
-            for s in sides:
-                for c in live[s].pop(i):
-                    c.free()
-        elif event < 0.08 and len(live["a"]) < 7:
-            i = rng.randrange(len(live["a"]))
-            for s in sides:
-                live[s].append([c.fork() for c in live[s][i]])
+        if event < 0.03 and len(twins) < 7:
+            twins.join(torch.randn(rng.choice([1, 9, 64]), h, dtype=torch.float64,
+                                   generator=gen))
+        elif event < 0.05 and len(twins) > 1:
+            twins.leave(rng.randrange(len(twins)))
+        elif event < 0.08 and len(twins) < 7:
+            twins.fork(rng.randrange(len(twins)))
         if any(seq[0].length + K + 1 > 1400 for seq in live["a"]):
-            i = max(range(len(live["a"])), key=lambda j: live["a"][j][0].length)
-            for s in sides:
-                for c in live[s].pop(i):
-                    c.free()
-            if not live["a"]:
-                join(3)
+            twins.leave(max(range(len(twins)), key=lambda j: live["a"][j][0].length))
+            if not len(twins):
+                twins.join(torch.randn(3, h, dtype=torch.float64, generator=gen))
             continue
         ks = [rng.randint(0, K) for _ in live["a"]]
         accepted = [rng.randint(0, k) for k in ks]

@@ -10,20 +10,12 @@ import torch
 from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.plan import StepPlan, StepPlanError
 from dsv4.cache.step import CacheStep
-from dsv4.platforms import build_attention
-from dsv4.testing.random_weights import random_layer_weights
+
+from conftest import layer_stack
 
 
-def _stack(cfg, ratios, dtype=torch.float64, platform="reference"):
-    """Layers of the given ratios with distinct layer ids (a model's schedule)."""
-    out = []
-    for i, r in enumerate(ratios):
-        c = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
-        assert c.compress_ratio(i) == r
-        layer = build_attention(c, i, dtype=dtype, platform=platform)
-        layer.load_weights(random_layer_weights(c, i, seed=i))
-        out.append(layer)
-    return out
+def _stack(cfg, ratios):
+    return layer_stack(cfg, ratios)
 
 
 def _caches(layers, n, max_seq_len=600):
