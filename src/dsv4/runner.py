@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dsv4.cache.plan import StepPlan, StepPlanError
+from dsv4.cache.plan import StepPlan, StepPlanError, token_counts
 from dsv4.cache.pool import AttentionCache, CachePool
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -75,8 +75,6 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
 class _Bucket:
     """One captured (or padded) step shape: its static buffers and, once captured, its graph."""
 
-    tokens: int
-    visible_caps: dict[int, int]
     metadata: torch.Tensor
     inputs: list[torch.Tensor]
     graph: Any = None
@@ -145,11 +143,7 @@ class DecodeRunner:
         m = len(caches)
         if not m:
             raise StepPlanError("caches: no sequences")
-        counts = [1] * m if seq_lens is None else list(seq_lens)
-        if len(counts) != m or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0
-                                   for n in counts):
-            raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
-                                f"the {m} sequence(s)")
+        counts = token_counts(seq_lens, m)
         t_real = sum(counts)
         for i, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != t_real:
@@ -175,8 +169,7 @@ class DecodeRunner:
             state = self._buckets.get(key)
             if state is None:
                 device = pools[0].device
-                state = _Bucket(rows, caps,
-                                torch.zeros(size, dtype=torch.int64, device=device),
+                state = _Bucket(torch.zeros(size, dtype=torch.int64, device=device),
                                 [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype,
                                              device=t.device) for t in inputs])
                 self._buckets[key] = state

@@ -38,7 +38,7 @@ from dsv4.cache.step import (
     ring_specs,
     take_blocks,
 )
-from dsv4.host_copy import upload, upload_into, upload_once
+from dsv4.host_copy import upload, upload_into
 
 BufferFor = Callable[[int, tuple[int, ...]], torch.Tensor]
 """(metadata size, the metadata group of each layer) -> the device buffer to write it into."""
@@ -66,11 +66,7 @@ class StepPlan:
                  into: torch.Tensor | BufferFor | None = None) -> None:
         seqs, self.pools, self.starts, self.columns = _checked(caches)
         self.slots = [[c.slot for c in column] for column in self.columns]
-        counts = [1] * len(seqs) if seq_lens is None else list(seq_lens)
-        if (len(counts) != len(seqs)
-                or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in counts)):
-            raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
-                                f"the {len(seqs)} sequence(s)")
+        counts = token_counts(seq_lens, len(seqs))
         total = sum(counts)
         if pad_to is not None and (
                 not isinstance(pad_to, tuple) or len(pad_to) != 2
@@ -101,9 +97,7 @@ class StepPlan:
         longest = max(counts)
         for k, pool in enumerate(self.pools):
             if pool.rings and longest > pool.max_rollback:
-                idx = upload_once(torch.tensor(self.slots[k]), pool.device)
-                self._rings[k] = {name: ring[idx].clone()
-                                  for name, (_, ring) in pool.rings.items()}
+                self._rings[k] = pool.snapshot_rings(self.slots[k])
         self._grown = take_blocks(list(zip(self.pools, self.slots, strict=True)), self.starts,
                                   ends)
         try:
@@ -199,12 +193,8 @@ class StepPlan:
         """The step failed: every pool as before the plan (blocks, ring rows, lengths)."""
         self._finish()
         self._give_back_blocks()  # lengths change only at commit
-        for k, saved_rings in self._rings.items():
-            pool = self.pools[k]
-            idx = upload_once(torch.tensor(self.slots[k]),
-                              pool.device)
-            for name, saved in saved_rings.items():
-                pool.rings[name][1][idx] = saved
+        for k, saved in self._rings.items():
+            self.pools[k].restore_rings(self.slots[k], saved)
 
     def _give_back_blocks(self) -> None:
         """The blocks this plan took go back, last taken first (the free lists as before)."""
@@ -235,6 +225,16 @@ class StepPlan:
         state = "done" if self._done else "open"
         return (f"StepPlan({len(self.caches)} sequence(s), {sum(self.seq_lens)} token(s), "
                 f"{len(self.pools)} layer(s), {state})")
+
+
+def token_counts(seq_lens: Sequence[int] | None, n: int) -> list[int]:
+    """The step's token count of each of ``n`` sequences (default 1: a decode step), checked."""
+    counts = [1] * n if seq_lens is None else list(seq_lens)
+    if len(counts) != n or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0
+                               for c in counts):
+        raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
+                            f"the {n} sequence(s)")
+    return counts
 
 
 def _checked(caches: Any) -> tuple[list[list[AttentionCache]], list[CachePool], list[int],

@@ -38,6 +38,7 @@ from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.formats import RowFormat, index_format, kv_format
 from dsv4.cache.store import PagedStore
 from dsv4.config import DSV4Config, ceil_div
+from dsv4.host_copy import upload_once
 
 BLOCK_SIZE = 64
 """Rows per block in every store (FlashMLA's page size): 64 positions of window rows, 64
@@ -306,14 +307,29 @@ class CachePool:
         most ``max_rollback + 1`` tokens (a decode or verify step) releases as one token would,
         so that a verify step truncated to its accepted tokens holds exactly what a step of
         only those would; a longer one (a prefill chunk) releases all it can."""
-        end = start + 1 if count <= self.max_rollback + 1 else start + count
-        return max(0, end - self.max_rollback - self.window + 1)
+        return self.window_release_rows([start], [count])[0]
 
     def window_release_rows(self, starts: Sequence[int], counts: Sequence[int]) -> list[int]:
-        """:meth:`window_release_row` of each sequence of a step."""
+        """:meth:`window_release_row` of each sequence of a step (one pass for all of them)."""
         r, back = self.max_rollback, self.max_rollback + self.window - 1
         return [max(0, (a + 1 if n <= r + 1 else a + n) - back)
                 for a, n in zip(starts, counts, strict=True)]
+
+    def snapshot_rings(self, slots: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Copies of the compressors' ring rows of the sequences in ``slots``, by store name
+        (what :meth:`restore_rings` puts back after a failed step)."""
+        if not self.rings:
+            return {}
+        idx = upload_once(torch.tensor(list(slots)), self.device)
+        return {name: ring[idx].clone() for name, (_, ring) in self.rings.items()}
+
+    def restore_rings(self, slots: Sequence[int], saved: dict[str, torch.Tensor]) -> None:
+        """Put back ring rows taken by :meth:`snapshot_rings` of the same ``slots``."""
+        if not saved:
+            return
+        idx = upload_once(torch.tensor(list(slots)), self.device)
+        for name, rows in saved.items():
+            self.rings[name][1][idx] = rows
 
     def truncate(self, cache: AttentionCache, length: int) -> None:
         """Forget positions ``length`` .. current length - 1 (rejected draft tokens, or to

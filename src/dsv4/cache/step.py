@@ -39,7 +39,7 @@ import torch
 
 from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.pool import AttentionCache, CachePool, RingSpec
-from dsv4.host_copy import upload, upload_once
+from dsv4.host_copy import upload
 
 
 @dataclass
@@ -300,10 +300,8 @@ class CallTransaction:
         self.lengths = [pool._lengths[c.slot] for c in caches]
         self.logical = {name: [s.num_logical(c.slot) for c in caches]
                         for name, s in pool.stores.items()}
-        self.rings: dict[str, torch.Tensor] = {}
-        if snapshot_rings:
-            slots = upload_once(torch.tensor([c.slot for c in caches]), pool.device)
-            self.rings = {name: ring[slots].clone() for name, (_, ring) in pool.rings.items()}
+        self.slots = [c.slot for c in caches]
+        self.rings = pool.snapshot_rings(self.slots) if snapshot_rings else {}
 
     def window_release_from(self) -> list[int]:
         """Blocks a step may release: those taken during this call (rollback restores the rest)."""
@@ -323,11 +321,7 @@ class CallTransaction:
             for c, n in zip(self.caches, self.logical[name], strict=True):
                 store.shrink_to(c.slot, n)
             store.sync()
-        if self.rings:
-            slots = upload_once(torch.tensor([c.slot for c in self.caches]),
-                                self.pool.device)
-            for name, saved in self.rings.items():
-                self.pool.rings[name][1][slots] = saved
+        self.pool.restore_rings(self.slots, self.rings)
         for c, n in zip(self.caches, self.lengths, strict=True):
             self.pool._lengths[c.slot] = n
 
