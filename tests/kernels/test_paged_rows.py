@@ -97,19 +97,19 @@ def test_visible_entries_match_the_torch_path(ratio):
     selection at positions around the ratio's multiples, the step's widest row and wider ones
     (several loop iterations of the kernel), and a step that sees none yet."""
     from dsv4.attention import _every_visible_entry
-    from dsv4.kernels.paged_rows import visible_entries
+    from dsv4.kernels.paged_rows import visible_entry_rows
 
+    store, _ = _store(16, seed=ratio)
     pos = torch.tensor([0, ratio - 2, ratio - 1, ratio, 3 * ratio + 1, 700 * ratio - 1, 5],
                        device=DEV)
+    slots = torch.zeros_like(pos)
     widest = int((pos.max() + 1) // ratio)
     for n in (widest, widest + 300):
-        got = visible_entries(pos, n, ratio)
+        got = visible_entry_rows(store, pos, slots, n, ratio)[0]
         assert got.dtype == torch.long and got.shape == (7, n)
         assert torch.equal(got.cpu(), _every_visible_entry(pos.cpu(), n, ratio))
     early = torch.tensor([0, 1, 2], device=DEV)
-    assert visible_entries(early, 0, ratio).shape == (3, 0)
-    with pytest.raises(ValueError, match="pos must be"):
-        visible_entries(pos[None], 4, ratio)
+    assert visible_entry_rows(store, early, early * 0, 0, ratio)[0].shape == (3, 0)
 
 
 @kernel_runs
@@ -117,11 +117,11 @@ def test_visible_entries_match_the_torch_path(ratio):
 @pytest.mark.parametrize("block,ratio", [(16, 4), (64, 4), (16, 128)])
 def test_visible_entry_rows_in_one_launch(block, ratio, out):
     """The visible entries and their flat rows in one launch: the values of
-    ``visible_entries`` and ``entry_flat_rows`` of them, on slots with released and never-held
+    the torch selection and ``entry_flat_rows`` of it, on slots with released and never-held
     blocks, rows narrower and wider than the kernel's loop block."""
+    from dsv4.attention import _every_visible_entry
     from dsv4.kernels.paged_rows import (
         entry_flat_rows,
-        visible_entries,
         visible_entry_rows,
         window_flat_rows,
     )
@@ -133,7 +133,7 @@ def test_visible_entry_rows_in_one_launch(block, ratio, out):
     widest = int((pos.max() + 1) // ratio)
     for n in (widest, widest + 300, 0):
         entries, rows, win = visible_entry_rows(store, pos, slots, n, ratio, dtype=out)
-        want = visible_entries(pos, n, ratio)
+        want = _every_visible_entry(pos.cpu(), n, ratio).to(DEV)
         assert entries.dtype == torch.long and torch.equal(entries, want) and win is None
         assert rows.dtype == out and torch.equal(rows, entry_flat_rows(store, want, slots, out))
         # the kv store's window rows in the same launch (the second column of programs)

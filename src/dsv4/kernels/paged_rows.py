@@ -11,10 +11,10 @@ that is ~6 small ops for a given [T, k] row tensor, and ~20 for a step's window 
   first, computed in the kernel (what :meth:`dsv4.cache.step.CacheStep.window_rows` returns);
 * :func:`entry_flat_rows`: given row indices [T, k] (e.g. the indexer's selected entries, -1
   pads), their flat rows (:meth:`~dsv4.cache.step.CacheStep.entry_rows`);
-* :func:`visible_entries`: the selection of every compressed entry each query sees, ``j <
+* :func:`visible_entry_rows`: the selection of every compressed entry each query sees, ``j <
   (pos + 1) // ratio`` ascending, -1 padded to the step's widest (ratio-128 layers, and C4
-  steps whose indexer would take them all) - ~5 small PyTorch ops, here one launch;
-  :func:`visible_entry_rows` writes that selection and its flat rows in one launch;
+  steps whose indexer would take them all; ~5 small PyTorch ops), and its flat rows, in one
+  launch;
 * it, and :func:`entry_and_window_rows` (the entry rows of given indices), can also write the
   kv store's window rows in the same launch (a second column of programs).
 
@@ -31,7 +31,7 @@ import torch
 from dsv4.cache.store import PagedStore
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
-__all__ = ["entry_and_window_rows", "entry_flat_rows", "paged_rows_usable", "visible_entries",
+__all__ = ["entry_and_window_rows", "entry_flat_rows", "paged_rows_usable",
            "visible_entry_rows", "window_flat_rows"]
 
 ROWS_PER_ITER = 256
@@ -108,40 +108,6 @@ if triton_available():
             tl.store(out_ptr + t.to(tl.int64) * out_stride + offs,
                      flat.to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
-    def _visible_entries_kernel(pos_ptr, out_ptr, out_stride, N, RATIO: tl.constexpr,
-                                BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """Row t: j where j < (pos[t] + 1) // RATIO, else -1, for j < N."""
-        wait_for_prior_kernel(PDL)
-        t = tl.program_id(0)
-        seen = (tl.load(pos_ptr + t).to(tl.int64) + 1) // RATIO
-        lanes = tl.arange(0, BLOCK)
-        for c in range(0, N, BLOCK):
-            j = (c + lanes).to(tl.int64)
-            tl.store(out_ptr + t.to(tl.int64) * out_stride + j, tl.where(j < seen, j, -1),
-                     mask=j < N)
-        let_next_kernel_launch(PDL)
-
-
-def visible_entries(pos: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
-    """[T, n] int64: entry j for each j < (pos + 1) // ratio, ascending, -1 after, for the
-    query positions ``pos`` [T] (on a CUDA device, or under the interpreter); ``n`` the
-    step's most visible entries (host arithmetic). One launch; the values of
-    ``dsv4.attention._every_visible_entry``."""
-    if not paged_rows_usable(pos.device):
-        raise RuntimeError("the visible-entries kernel needs Triton and a CUDA device (or "
-                           "TRITON_INTERPRET=1)")
-    if pos.dim() != 1 or n < 0 or ratio < 1:
-        raise ValueError(f"pos must be [T] and n >= 0, ratio >= 1, got {tuple(pos.shape)}, "
-                         f"n={n}, ratio={ratio}")
-    t = pos.shape[0]
-    out = torch.empty(t, n, dtype=torch.long, device=pos.device)
-    if t and n:
-        block = min(ROWS_PER_ITER, max(16, 1 << (n - 1).bit_length()))
-        _visible_entries_kernel[(t,)](pos, out, out.stride(0), n, RATIO=ratio, BLOCK=block,
-                                      num_warps=4, **pdl_args(pos.device))
-    return out
-
 
 FLAT_ROW_DTYPES = (torch.int64, torch.int32)
 
@@ -215,11 +181,12 @@ def visible_entry_rows(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor
                        ratio: int, dtype: torch.dtype = torch.int64,
                        window: tuple[PagedStore, int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(entries, flat rows, window rows) in one launch: :func:`visible_entries` ``(pos, n,
-    ratio)`` [T, n] int64, their :func:`entry_flat_rows` in ``store`` (int64, or ``dtype``
-    int32) for the queries' sequences (slots ``slots`` [T]) and, with ``window`` = (kv store,
-    W), :func:`window_flat_rows` of that store (else None) - the values of the separate
-    launches."""
+    """(entries, flat rows, window rows) in one launch: the entries ``j < (pos + 1) // ratio``
+    ascending, -1 after, [T, n] int64 (``n`` the step's most visible entries; the values of
+    ``dsv4.attention._every_visible_entry``), their :func:`entry_flat_rows` in ``store``
+    (int64, or ``dtype`` int32) for the queries' sequences (slots ``slots`` [T]) and, with
+    ``window`` = (kv store, W), :func:`window_flat_rows` of that store (else None) - the
+    values of the separate launches."""
     if pos.shape != slots.shape or pos.dim() != 1:
         raise ValueError(f"pos {tuple(pos.shape)} and slots {tuple(slots.shape)} must be the "
                          "same [T]")
