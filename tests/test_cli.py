@@ -49,6 +49,20 @@ def test_cuda_without_cuda_is_one_line(capsys, command):
                    "--device cuda: CUDA is not available on this machine", command[0])
 
 
+@pytest.mark.parametrize("tp,match", [
+    (["1", "--dry-run"], "--tp 1: tensor parallelism needs at least 2 ranks"),
+    ([str(torch.cuda.device_count() + 1)], "CUDA GPUs; this machine has"),
+])
+def test_tp_rank_count_is_a_usage_error(capsys, tmp_path, tp, match):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "decode-step", "--tp", *tp, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsv4 bench decode-step: error: ")
+    assert match in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 @no_cuda
 @pytest.mark.parametrize("suite", ["decode-step", "prefill", "attention-kernels", "input-proj"])
 def test_gpu_bench_without_cuda_is_one_line(capsys, tmp_path, suite):

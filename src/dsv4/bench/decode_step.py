@@ -61,6 +61,7 @@ from dsv4.bench.args import (
     pyplot,
     require_cuda,
 )
+from dsv4.bench.decode_step_tp import check_tp_args, main_tp
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
@@ -523,9 +524,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                              "buckets of the decode runner)")
         if args.context is not None:
             check_at_least("--context", args.context, 1)
+        if tp_run:
+            check_tp_args(args)
         check_out(args.out, TP_RESULTS if tp_run else RESULTS, args.overwrite)
     if tp_run:
-        from dsv4.bench.decode_step_tp import main_tp
 
         if args.context is None:
             args.context = 1024

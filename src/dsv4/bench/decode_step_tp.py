@@ -35,6 +35,7 @@ from dsv4.platforms import build_attention
 from dsv4.tensor_parallel import TPInfo, comm_device
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.tp_launch import run_here, spawn, under_torchrun
+from dsv4.usage import UsageError
 
 TIMEOUT_S = 600.0
 """Collective timeout of the benchmark's group (building full-size random weights on the host
@@ -205,24 +206,32 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
             "reps": args.reps, "pooled": args.pooled, "dry": args.dry_run}
 
 
+def check_tp_args(args: argparse.Namespace) -> None:
+    """The rank count against what runs it (torchrun's processes, or this machine's GPUs):
+    a :class:`~dsv4.usage.UsageError` before any work."""
+    if under_torchrun():
+        size = int(os.environ["WORLD_SIZE"])
+        if args.tp not in (1, size):
+            raise UsageError(f"--tp {args.tp} but torchrun started {size} processes")
+        return
+    if args.tp < 2:
+        raise UsageError(f"--tp {args.tp}: tensor parallelism needs at least 2 ranks")
+    if not args.dry_run and torch.cuda.device_count() < args.tp:
+        raise UsageError(f"--tp {args.tp} needs {args.tp} CUDA GPUs; this machine has "
+                         f"{torch.cuda.device_count()} (--dry-run runs the ranks on the CPU)")
+
+
 def main_tp(args: argparse.Namespace) -> int:
-    """``decode_step.main`` with ``--tp N`` (or under torchrun)."""
+    """``decode_step.main`` with ``--tp N`` (or under torchrun), after :func:`check_tp_args`."""
     opts = options(args)
     backend = "gloo" if args.dry_run else "nccl"
     if under_torchrun():
         size = int(os.environ["WORLD_SIZE"])
-        if args.tp not in (1, size):
-            raise SystemExit(f"--tp {args.tp} but torchrun started {size} processes")
         rows = run_here(tp_rows, (opts,), backend=backend, timeout_s=TIMEOUT_S)
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
         size = args.tp
-        if size < 2:
-            raise SystemExit(f"--tp {size}: tensor parallelism needs at least 2 ranks")
-        if not args.dry_run and torch.cuda.device_count() < size:
-            raise SystemExit(f"--tp {size} needs {size} CUDA GPUs; this machine has "
-                             f"{torch.cuda.device_count()}")
         rows = spawn(tp_rows, size, (opts,), backend=backend, timeout_s=TIMEOUT_S)[0]
     write_results(args.out, rows, size, args.context, args.pooled, args.dry_run)
     print("\n".join(markdown_table(rows)))
