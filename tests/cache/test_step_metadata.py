@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.cache.pool import RingSpec
-from dsv4.cache.step import _decode_metadata, _step_metadata
+from dsv4.cache.step import _decode_metadata, _padded, _step_metadata
 
 SPECS = {  # the rings of each layer type (main compressor, indexer compressor)
     0: [],
@@ -73,7 +73,12 @@ def test_a_padded_decode_step_keeps_the_real_parts_and_pads_in_the_padding_slot(
             assert ring_src[e_real * cr:].tolist() == [-1] * (cr * (t - e_real))
             assert call_src[e_real * cr:].tolist() == [0] * (cr * (t - e_real))
             assert keep_dst.tolist() == r[4].tolist() + [pad * cr] * 2
-            assert keep_src.tolist() == list(range(t))
+            assert keep_src.tolist() == [0, 1, 2, 0, 0]
+        # one padding rule: the decode fast path's buffer is the general path's, padded
+        general, gshapes, gmeta, gseq = _padded(
+            _step_metadata(starts, slots, [1] * 3, SPECS[ratio]), SPECS[ratio], t, 1, pad)
+        assert torch.equal(full, general) and shapes == gshapes and meta == gmeta
+        assert torch.equal(seq, gseq)
 
 
 @settings(max_examples=60, deadline=None)

@@ -370,12 +370,22 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
     return host, shapes, job_meta, torch.from_numpy(seq_ids)
 
 
+def _job_padding(spec: RingSpec, pad_slot: int) -> tuple[int, int, int, int, int, int]:
+    """What a padded step writes into each compressor part's unused places (padded tokens are
+    at position 0 in ``pad_slot``): (job slot, entry, ring source, call source, kept-row
+    destination, kept-row source). An unused job makes entry 0 of the padding slot from the
+    step's first raw row (finite values), a padded token keeps that row in the padding slot's
+    ring: both land where no sequence reads."""
+    return pad_slot, 0, -1, 0, pad_slot * spec.rows, 0
+
+
 def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
                      specs: list[tuple[str, RingSpec]], pad_to: int | None = None,
                      pad_slot: int = -1) -> Metadata:
     """:func:`_step_metadata` for a decode step (every count 1) in plain Python: the same buffer
     in a fraction of the host time (NumPy's per-call cost dominates arrays this small).
-    ``pad_to``: ``pad_to`` tokens and jobs per compressor, the padding in ``pad_slot``."""
+    ``pad_to``: ``pad_to`` tokens and jobs per compressor, padded with :func:`_job_padding`'s
+    values."""
     m = len(starts)
     t = m if pad_to is None else pad_to
     pads = t - m
@@ -394,14 +404,13 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
                 ring_src.append(s * cr + q % cr if 0 <= q < a else -1)
                 call_src.append(i + q - a if q >= a else -1)  # q == a: this step's row i
         e = len(done) if pad_to is None else pad_to
-        # unused jobs: entry 0 of the padding slot, from the step's first raw row (finite
-        # values; the entry lands in the padding block, which no sequence reads)
         unused = e - len(done)
-        flat += [slots[i] for i in done] + [pad_slot] * unused
-        flat += [starts[i] // ratio for i in done] + [0] * unused
-        flat += ring_src + [-1] * (src * unused) + call_src + [0] * (src * unused)
+        p_slot, p_entry, p_ring, p_call, p_keep_dst, p_keep_src = _job_padding(spec, pad_slot)
+        flat += [slots[i] for i in done] + [p_slot] * unused
+        flat += [starts[i] // ratio for i in done] + [p_entry] * unused
+        flat += ring_src + [p_ring] * (src * unused) + call_src + [p_call] * (src * unused)
         flat += [s * cr + a % cr for a, s in zip(starts, slots, strict=True)]
-        flat += [pad_slot * cr] * pads + list(range(t))
+        flat += [p_keep_dst] * pads + list(range(m)) + [p_keep_src] * pads
         shapes += [(e,), (e,), (e, src), (e, src), (t,), (t,)]
         job_meta.append((name, e, t))
     # through an int64 array: torch.tensor of a Python list costs ~4x as much host time
@@ -416,7 +425,7 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
 def _padded(real: Metadata, specs: RingSpecs, b: int, q: int, pad_slot: int) -> Metadata:
     """A step's metadata (:func:`_step_metadata`) padded to B * Q tokens and, per compressor,
     B * ceil(Q / ratio) entry jobs (the most Q tokens of a sequence complete) and B * min(Q,
-    ring rows) kept rows; the padding as in :func:`_decode_metadata`'s."""
+    ring rows) kept rows, padded with :func:`_job_padding`'s values."""
     host, shapes, jobs, seq_ids = real
     parts = list(torch.split(host, [_numel(s) for s in shapes]))
     t = b * q
@@ -431,9 +440,10 @@ def _padded(real: Metadata, specs: RingSpecs, b: int, q: int, pad_slot: int) -> 
         e, kept = b * -(-q // spec.ratio), b * min(q, spec.rows)
         src = spec.sources
         slots_e, entries, ring_src, call_src, keep_dst, keep_src = parts[2 + 6 * k: 8 + 6 * k]
-        out += [pad(slots_e, e, pad_slot), pad(entries, e, 0), pad(ring_src, e * src, -1),
-                pad(call_src, e * src, 0), pad(keep_dst, kept, pad_slot * spec.rows),
-                pad(keep_src, kept, 0)]
+        p_slot, p_entry, p_ring, p_call, p_keep_dst, p_keep_src = _job_padding(spec, pad_slot)
+        out += [pad(slots_e, e, p_slot), pad(entries, e, p_entry), pad(ring_src, e * src, p_ring),
+                pad(call_src, e * src, p_call), pad(keep_dst, kept, p_keep_dst),
+                pad(keep_src, kept, p_keep_src)]
         out_shapes += [(e,), (e,), (e, src), (e, src), (kept,), (kept,)]
         out_jobs.append((name, e, kept))
     ids = torch.cat((seq_ids, seq_ids.new_full((t - seq_ids.numel(),), -1)))
