@@ -2,17 +2,19 @@
 # The GPU checks of this repository, one case per call (each fits a 10-minute call on a cold
 # machine). Run from the repository root on a CUDA machine:
 #
-#   bash benchmarks/gpu_check.sh suite    # the whole pytest suite on the GPU, $WORKERS (8) workers
-#   bash benchmarks/gpu_check.sh verify   # dsv4 verify --platform cuda, the tiny LM's GPU eval
+#   bash benchmarks/gpu_check.sh suite    # dsv4 verify --platform cuda and the tiny LM's GPU
+#                                         # eval, then the whole pytest suite, $WORKERS (8)
+#                                         # workers; LEFT=FILE: only the test ids in FILE
+#                                         # (benchmarks/pytest_remaining.py), no verify
 #   bash benchmarks/gpu_check.sh decode   # the decode step's default rows: Flash / Pro C4,
-#                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K
-#   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens, 8K over 64K
+#                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K;
+#                                         # DRAFTS=0,1,3,7: verify steps of 1 + k tokens instead
+#   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens
 #   bash benchmarks/gpu_check.sh kernels  # attention kernels, fp8 GEMMs, input projections alone
-#   bash benchmarks/gpu_check.sh runner   # the decode runner's GPU tests, then Flash's whole
-#                                         # attention stack: eager vs runner (model-decode)
-#   bash benchmarks/gpu_check.sh models   # Pro's stack (model-decode); transformers-decode
-#   bash benchmarks/gpu_check.sh verify-steps  # decode-step rows of 1 + k tokens per sequence
-#                                         # (k = 0, 1, 3, 7), Flash / Pro C4, contexts 512, 64K
+#   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
+#                                         # of Flash's, then Pro's, schedule: eager, one plan
+#                                         # per step, the decode runner);
+#                                         # transformers-decode (the transformers wheels in .whl/)
 #
 # FlashMLA: put the `sgl-flash-mla` wheel in .whl/ (ignored by git); it is installed into
 # /tmp/fm with --no-deps. Without it the FlashMLA rows skip and `auto` runs our kernel.
@@ -21,26 +23,36 @@
 # call with it, and a failing step does not stop the next. PACK=FILE.tgz rewrites one archive of
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
-# Options: WORKERS (suite), LAYERS (decode, default C4; e.g. C4,C128,SWA), DSV4_PDL=0 (every
-# case without programmatic dependent launch). BASELINE=DIR (decode, prefill): first the same
-# rows of the tree whose source is DIR/src (e.g. `git archive OLD src | tar -x -C DIR`, carried
-# as an ignored folder), into $OUT/<kind>-baseline/, then this tree's - a before/after on one
-# card in one call; BASELINE_STRATEGY is that tree's decode-step strategy (default `default`;
-# trees before 2026-12-05 name it ours_auto_act8_pdl). Where these results live in the tree and what
-# they mean: benchmarks/results/README.md, docs/performance.md.
+# Options: WORKERS (suite), LAYERS (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill,
+# default 16384,65536), DSV4_PDL=0 (every case without programmatic dependent launch).
+# BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
+# `git archive OLD src | tar -x -C DIR`, carried as an ignored folder), into
+# $OUT/<kind>-baseline/, then this tree's - a before/after on one card in one call;
+# BASELINE_STRATEGY is that tree's decode-step strategy (default `default`; trees before
+# 2026-12-05 name it ours_auto_act8_pdl). Where these results live in the tree and what they
+# mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | verify | decode | prefill | kernels | runner | models | verify-steps) ;;
+suite | decode | prefill | kernels | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh" \
-        "suite|verify|decode|prefill|kernels|runner|models|verify-steps" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|models" >&2
     exit 2
     ;;
 esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm .whl/*.whl \
-    >/dev/null 2>&1 || echo "sgl-flash-mla not installed (no .whl/): FlashMLA rows skip"
+# the wheels this case needs, from .whl/: FlashMLA's kernels and pytest-xdist (with execnet)
+# always; transformers and its hub client for `models` only (the suite skips what needs them)
+WHEELS=(.whl/sgl_flash_mla-*.whl .whl/pytest_xdist-*.whl .whl/execnet-*.whl)
+if [ "$1" = models ]; then
+    WHEELS+=(.whl/transformers-*.whl .whl/huggingface_hub-*.whl .whl/httpx2-*.whl
+             .whl/httpcore2-*.whl .whl/truststore-*.whl)
+fi
+for w in "${WHEELS[@]}"; do
+    [ -f "$w" ] || echo "$w: not in .whl/ (what needs it skips)"
+done
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm \
+    $(ls "${WHEELS[@]}" 2>/dev/null) >/dev/null 2>&1 || echo "wheels from .whl/ not installed"
 export PYTHONPATH=src:/tmp/fm PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
 git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null || true
@@ -63,9 +75,9 @@ SKIP=(--deselect tests/test_readme.py --ignore=tests/integrations
       --deselect tests/test_transformers_dialect.py)
 DECODE=(python3 -m dsv4 bench decode-step --models flash,pro --layers "${LAYERS:-C4}"
         --ms 1,16,64)
-MODEL=(python3 -m dsv4 bench model-decode --ms 1,16,64 --contexts 512,16384,65536)
+MODEL=(python3 -m dsv4 bench model-decode --layers 8 --ms 1,16,64 --contexts 512,16384,65536)
 PREFILL=(python3 -m dsv4 bench prefill --only layer --models flash,pro --layers C4
-         --tokens 16384,65536 --attention-backend flashmla --reps 2 --max-case-seconds 30)
+         --tokens "${TOKENS:-16384,65536}" --attention-backend flashmla --reps 2 --max-case-seconds 30)
 BASE_PATH=${BASELINE:+$BASELINE/src:/tmp/fm}
 
 case "${1:-}" in
@@ -73,28 +85,35 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
     # `python3 benchmarks/pytest_remaining.py $OUT/gpu-tests/pytest_all.txt` lists the rest
     XDIST=()
     python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${WORKERS:-8}")
-    step gpu-tests/pytest_all.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
-    ;;
-verify)
-    step verify/verify_cuda.txt 300 python3 -m dsv4 verify --platform cuda
-    step verify/eval_cuda.txt 200 python3 -m dsv4 eval --device cuda --platform cuda \
-        --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
+    if [ -n "${LEFT:-}" ]; then
+        mapfile -t IDS < <(grep -v '^#' "$LEFT")
+        step gpu-tests/pytest_left.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${IDS[@]}"
+    else
+        step verify/verify_cuda.txt 150 python3 -m dsv4 verify --platform cuda
+        step verify/eval_cuda.txt 100 python3 -m dsv4 eval --device cuda --platform cuda \
+            --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
+        step gpu-tests/pytest_all.txt 330 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
+    fi
     ;;
 decode)  # with BASELINE both trees share the call: shorter limits, no profile
-    S512=300 S64=240 PROFILE=(--profile)
+    S512=300 S64=240 PROFILE=(--profile) KIND=decode-step ROWS=(--strategies default)
+    if [ -n "${DRAFTS:-}" ]; then
+        S512=280 S64=280 PROFILE=() KIND=decode-step-verify
+        ROWS=(--strategies default --draft-tokens "$DRAFTS")
+    fi
     if [ -n "$BASE_PATH" ]; then
         S512=140 S64=120 PROFILE=()
-        PYTHONPATH=$BASE_PATH step decode-step-baseline/512/log.txt $S512 "${DECODE[@]}" \
-            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/decode-step-baseline/512" \
+        PYTHONPATH=$BASE_PATH step $KIND-baseline/512/log.txt $S512 "${DECODE[@]}" \
+            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/$KIND-baseline/512" \
             --contexts 512 --reps 5
-        PYTHONPATH=$BASE_PATH step decode-step-baseline/64k/log.txt $S64 "${DECODE[@]}" \
-            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/decode-step-baseline/64k" \
+        PYTHONPATH=$BASE_PATH step $KIND-baseline/64k/log.txt $S64 "${DECODE[@]}" \
+            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/$KIND-baseline/64k" \
             --contexts 65536 --reps 3
     fi
-    step decode-step/512/log.txt $S512 "${DECODE[@]}" --strategies default \
-        --out "$OUT/decode-step/512" --contexts 512 --reps 5 "${PROFILE[@]}"
-    step decode-step/64k/log.txt $S64 "${DECODE[@]}" --strategies default \
-        --out "$OUT/decode-step/64k" --contexts 65536 --reps 3
+    step $KIND/512/log.txt $S512 "${DECODE[@]}" "${ROWS[@]}" \
+        --out "$OUT/$KIND/512" --contexts 512 --reps 5 "${PROFILE[@]}"
+    step $KIND/64k/log.txt $S64 "${DECODE[@]}" "${ROWS[@]}" \
+        --out "$OUT/$KIND/64k" --contexts 65536 --reps 3
     ;;
 prefill)
     SECS=540
@@ -113,20 +132,10 @@ kernels)
     step input-projections/log.txt 180 python3 -m dsv4 bench input-proj \
         --out "$OUT/input-projections" --quick
     ;;
-runner)
-    step runner/tests.txt 200 "${PYTEST[@]}" -rf -s tests/platforms/test_runner_cuda.py \
-        tests/test_decode_runner.py
-    step model-decode/flash/log.txt 380 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
-    ;;
 models)
-    step model-decode/pro/log.txt 330 "${MODEL[@]}" --models pro --out "$OUT/model-decode/pro"
-    step transformers-decode/log.txt 240 python3 -m dsv4 bench transformers-decode \
+    step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
+    step model-decode/pro/log.txt 200 "${MODEL[@]}" --models pro --out "$OUT/model-decode/pro"
+    step transformers-decode/log.txt 150 python3 -m dsv4 bench transformers-decode \
         --out "$OUT/transformers-decode" --batches 1,16 --contexts 4096,32768,262144
-    ;;
-verify-steps)
-    for ctx in 512 65536; do
-        step "decode-step-verify/$ctx/log.txt" 280 "${DECODE[@]}" --strategies default \
-            --draft-tokens 0,1,3,7 --contexts "$ctx" --reps 3 --out "$OUT/decode-step-verify/$ctx"
-    done
     ;;
 esac
