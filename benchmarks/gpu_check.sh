@@ -23,8 +23,9 @@
 # call with it, and a failing step does not stop the next. PACK=FILE.tgz rewrites one archive of
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
-# Options: WORKERS (suite), LAYERS (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill,
-# default 16384,65536), DSV4_PDL=0 (every case without programmatic dependent launch).
+# Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
+# (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
+# (every case without programmatic dependent launch).
 # BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
 # `git archive OLD src | tar -x -C DIR`, carried as an ignored folder), into
 # $OUT/<kind>-baseline/, then this tree's - a before/after on one card in one call;
@@ -92,7 +93,7 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
         step verify/verify_cuda.txt 150 python3 -m dsv4 verify --platform cuda
         step verify/eval_cuda.txt 100 python3 -m dsv4 eval --device cuda --platform cuda \
             --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
-        step gpu-tests/pytest_all.txt 330 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
+        step gpu-tests/pytest_all.txt "${SUITE_SECS:-330}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
     fi
     ;;
 decode)  # with BASELINE both trees share the call: shorter limits, no profile
