@@ -184,3 +184,78 @@ def test_verify_steps_and_accepts_through_the_runner_equal_eager(tiny_exact, mod
     if mode == "padded":
         assert runner.stats["padded"] == 200
         assert {k[1] for k in runner._buckets} >= {2, 4, 8}  # query buckets used
+
+
+class _NoEvent:  # the CPU build of PyTorch has no CUDA events (the cuda platform records some)
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, *args: object) -> None:
+        pass
+
+
+def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exact, monkeypatch):
+    """The cuda platform's plain calls of at most ``step_graph_max_seqs`` sequences of up to 8
+    tokens (one step) run through the layer's own runner - on a GPU its graphs, here its padded
+    steps - with the eager call's values, as sequences join, leave and verify; prefill, more
+    sequences and longer calls run eagerly. New weights drop the runner."""
+    from dataclasses import replace
+
+    from dsv4.platforms.cuda import CudaAttention
+
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
+    from dsv4.testing.random_weights import random_layer_weights
+
+    layers = {}
+    cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
+    for side in "ab":  # the platform's class on the CPU: its base-path stages
+        lay = CudaAttention(cfg, 1, device="cpu", dtype=torch.float64, aux_streams=[])
+        lay.load_weights(random_layer_weights(cfg, 1, seed=1))
+        lay.aux_streams = None
+        lay.use_cuda_graphs(False)  # no input-stage graphs on the CPU
+        lay.plan = replace(lay.plan, step_graph_max_seqs=4 if side == "a" else 0)
+        layers[side] = lay
+    pools = {side: layers[side].new_cache_pool(6, 400, max_rollback=3) for side in "ab"}
+    live: dict[str, list] = {"a": [], "b": []}
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    h = tiny_exact.hidden_size
+
+    def call(lens):
+        x = torch.randn(sum(lens), h, generator=gen, dtype=torch.float64)
+        ys = []
+        for side in "ab":
+            pos = torch.cat([torch.arange(c.length, c.length + n)
+                             for c, n in zip(live[side], lens, strict=True)])
+            ys.append(layers[side](x, pos, live[side], lens))
+        assert torch.allclose(ys[0], ys[1], rtol=0, atol=1e-10)
+
+    routed = eager = 0
+    for step in range(80):
+        if len(live["a"]) < 6 and (not live["a"] or rng.random() < 0.1 or 30 <= step < 36):
+            n = rng.randint(1, 40)
+            x = torch.randn(n, h, generator=gen, dtype=torch.float64)
+            for side in "ab":  # a prefill (of at most 8 tokens: a step the runner takes)
+                live[side].append(pools[side].add_sequence())
+                layers[side](x, torch.arange(n), live[side][-1])
+            routed += n <= 8
+        if len(live["a"]) > 1 and rng.random() < 0.12:
+            i = rng.randrange(len(live["a"]))
+            for side in "ab":
+                live[side].pop(i).free()
+        lens = [rng.randint(1, 4) if step % 5 == 4 else 1 for _ in live["a"]]
+        call(lens)
+        routed += len(lens) <= 4
+        eager += len(lens) > 4
+        for side in "ab":  # a verify step: keep its first token
+            for c, n in zip(live[side], lens, strict=True):
+                c.truncate(c.length - (n - 1))
+    runner = layers["a"]._step_runner
+    assert runner is not None and layers["b"]._step_runner is None
+    assert routed > 20 and eager > 0
+    assert runner.stats["padded"] == routed and runner.stats["eager"] == 0
+    assert [c.length for c in live["a"]] == [c.length for c in live["b"]]
+    layers["a"].load_state_dict(layers["a"].state_dict())  # new weights: graphs are stale
+    assert layers["a"]._step_runner is None

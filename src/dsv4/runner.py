@@ -27,13 +27,16 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
 
 Outputs are copies (the ``T`` real rows of the step function's ``[B * Q, ...]`` outputs): they
 stay valid after the next step. Graphs hold the layers' weights and the pools' tensors by
-address: after weights are reloaded or pools replaced, call :meth:`DecodeRunner.reset`.
+address: after weights are reloaded, call :meth:`DecodeRunner.reset`. A bucket knows its pools
+by weak reference: one whose pool was freed is never replayed (a new pool at the same address
+gets a new bucket), and is dropped when the next bucket is made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +80,14 @@ class _Bucket:
 
     metadata: torch.Tensor
     inputs: list[torch.Tensor]
+    pools: tuple[weakref.ref[CachePool], ...] = ()
+    """The pools the graph writes, by weak reference: a bucket whose pool has died (its
+    address maybe reused by a new pool) is never replayed."""
     graph: Any = None
     outputs: Any = None
+
+    def serves(self, pools: list[CachePool]) -> bool:
+        return all(r() is p for r, p in zip(self.pools, pools, strict=True))
 
 
 class DecodeRunner:
@@ -167,11 +176,13 @@ class DecodeRunner:
             key = (bucket, per_seq, tuple(sorted(caps.items())), tuple(id(p) for p in pools),
                    layout, size, tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
             state = self._buckets.get(key)
-            if state is None:
+            if state is None or not state.serves(pools):
+                self._drop_dead_buckets()
                 device = pools[0].device
                 state = _Bucket(torch.zeros(size, dtype=torch.int64, device=device),
                                 [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype,
-                                             device=t.device) for t in inputs])
+                                             device=t.device) for t in inputs],
+                                tuple(weakref.ref(p) for p in pools))
                 self._buckets[key] = state
             picked.append(state)
             return state.metadata
@@ -193,6 +204,12 @@ class DecodeRunner:
             raise
         plan.commit()
         return _rows(outs, t_real)
+
+    def _drop_dead_buckets(self) -> None:
+        """Forget the buckets of pools that no longer exist (their graphs and buffers)."""
+        dead = [k for k, b in self._buckets.items() if any(r() is None for r in b.pools)]
+        for k in dead:
+            del self._buckets[k]
 
     def _run_padded(self, plan: StepPlan, state: _Bucket, capture: bool) -> Any:
         """The padded step eagerly over the bucket's buffers (its real result); with

@@ -175,3 +175,61 @@ def test_tiny_model_speculative_tokens_through_graphs_equal_greedy():
     runner = model.decode_runner(hidden=True, mode="graphs")
     assert speculative_generate_ids(model, prompts, n, drafter, 3, runner=runner) == greedy
     assert drafter.runner.stats["captures"] > 0
+
+
+def test_plain_decode_calls_replay_each_layers_graphs():
+    """``layer(x, positions, caches)`` decode and verify calls with the plan's
+    ``step_graph_max_seqs`` on: each layer's runner replays its graphs, bit for bit the same
+    layer's padded steps (fp8_ds_mla cache) and within bf16 rounding of the eager calls, as
+    sequences join and leave over 200 steps."""
+    from dataclasses import replace
+
+    sides = ("graphs", "padded", "eager")
+    stacks = {}
+    for s in sides:
+        cfg, layers = cuda_stack()
+        for lay in layers:
+            lay.plan = replace(lay.plan, step_graph_max_seqs=0 if s == "eager" else 8)
+            if s == "padded":
+                lay.STEP_GRAPH_MODE = "padded"
+        stacks[s] = layers
+    pools = {s: [lay.new_cache_pool(10, 2000, max_rollback=3) for lay in stacks[s]]
+             for s in sides}
+    live: dict[str, list] = {s: [] for s in sides}
+    rng = random.Random(11)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    h = cfg.hidden_size
+
+    def run(s, x, lens):
+        pos = torch.cat([torch.arange(q[0].length, q[0].length + n)
+                         for q, n in zip(live[s], lens, strict=True)]).cuda()
+        for k, lay in enumerate(stacks[s]):
+            x = x + lay(torch.nn.functional.silu(x), pos, [q[k] for q in live[s]], lens)
+        return x
+
+    for step in range(200):
+        if not live["eager"] or (rng.random() < 0.05 and len(live["eager"]) < 10):
+            n = rng.choice([1, 5, 130, 300])
+            x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+            for s in sides:
+                live[s].append([p.add_sequence() for p in pools[s]])
+                run(s, x, [n])
+        elif rng.random() < 0.04 and len(live["eager"]) > 1:
+            i = rng.randrange(len(live["eager"]))
+            for s in sides:
+                for c in live[s].pop(i):
+                    c.free()
+        lens = [rng.randint(1, 4) if step % 7 == 6 else 1 for _ in live["eager"]]
+        x = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
+        ys = {s: run(s, x, lens) for s in sides}
+        assert torch.equal(ys["graphs"], ys["padded"]), step
+        err = ((ys["graphs"].float() - ys["eager"].float()).norm()
+               / ys["eager"].float().norm()).item()
+        assert err < 2e-2, (step, err)
+        for s in sides:  # a verify step keeps its first token
+            for q, n in zip(live[s], lens, strict=True):
+                for c in q:
+                    c.truncate(c.length - (n - 1))
+    replays = sum(lay._step_runner.stats["replays"] for lay in stacks["graphs"])
+    assert replays > 150 * len(SCHEDULE)
+    assert all(lay._step_runner is None for lay in stacks["eager"])

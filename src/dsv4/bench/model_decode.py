@@ -9,7 +9,9 @@ sequence. Three ways of running it, each timed over ``--steps`` consecutive step
 the host's work included, as a serving loop pays it):
 
 * ``eager_layers``: each layer called as the README's first example does,
-  ``layer(x, positions, caches)`` (each plans its own step);
+  ``layer(x, positions, caches)`` (each plans its own step), every stage eager;
+* ``layer_graphs``: the same calls with the ``cuda`` platform's plain-call step graphs on
+  (``step_graph_max_seqs``: each layer's decode step one CUDA-graph replay of its own runner);
 * ``eager_plan``: one :class:`~dsv4.cache.plan.StepPlan` per step for all layers
   (``DecodeRunner(mode="eager")``);
 * ``runner``: the decode runner, the whole step one CUDA-graph replay
@@ -29,6 +31,7 @@ nothing) to check the plumbing without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -50,11 +53,12 @@ from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import build_attention
-from dsv4.runner import DecodeRunner, capture_graph
+from dsv4.platforms.cuda import CudaAttention
+from dsv4.runner import DEFAULT_BUCKETS, DecodeRunner, capture_graph
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
-MODES = ("eager_layers", "eager_plan", "runner")
+MODES = ("eager_layers", "layer_graphs", "eager_plan", "runner")
 RESULTS = ("model_decode.json", "model_decode.md", "model_decode.png")
 TYPE_NAMES = {0: "SWA", 4: "C4", 128: "C128"}
 
@@ -134,7 +138,7 @@ def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: 
 
 def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: int,
              steps: int, reps: int, device: torch.device, graphs: bool) -> dict[str, Any]:
-    pools = [layer.new_cache_pool(m, context + 4 * steps * reps + 64) for layer in layers]
+    pools = [layer.new_cache_pool(m, context + 5 * steps * reps + 64) for layer in layers]
     seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
     for k in range(len(layers)):
         fill_history([s[k] for s in seqs], context, seed=k)
@@ -160,21 +164,38 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
     if err > 2e-2:
         raise RuntimeError(f"{model} M={m} ctx={context}: runner vs eager rel err {err:.2e}")
 
-    def eager_layers() -> None:
+    def plain_calls() -> None:
         pos = torch.tensor([s[0].length for s in seqs])
         y = x
         for k, layer in enumerate(layers):
             y = y + layer(y, pos, [s[k] for s in seqs])
 
+    def step_graphs(most: int) -> None:
+        """Plain calls' step graphs on (each layer's runner, up to ``most`` sequences) or off
+        (0); the cuda platform's layers only."""
+        for layer in layers:
+            if isinstance(layer, CudaAttention):
+                layer.plan = dataclasses.replace(layer.plan, step_graph_max_seqs=most)
+
     row: dict[str, Any] = {"model": model, "layers": len(layers), "M": m, "context": context,
                            "runner_mode": runner.mode, "rel_err_runner_vs_eager": err}
-    for mode, step in (("eager_layers", eager_layers), ("eager_plan", lambda: eager(seqs, x)),
-                       ("runner", lambda: runner(seqs, x))):
+    timed = [("eager_layers", plain_calls), ("eager_plan", lambda: eager(seqs, x)),
+             ("runner", lambda: runner(seqs, x))]
+    if graphs:
+        timed.insert(1, ("layer_graphs", plain_calls))
+    for mode, step in timed:
+        step_graphs(max(DEFAULT_BUCKETS) if mode == "layer_graphs" else 0)
+        if mode == "layer_graphs":  # each layer's bucket captured (its first step eager)
+            step()
+            back()
         times = [time_steps(step, steps, device) for _ in range(reps)]
         us = statistics.median(times)
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
                      "tokens_per_s": m / us * 1e6}
     row["runner_stats"] = dict(runner.stats)
+    for layer in layers:  # the shipped plan again; the layers' own graphs dropped
+        if isinstance(layer, CudaAttention):
+            layer.use_cuda_graphs(True)
     if graphs:  # the single-layer graph rows of each type, at the caches' present length
         singles: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -187,7 +208,8 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         row["single_layer_graph_us"] = singles
         row["layer_counts"] = counts
         row["sum_of_single_layer_graphs_us"] = total
-        row["runner_vs_sum_of_single_layers"] = row["runner"]["us_per_step"] / total
+        for mode in ("runner", "layer_graphs", "eager_layers"):
+            row[f"{mode}_vs_sum_of_single_layers"] = row[mode]["us_per_step"] / total
         row["eager_plan_vs_runner"] = (row["eager_plan"]["us_per_step"]
                                         / row["runner"]["us_per_step"])
     for seq in seqs:
@@ -198,17 +220,20 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     head = ["model", "layers", "ctx", "M"] + [f"{m} us/step (us/layer)" for m in MODES] + [
-        "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "eager_plan / runner"]
+        "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "layer_graphs / sum",
+        "eager_layers / sum", "eager_plan / runner"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
         cells = [r["model"], str(r["layers"]), ctx, str(r["M"])]
-        cells += [f"{r[m]['us_per_step']:.0f} ({r[m]['us_per_layer']:.0f})" for m in MODES]
+        cells += [f"{r[m]['us_per_step']:.0f} ({r[m]['us_per_layer']:.0f})" if m in r else "-"
+                  for m in MODES]
         cells.append(f"{r['runner']['tokens_per_s']:.0f}")
         s = r.get("sum_of_single_layer_graphs_us")
         cells.append("-" if s is None else f"{s:.0f}")
-        v = r.get("runner_vs_sum_of_single_layers")
-        cells.append("-" if v is None else f"{v:.2f}x")
+        for mode in ("runner", "layer_graphs", "eager_layers"):
+            v = r.get(f"{mode}_vs_sum_of_single_layers")
+            cells.append("-" if v is None else f"{v:.2f}x")
         v = r.get("eager_plan_vs_runner")
         cells.append("-" if v is None else f"{v:.1f}x")
         lines.append("| " + " | ".join(cells) + " |")
@@ -223,7 +248,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     width = 0.8 / (len(MODES) + 1)
     for j, mode in enumerate(MODES):
         ax.bar([i + j * width for i in range(len(rows))],
-               [r[mode]["us_per_layer"] for r in rows], width,
+               [r[mode]["us_per_layer"] if mode in r else 0 for r in rows], width,
                label=f"runner ({rows[0]['runner_mode']})" if mode == "runner" else mode)
     ax.bar([i + len(MODES) * width for i in range(len(rows))],
            [r.get("sum_of_single_layer_graphs_us", 0) / r["layers"] for r in rows], width,

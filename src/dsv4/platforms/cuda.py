@@ -34,6 +34,13 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   it writes o, otherwise it is one launch of its own; then the fp8 output GEMMs.
 * Stage 6: both rings of a C4 layer keep their rows in one launch.
 
+A plain decode call - ``layer(x, positions, caches)`` of at most ``step_graph_max_seqs``
+sequences (``cuda_plan.json``) bringing at most 8 tokens each, in one pool and one step, not
+under an outer capture, tensor parallelism or an offloader - replays the whole step as a CUDA
+graph: the layer's own :class:`~dsv4.runner.DecodeRunner` over that one layer, buckets and
+padding as the runner's (its module docstring), the same values as the eager step. Every other
+call (prefill, mixed steps, ``layer(x, plan=plan)``) runs its stages eagerly.
+
 float32 / float64 layers, and inputs a kernel does not take, run the base path's PyTorch ops
 for that stage or point.
 """
@@ -51,7 +58,8 @@ import torch
 from typing_extensions import override
 
 from dsv4.attention import DeepseekV4Attention
-from dsv4.cache.pool import CachePool
+from dsv4.cache.plan import StepPlan
+from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import (
     compress_entries,
@@ -95,7 +103,7 @@ from dsv4.platforms.cuda_elementwise import (
     fused_query_heads_and_kv_rows,
 )
 from dsv4.platforms.cuda_linears import Fp8LinearPlan, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
-from dsv4.runner import capture_graph
+from dsv4.runner import DEFAULT_BUCKETS, DEFAULT_QUERY_BUCKETS, DecodeRunner, capture_graph
 from dsv4.stages import InputProjections, Selection
 
 logger = logging.getLogger(__name__)
@@ -116,6 +124,9 @@ class CudaPlan:
     triton_attention_max_tokens: int = 0
     """``attention_backend=auto`` with FlashMLA chosen: steps of at most this many query tokens
     run our sparse attention kernel instead (where it measured faster; 0: never)."""
+    step_graph_max_seqs: int = 0
+    """Plain decode calls of at most this many sequences replay a CUDA graph of the whole step
+    (module docstring; 0: never)."""
 
     @classmethod
     def load(cls, hidden_size: int, path: Path | None = None) -> CudaPlan:
@@ -137,7 +148,8 @@ class CudaPlan:
                              f"{type(entry).__name__}")
         values = []
         for field, required in (("fused_max_tokens", True), ("graph_max_tokens", True),
-                                ("triton_attention_max_tokens", False)):
+                                ("triton_attention_max_tokens", False),
+                                ("step_graph_max_seqs", False)):
             if field not in entry and required:
                 raise ValueError(f"cuda plan {path}: entry {key!r} lacks {field!r}")
             v = entry.get(field, 0)
@@ -165,6 +177,8 @@ class CudaAttention(DeepseekV4Attention):
         """Which fp8 linears run through the weight-streaming kernels (set after each load)."""
         self._attention_choices: dict[tuple[object, ...], BackendChoice] = {}
         self._step_kernels_enabled = True
+        self._step_runner: DecodeRunner | None = None
+        """Plain decode calls' graphs (made on first use, dropped when weights change)."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -179,11 +193,15 @@ class CudaAttention(DeepseekV4Attention):
         self._step_kernels_enabled = enabled
 
     def use_cuda_graphs(self, enabled: bool) -> None:
-        """Turn the input stage's CUDA graphs on (the plan's ``graph_max_tokens``) or off (every
-        call eager, same kernels): graph-vs-eager comparisons and debugging."""
-        default = CudaPlan.load(self.cfg.hidden_size).graph_max_tokens
-        self.plan = replace(self.plan, graph_max_tokens=default if enabled else 0)
+        """Turn the CUDA graphs of plain calls on (the input stage's, the plan's
+        ``graph_max_tokens``; decode steps', its ``step_graph_max_seqs``) or off (every call
+        eager, same kernels): graph-vs-eager comparisons and debugging."""
+        default = CudaPlan.load(self.cfg.hidden_size)
+        self.plan = replace(self.plan,
+                            graph_max_tokens=default.graph_max_tokens if enabled else 0,
+                            step_graph_max_seqs=default.step_graph_max_seqs if enabled else 0)
         self._graphs = {}
+        self._step_runner = None
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached
@@ -210,6 +228,7 @@ class CudaAttention(DeepseekV4Attention):
     def _after_weights_changed(self) -> None:
         super()._after_weights_changed()
         self._graphs = {}  # captured pointers may be stale
+        self._step_runner = None
         on_gpu = triton_available() and self.device.type == "cuda"
         self.fp8_plan = plan_fp8_linears(
             self, on_gpu, "" if on_gpu else "the fp8 kernels need Triton and a CUDA device")
@@ -229,6 +248,35 @@ class CudaAttention(DeepseekV4Attention):
         """The step's data-movement kernels (cache writes, flat rows, raw and ring rows) are on
         and run where ``t`` lives."""
         return self._step_kernels_enabled and paged_rows_usable(t.device)
+
+    # ---- plain decode calls: the whole step as a CUDA graph -----------------------------
+    @override
+    def _run_pool(self, x: torch.Tensor, pool: CachePool, caches: list[AttentionCache],
+                  counts: list[int]) -> torch.Tensor:
+        if self._step_graph_usable(x, pool, counts):
+            if self._step_runner is None:
+                most = self.plan.step_graph_max_seqs
+                self._step_runner = DecodeRunner(
+                    self._planned_step, mode=self.STEP_GRAPH_MODE,
+                    buckets=[b for b in DEFAULT_BUCKETS if b < most] + [most])
+            return self._step_runner([[c] for c in caches], x, seq_lens=counts)
+        return super()._run_pool(x, pool, caches, counts)
+
+    STEP_GRAPH_DEVICE = "cuda"
+    STEP_GRAPH_MODE = "graphs"
+    """Where plain decode calls take the runner, and its mode (the CPU tests run its padded
+    steps under Triton's interpreter: ``"cpu"``, ``"padded"``)."""
+
+    def _step_graph_usable(self, x: torch.Tensor, pool: CachePool, counts: list[int]) -> bool:
+        """A decode (or verify) step the layer's runner replays (host-side test)."""
+        return (0 < len(counts) <= self.plan.step_graph_max_seqs
+                and max(counts) <= DEFAULT_QUERY_BUCKETS[-1]
+                and x.shape[0] <= pool.step_tokens and x.device.type == self.STEP_GRAPH_DEVICE
+                and self.tp is None and self.offloader.is_noop
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    def _planned_step(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
+        return self(x, plan=plan)
 
     # ---- stage 1: input projections ---------------------------------------------------
     @override
