@@ -321,7 +321,12 @@ class DeepseekV4Attention(nn.Module):
 
     def _run_pool(self, x: torch.Tensor, pool: CachePool, caches: list[AttentionCache],
                   counts: list[int]) -> torch.Tensor:
-        """The tokens of one pool's sequences, in steps of at most ``pool.step_tokens``."""
+        """The tokens of one pool's sequences of a plain call (checked), in steps of at most
+        ``pool.step_tokens``, all or nothing.
+
+        May change: how the steps run (e.g. replayed as CUDA graphs of padded steps).
+        Must keep: each step's values (to the rounding of a padded batch), every cache as the
+        eager steps leave it, and as it was if any step fails; a step is :meth:`_step`."""
         pieces = _split_steps(counts, pool.step_tokens)
         txn = CallTransaction(pool, caches, snapshot_rings=len(pieces) > 1)
         out: torch.Tensor | None = None

@@ -20,6 +20,10 @@ several points into one. A stage override answers for the fine points it replace
 that overrides a fine point must also be the one whose stage calls it (the contract checker,
 :mod:`dsv4.testing.contract`, reports a fine point whose stage was replaced above it). Nothing
 is passed between stages except their return values.
+
+Above the stages, one call-level point: ``_run_pool(x, pool, caches, counts)`` runs a plain
+call's tokens of one pool as steps (eagerly, by default); a platform may run the same steps
+another way (the ``cuda`` platform replays decode steps as CUDA graphs).
 """
 
 from __future__ import annotations
@@ -74,5 +78,8 @@ FINE_POINTS: tuple[str, ...] = tuple(p for points in STAGES.values() for p in po
 STAGE_OF: dict[str, str] = {p: stage for stage, points in STAGES.items() for p in points}
 """The stage that calls each fine point."""
 
-OVERRIDE_POINTS: tuple[str, ...] = (*STAGES, *FINE_POINTS)
-"""Every name a platform may override: the stages, then the fine points."""
+CALL_POINTS: tuple[str, ...] = ("_run_pool",)
+"""How a plain call's steps run (above the stages)."""
+
+OVERRIDE_POINTS: tuple[str, ...] = (*CALL_POINTS, *STAGES, *FINE_POINTS)
+"""Every name a platform may override: the call level, the stages, then the fine points."""
