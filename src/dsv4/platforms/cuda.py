@@ -38,8 +38,10 @@ A plain decode call - ``layer(x, positions, caches)`` of at most ``step_graph_ma
 sequences (``cuda_plan.json``) bringing at most 8 tokens each, in one pool and one step, not
 under an outer capture, tensor parallelism or an offloader - replays the whole step as a CUDA
 graph: the layer's own :class:`~dsv4.runner.DecodeRunner` over that one layer, buckets and
-padding as the runner's (its module docstring), the same values as the eager step. Every other
-call (prefill, mixed steps, ``layer(x, plan=plan)``) runs its stages eagerly.
+padding as the runner's (its module docstring), the padded step's values (the eager step's to
+the rounding of a padded batch). Every other call (prefill, mixed steps, ``layer(x,
+plan=plan)``) runs its stages eagerly. ``step_graph_max_seqs`` is 0 in the shipped table until
+a GPU has measured it.
 
 float32 / float64 layers, and inputs a kernel does not take, run the base path's PyTorch ops
 for that stage or point.
@@ -254,8 +256,8 @@ class CudaAttention(DeepseekV4Attention):
     def _run_pool(self, x: torch.Tensor, pool: CachePool, caches: list[AttentionCache],
                   counts: list[int]) -> torch.Tensor:
         if self._step_graph_usable(x, pool, counts):
-            if self._step_runner is None:
-                most = self.plan.step_graph_max_seqs
+            most = self.plan.step_graph_max_seqs
+            if self._step_runner is None or self._step_runner.buckets[-1] != most:
                 self._step_runner = DecodeRunner(
                     self._planned_step, mode=self.STEP_GRAPH_MODE,
                     buckets=[b for b in DEFAULT_BUCKETS if b < most] + [most])
@@ -264,8 +266,8 @@ class CudaAttention(DeepseekV4Attention):
 
     STEP_GRAPH_DEVICE = "cuda"
     STEP_GRAPH_MODE = "graphs"
-    """Where plain decode calls take the runner, and its mode (the CPU tests run its padded
-    steps under Triton's interpreter: ``"cpu"``, ``"padded"``)."""
+    """Where plain decode calls take the runner, and its mode (the CPU tests: ``"cpu"`` and
+    ``"padded"``, the runner's steps without a graph)."""
 
     def _step_graph_usable(self, x: torch.Tensor, pool: CachePool, counts: list[int]) -> bool:
         """A decode (or verify) step the layer's runner replays (host-side test)."""
