@@ -200,20 +200,22 @@ def test_plain_decode_calls_replay_each_layers_graphs():
     gen = torch.Generator(device="cuda").manual_seed(11)
     h = cfg.hidden_size
 
-    def run(s, x, lens):
+    def run(s, x, lens, seqs=None):
+        seqs = live[s] if seqs is None else seqs
         pos = torch.cat([torch.arange(q[0].length, q[0].length + n)
-                         for q, n in zip(live[s], lens, strict=True)]).cuda()
+                         for q, n in zip(seqs, lens, strict=True)]).cuda()
         for k, lay in enumerate(stacks[s]):
-            x = x + lay(torch.nn.functional.silu(x), pos, [q[k] for q in live[s]], lens)
+            x = x + lay(torch.nn.functional.silu(x), pos, [q[k] for q in seqs], lens)
         return x
 
+    worst = {False: 0.0, True: 0.0}
     for step in range(200):
         if not live["eager"] or (rng.random() < 0.05 and len(live["eager"]) < 10):
             n = rng.choice([1, 5, 130, 300])
             x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
             for s in sides:
                 live[s].append([p.add_sequence() for p in pools[s]])
-                run(s, x, [n])
+                run(s, x, [n], live[s][-1:])
         elif rng.random() < 0.04 and len(live["eager"]) > 1:
             i = rng.randrange(len(live["eager"]))
             for s in sides:
@@ -225,11 +227,17 @@ def test_plain_decode_calls_replay_each_layers_graphs():
         assert torch.equal(ys["graphs"], ys["padded"]), step
         err = ((ys["graphs"].float() - ys["eager"].float()).norm()
                / ys["eager"].float().norm()).item()
-        assert err < 2e-2, (step, err)
+        # decode steps: bf16 rounding of reordered sums (padded batches, wider selections); a
+        # verify step's padded batch holds more tokens than the eager one, so `auto` may pick
+        # the other attention kernel for it (FlashMLA's or ours: fp8 requantisation flips)
+        worst[max(lens) > 1] = max(worst[max(lens) > 1], err)
+        assert err < (5e-2 if max(lens) > 1 else 2e-2), (step, lens, err)
         for s in sides:  # a verify step keeps its first token
             for q, n in zip(live[s], lens, strict=True):
                 for c in q:
                     c.truncate(c.length - (n - 1))
     replays = sum(lay._step_runner.stats["replays"] for lay in stacks["graphs"])
+    print(f"graphs vs eager plain calls, worst relative error: decode {worst[False]:.2e}, "
+          f"verify {worst[True]:.2e}; {replays} replays")
     assert replays > 150 * len(SCHEDULE)
     assert all(lay._step_runner is None for lay in stacks["eager"])
