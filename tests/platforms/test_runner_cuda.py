@@ -180,8 +180,9 @@ def test_tiny_model_speculative_tokens_through_graphs_equal_greedy():
 def test_plain_decode_calls_replay_each_layers_graphs():
     """``layer(x, positions, caches)`` decode and verify calls with the plan's
     ``step_graph_max_seqs`` on: each layer's runner replays its graphs, bit for bit the same
-    layer's padded steps (fp8_ds_mla cache) and within bf16 rounding of the eager calls, as
-    sequences join and leave over 200 steps."""
+    layer's padded steps (fp8_ds_mla cache) as sequences join, leave and verify over 200 steps,
+    and within bf16 rounding of the eager calls until the sides' caches part (the first verify
+    step); every sequence at the same length on every side."""
     from dataclasses import replace
 
     sides = ("graphs", "padded", "eager")
@@ -227,16 +228,21 @@ def test_plain_decode_calls_replay_each_layers_graphs():
         assert torch.equal(ys["graphs"], ys["padded"]), step
         err = ((ys["graphs"].float() - ys["eager"].float()).norm()
                / ys["eager"].float().norm()).item()
-        # decode steps: bf16 rounding of reordered sums (padded batches, wider selections); a
-        # verify step's padded batch holds more tokens than the eager one, so `auto` may pick
-        # the other attention kernel for it (FlashMLA's or ours: fp8 requantisation flips),
-        # and what it stores differs from then on (measured on an H100: 4.1e-2 a step later)
+        # until the first verify step: bf16 rounding of reordered sums (padded batches, wider
+        # selections). A verify step's padded batch holds more tokens than the eager one, so
+        # `auto` may pick the other attention kernel for it (FlashMLA's or ours: fp8
+        # requantisation flips) and what the two sides store differs from then on (an H100:
+        # 4.1e-2 a step later, up to 9.5e-2 over 200 steps); the eager and padded steps'
+        # equality is tests/test_decode_runner.py's (float64) and the runner test's above
         worst[max(lens) > 1] = max(worst[max(lens) > 1], err)
-        assert err < (2e-2 if step < 6 else 1e-1), (step, lens, err)
+        if step < 6:
+            assert err < 2e-2, (step, lens, err)
         for s in sides:  # a verify step keeps its first token
             for q, n in zip(live[s], lens, strict=True):
                 for c in q:
                     c.truncate(c.length - (n - 1))
+    for s in ("padded", "eager"):
+        assert [q[0].length for q in live[s]] == [q[0].length for q in live["graphs"]]
     replays = sum(lay._step_runner.stats["replays"] for lay in stacks["graphs"])
     print(f"graphs vs eager plain calls, worst relative error: decode {worst[False]:.2e}, "
           f"verify {worst[True]:.2e}; {replays} replays")
