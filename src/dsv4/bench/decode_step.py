@@ -528,7 +528,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             check_tp_args(args)
         check_out(args.out, TP_RESULTS if tp_run else RESULTS, args.overwrite)
     if tp_run:
-
         if args.context is None:
             args.context = 1024
         return main_tp(args)
