@@ -11,6 +11,7 @@ import torch
 
 from dsv4.cache.plan import StepPlan, StepPlanError
 from dsv4.runner import DecodeRunner, visible_caps
+from dsv4.testing.random_weights import random_layer_weights
 
 from conftest import Twins, layer_stack, tanh_residual
 
@@ -206,8 +207,6 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
     monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
     monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
-    from dsv4.testing.random_weights import random_layer_weights
-
     layers = {}
     cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
     for side in "ab":  # the platform's class on the CPU: its base-path stages
@@ -259,3 +258,22 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     assert [c.length for c in live["a"]] == [c.length for c in live["b"]]
     layers["a"].load_state_dict(layers["a"].state_dict())  # new weights: graphs are stale
     assert layers["a"]._step_runner is None
+
+
+def test_a_freed_pools_buckets_are_never_replayed(tiny_exact):
+    """A bucket knows its pools by weak reference: after the pools are freed, a new pool (at
+    any address, the old one's included) gets a bucket of its own, and the dead one is dropped."""
+    import gc
+
+    layers = stack(tiny_exact, [0, 4])
+    runner = DecodeRunner(step_fn(layers), mode="padded", buckets=(2,))
+    x = torch.zeros(2, tiny_exact.hidden_size, dtype=torch.float64)
+    for round_ in range(3):
+        pools = [lay.new_cache_pool(2, 64) for lay in layers]
+        seqs = [[p.add_sequence() for p in pools] for _ in range(2)]
+        runner(seqs, x)
+        alive = [b for b in runner._buckets.values() if all(r() is not None for r in b.pools)]
+        assert len(alive) == 1 and alive[0].serves(pools), round_
+        assert len(runner._buckets) == 1  # the freed pools' bucket was dropped
+        del pools, seqs, alive
+        gc.collect()
