@@ -126,8 +126,10 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
                     kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
     recorded = CudaPlan.load(cfg.hidden_size)
     fused = recorded.fused_max_tokens if spec.input_stage == "plan" else 0
-    # the whole step is one graph; "auto" attention takes the plan's per-step choice
-    plan = dataclasses.replace(recorded, fused_max_tokens=fused, graph_max_tokens=0)
+    # the whole step is one graph (captured by hand, and counted eagerly: no graphs of the
+    # layer's own); "auto" attention takes the plan's per-step choice
+    plan = dataclasses.replace(recorded, fused_max_tokens=fused, graph_max_tokens=0,
+                               step_graph_max_seqs=0)
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
     layer.use_step_kernels(spec.step_kernels)
