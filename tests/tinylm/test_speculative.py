@@ -113,3 +113,22 @@ def test_the_mtp_layer_drafts_from_exact_caches():
         with StepPlan(cache, [len(tokens) - 1]) as plan:
             ref, _ = mtp(h, torch.tensor(tokens[1:]), plan)
         assert torch.allclose(logits, ref[-1], rtol=0, atol=1e-9)
+
+
+def test_prompts_longer_than_one_step():
+    """A prompt longer than the pools' step (``max_step_tokens``) prefills in several steps,
+    as ``generate_ids`` does, in the main model and in the MTP drafter's caches; the loop gives
+    the greedy tokens."""
+    model = load_tiny_lm(default_model_dir(), platform="reference", device="cpu",
+                         dtype=torch.float32, max_step_tokens=16)
+    tok = model.cfg.tokenizer
+    prompts = [tok.encode(p.prompt, bos=True) for p in heldout_problems(3, model.cfg.task)]
+    assert min(map(len, prompts)) > 16
+    n = model.cfg.task.max_answer_tokens
+    greedy = generate_ids(model, prompts, n)
+    oracle = CorruptedOracle(prompts, greedy, model.cfg.vocab_size, 0.3, seed=2)
+    assert speculative_generate_ids(model, prompts, n, oracle, 3) == greedy
+    from dsv4.tinylm.mtp import MTPDrafter, MTPLayer  # its prompt pairs in steps too
+
+    drafter = MTPDrafter(MTPLayer.random(model, seed=1))
+    assert speculative_generate_ids(model, prompts, n, drafter, 3) == greedy

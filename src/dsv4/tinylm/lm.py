@@ -134,20 +134,28 @@ class TinyLM(nn.Module):
         A call that fits one step of every layer runs as one :class:`StepPlan` (its metadata
         built once for all layers; all layers or none advance); a longer one layer by layer,
         each splitting it into steps."""
+        return self._logits(self.forward_hidden(tokens, positions, caches, seq_lens), logit_rows)
+
+    @torch.no_grad()
+    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor,
+                       caches: Sequence[list[AttentionCache]], seq_lens: Sequence[int]
+                       ) -> torch.Tensor:
+        """The last block's output [T, hidden] of a :meth:`forward` call (before the final
+        norm: what an MTP layer takes), run the way :meth:`forward` says."""
         if not caches or sum(seq_lens) > min(c.pool.step_tokens for c in caches[0]):
             x = F.embedding(tokens, self.embed.weight)
             for i, block in enumerate(self.blocks):
                 x = block(x, positions, [c[i] for c in caches], seq_lens)
-            return self._logits(x, logit_rows)
+            return x
         plan = StepPlan(caches, seq_lens)
         try:
             _check_positions(positions, plan)
-            logits = self.run_step(tokens, plan, logit_rows)
+            x = self.hidden_states(tokens, plan)
         except BaseException:
             plan.rollback()
             raise
         plan.commit()
-        return logits
+        return x
 
     @torch.no_grad()
     def hidden_states(self, tokens: torch.Tensor, plan: StepPlan) -> torch.Tensor:

@@ -132,11 +132,14 @@ class MTPDrafter:
         self.hidden[i] = hidden[-1]
 
     def _add_pairs(self, i: int, hidden: torch.Tensor, tokens: list[int]) -> None:
-        """MTP indices for the pairs (hidden[j], tokens[j]), appended to sequence i's cache."""
-        if tokens:
-            t = torch.tensor(tokens, device=hidden.device)
-            with StepPlan([self.caches[i]], [len(tokens)]) as plan:
-                self.mtp(hidden, t, plan)
+        """MTP indices for the pairs (hidden[j], tokens[j]), appended to sequence i's cache in
+        steps of at most the pool's ``step_tokens`` (a long prompt's pairs take several)."""
+        assert self.pool is not None
+        step = self.pool.step_tokens
+        for a in range(0, len(tokens), step):
+            t = torch.tensor(tokens[a:a + step], device=hidden.device)
+            with StepPlan([self.caches[i]], [t.numel()]) as plan:
+                self.mtp(hidden[a:a + step], t, plan)
 
     def propose(self, seqs: list[int], nxt: dict[int, int], k: int) -> dict[int, list[int]]:
         """``k`` drafts for each sequence of ``seqs``, after its decided token ``nxt``."""

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from dsv4.cache.plan import StepPlan, truncate_sequences
+from dsv4.cache.plan import truncate_sequences
 from dsv4.runner import DecodeRunner
 from dsv4.tinylm.lm import TinyLM
 
@@ -129,8 +129,8 @@ def speculative_generate_ids(model: TinyLM, prompts: Sequence[list[int]], max_ne
     outs: list[list[int]] = [[] for _ in prompts]
     nxt = [0] * len(prompts)
     for i, p in enumerate(prompts):  # prefill, one sequence at a time
-        with StepPlan([caches[i]], [len(p)]) as plan:
-            prompt_hidden = model.hidden_states(torch.tensor(p, device=dev), plan)
+        prompt_hidden = model.forward_hidden(torch.tensor(p, device=dev), torch.arange(len(p)),
+                                             [caches[i]], [len(p)])
         nxt[i] = int(model._logits(prompt_hidden[-1:], None).argmax(-1))
         drafter.prefill(i, list(p), prompt_hidden if drafter.needs_hidden else None)
     active = list(range(len(prompts)))
