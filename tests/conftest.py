@@ -6,7 +6,6 @@ import os
 import random
 import zlib
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -96,22 +95,22 @@ def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x
     rolled back, captured as one CUDA graph and replayed: the replay equals the eager output
     bitwise. (The cuda platform's own graphs of plain decode calls stay off meanwhile: they
     replay padded steps, not this eager one.)"""
-    import dataclasses
+    from dsv4.platforms.cuda import CudaAttention
 
+    if not isinstance(layer, CudaAttention):
+        return _decode_graph_equals_eager(layer, caches, x)
+    shipped = layer.plan.step_graph_max_seqs
+    layer.use_step_graphs(0)
+    try:
+        _decode_graph_equals_eager(layer, caches, x)
+    finally:
+        layer.use_step_graphs(shipped)
+
+
+def _decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
+                               ) -> None:
     from dsv4.runner import capture_graph
 
-    plan = getattr(layer, "plan", None)
-    if dataclasses.is_dataclass(plan) and hasattr(plan, "step_graph_max_seqs"):
-        layer.plan = dataclasses.replace(plan, step_graph_max_seqs=0)
-    try:
-        _decode_graph_equals_eager(layer, caches, x, capture_graph)
-    finally:
-        if plan is not None:
-            layer.plan = plan
-
-
-def _decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor,
-                               capture_graph: Callable[..., Any]) -> None:
     pos = torch.tensor([c.length for c in caches])
     lengths = [c.length for c in caches]
 

@@ -200,8 +200,6 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     tokens (one step) run through the layer's own runner - on a GPU its graphs, here its padded
     steps - with the eager call's values, as sequences join, leave and verify; prefill, more
     sequences and longer calls run eagerly. New weights drop the runner."""
-    from dataclasses import replace
-
     from dsv4.platforms.cuda import CudaAttention
 
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
@@ -214,7 +212,7 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
         lay.load_weights(random_layer_weights(cfg, 1, seed=1))
         lay.aux_streams = None
         lay.use_cuda_graphs(False)  # no input-stage graphs on the CPU
-        lay.plan = replace(lay.plan, step_graph_max_seqs=4 if side == "a" else 0)
+        lay.use_step_graphs(4 if side == "a" else 0)
         layers[side] = lay
     pools = {side: layers[side].new_cache_pool(6, 400, max_rollback=3) for side in "ab"}
     live: dict[str, list] = {"a": [], "b": []}
@@ -253,6 +251,10 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
                 c.truncate(c.length - (n - 1))
     runner = layers["a"]._step_runner
     assert runner is not None and layers["b"]._step_runner is None
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=f"max_seqs must be an integer >= 0, got {bad!r}"):
+            layers["a"].use_step_graphs(bad)
+    assert layers["a"]._step_runner is runner  # a refused setting changes nothing
     assert routed > 20 and eager > 0
     assert runner.stats["padded"] == routed and runner.stats["eager"] == 0
     assert [c.length for c in live["a"]] == [c.length for c in live["b"]]

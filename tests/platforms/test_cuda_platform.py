@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -57,7 +55,7 @@ def test_decode_with_graphs_equals_eager_and_reference(tiny, ratio):
     graphed = cuda_layer(tiny, ratio)
     # the input stage's graphs against none; the whole-step graphs of plain decode calls
     # (padded steps: tests/platforms/test_runner_cuda.py) stay off on both sides
-    graphed.plan = replace(graphed.plan, step_graph_max_seqs=0)
+    graphed.use_step_graphs(0)
     eager = cuda_layer(tiny, ratio)
     eager.use_cuda_graphs(False)
     ref = build_attention(tiny, tiny.layer_of_ratio(ratio), device="cuda")

@@ -183,14 +183,12 @@ def test_plain_decode_calls_replay_each_layers_graphs():
     layer's padded steps (fp8_ds_mla cache) as sequences join, leave and verify over 200 steps,
     and within bf16 rounding of the eager calls until the sides' caches part (the first verify
     step); every sequence at the same length on every side."""
-    from dataclasses import replace
-
     sides = ("graphs", "padded", "eager")
     stacks = {}
     for s in sides:
         cfg, layers = cuda_stack()
         for lay in layers:
-            lay.plan = replace(lay.plan, step_graph_max_seqs=0 if s == "eager" else 8)
+            lay.use_step_graphs(0 if s == "eager" else 8)
             if s == "padded":
                 lay.STEP_GRAPH_MODE = "padded"
         stacks[s] = layers

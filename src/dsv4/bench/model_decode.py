@@ -31,7 +31,6 @@ nothing) to check the plumbing without a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import time
@@ -175,7 +174,7 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         (0); the cuda platform's layers only."""
         for layer in layers:
             if isinstance(layer, CudaAttention):
-                layer.plan = dataclasses.replace(layer.plan, step_graph_max_seqs=most)
+                layer.use_step_graphs(most)
 
     row: dict[str, Any] = {"model": model, "layers": len(layers), "M": m, "context": context,
                            "runner_mode": runner.mode, "rel_err_runner_vs_eager": err}

@@ -40,8 +40,9 @@ under an outer capture, tensor parallelism or an offloader - replays the whole s
 graph: the layer's own :class:`~dsv4.runner.DecodeRunner` over that one layer, buckets and
 padding as the runner's (its module docstring), the padded step's values (the eager step's to
 the rounding of a padded batch). Every other call (prefill, mixed steps, ``layer(x,
-plan=plan)``) runs its stages eagerly. ``step_graph_max_seqs`` is 0 in the shipped table until
-a GPU has measured it.
+plan=plan)``) runs its stages eagerly. :meth:`CudaAttention.use_step_graphs` sets the limit per
+layer; ``step_graph_max_seqs`` is 0 in the shipped table until the whole GPU suite has run with
+it on.
 
 float32 / float64 layers, and inputs a kernel does not take, run the base path's PyTorch ops
 for that stage or point.
@@ -203,6 +204,16 @@ class CudaAttention(DeepseekV4Attention):
                             graph_max_tokens=default.graph_max_tokens if enabled else 0,
                             step_graph_max_seqs=default.step_graph_max_seqs if enabled else 0)
         self._graphs = {}
+        self._step_runner = None
+
+    def use_step_graphs(self, max_seqs: int) -> None:
+        """Plain decode calls of at most ``max_seqs`` sequences replay a CUDA graph of the whole
+        step (module docstring); 0: none do. The shipped value: ``cuda_plan.json``'s
+        ``step_graph_max_seqs``."""
+        if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 0:
+            raise ValueError(f"use_step_graphs: max_seqs must be an integer >= 0, got "
+                             f"{max_seqs!r}")
+        self.plan = replace(self.plan, step_graph_max_seqs=max_seqs)
         self._step_runner = None
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
