@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 from typing import Any
 
@@ -49,12 +50,14 @@ class _Compiled:
 
     def __init__(self) -> None:
         self.launches = 0
+        self.last: tuple[Any, ...] = ()
 
     def launch_metadata(self, *args: Any) -> None:
         return None
 
     def run(self, *args: Any) -> None:
         self.launches += 1
+        self.last = args
 
 
 def main() -> None:
@@ -68,6 +71,7 @@ def main() -> None:
         return self.device_caches[device][0].setdefault(key, compiled)
 
     triton_jit.JITFunction._do_compile = no_compile  # type: ignore[method-assign]
+    from dsv4.kernels.bound_launch import launch
     from dsv4.kernels.sparse_mqa import _sparse_mqa_kernel
 
     t, h, d, w, k, b = 1, 64, 512, 128, 512, 64
@@ -78,29 +82,51 @@ def main() -> None:
     widx = torch.zeros(t, w, dtype=torch.int32)
     cidx = torch.zeros(t, k, dtype=torch.int32)
 
-    def launch() -> None:
-        _sparse_mqa_kernel[(64,)](
-            q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink, ws, ws,
-            store, widx, widx.stride(0), 656 * b, store, cidx, cidx.stride(0), 656 * b,
-            t, h, w, k, b, w + k, 1, 0.1,
-            D=d, DV=d, BH=64, BN=64, SPLIT=False, FP8=True, NOPE=448, DR=704, SR=8,
-            DOT_DT=tl.bfloat16, DOT_PREC="tf32", num_warps=8, num_stages=2, PDL=True,
-            launch_pdl=True)
+    grid = (64,)
+    kargs = (q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink, ws, ws,
+             store, widx, widx.stride(0), 656 * b, store, cidx, cidx.stride(0), 656 * b,
+             t, h, w, k, b, w + k, 1, 0.1)
+    kw = dict(D=d, DV=d, BH=64, BN=64, SPLIT=False, FP8=True, NOPE=448, DR=704, SR=8,
+              DOT_DT=tl.bfloat16, DOT_PREC="tf32", num_warps=8, num_stages=2, PDL=True,
+              launch_pdl=True)
 
-    for _ in range(100):
-        launch()
-    t0 = time.perf_counter()
-    for _ in range(args.launches):
-        launch()
-    us = (time.perf_counter() - t0) / args.launches * 1e6
-    print(f"Triton {triton.__version__}: {us:.1f} us per launch in Python "
-          f"({args.launches} launches)")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(2000):
-        launch()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+    def jit_path() -> None:
+        _sparse_mqa_kernel[grid](*kargs, **kw)
+
+    def bound_path() -> None:
+        launch(_sparse_mqa_kernel, grid, *kargs, **kw)
+
+    jit_path()
+    seen = compiled.last
+    bound_path()
+    bound_path()
+    if compiled.last[:4] != seen[:4] or compiled.last[9:] != seen[9:]:
+        raise SystemExit("the bound launch passed other arguments than Triton's path")
+    paths = (("Triton's path, kernel[grid](...)", jit_path),
+             ("bound, dsv4.kernels.bound_launch.launch", bound_path))
+    for _, fn in paths:
+        for _ in range(100):
+            fn()
+    # the two paths alternate in rounds (this host's speed drifts); the median round of each
+    times: dict[str, list[float]] = {name: [] for name, _ in paths}
+    per_round = max(1, args.launches // 9)
+    for _ in range(9):
+        for name, fn in paths:
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            times[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    for name, fn in paths:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            fn()
+        prof.disable()
+        print(name)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+    for name, _ in paths:
+        print(f"Triton {triton.__version__}, {name}: {statistics.median(times[name]):.1f} us per "
+              f"launch in Python (median of 9 rounds of {per_round})")
 
 
 if __name__ == "__main__":

@@ -109,8 +109,15 @@ def _jit_functions(tree: ast.Module) -> list[ast.FunctionDef]:
 
 
 def _launches(tree: ast.Module) -> list[ast.Call]:
-    """Calls of the form ``kernel[grid](...)``."""
+    """Calls of the form ``launch(kernel, grid, ...)`` (:mod:`dsv4.kernels.bound_launch`)."""
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name) and n.func.id == "launch"
+            and n.args and isinstance(n.args[0], ast.Name)]
+
+
+def _unbound_launches(tree: ast.Module) -> list[str]:
+    """Calls of the form ``kernel[grid](...)``: Triton's own launch path on every call."""
+    return [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)
             and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)]
 
 
@@ -128,8 +135,9 @@ def _body(f: ast.FunctionDef) -> list[ast.stmt]:
 def kernel_violations(source: str) -> list[str]:
     """What a kernel module gets wrong about PDL (empty: nothing)."""
     tree = ast.parse(source)
-    launched = {c.func.value.id for c in _launches(tree)}  # type: ignore[attr-defined]
-    out = []
+    launched = {c.args[0].id for c in _launches(tree)}  # type: ignore[attr-defined]
+    out = [f"{name}(...): not launched through bound_launch.launch"
+           for name in _unbound_launches(tree)]
     for f in _jit_functions(tree):
         if f.name not in launched:
             continue  # a helper, inlined into the kernels that call it
@@ -144,13 +152,13 @@ def kernel_violations(source: str) -> list[str]:
         if ast.unparse(f.body[-1]) != f"{LAST}({flag})":
             out.append(f"{f.name}: its last statement is not {LAST}({flag})")
     for c in _launches(tree):
-        name = c.func.value.id  # type: ignore[attr-defined]
+        name = c.args[0].id  # type: ignore[attr-defined]
         kws = {k.arg for k in c.keywords}
         if "USE_PDL" in kws:
             continue
         if not any(k.arg is None and ast.unparse(k.value).startswith("pdl_args(")
                    for k in c.keywords):
-            out.append(f"{name}[...](...): launched without **pdl_args(device)")
+            out.append(f"launch({name}, ...): launched without **pdl_args(device)")
     return out
 
 
@@ -158,7 +166,7 @@ def test_every_kernel_takes_part():
     checked = 0
     for path in sorted(KERNELS.glob("*.py")):
         source = path.read_text()
-        if "triton.jit" not in source or path.name == "launch.py":
+        if "triton.jit" not in source or path.name in ("launch.py", "bound_launch.py"):
             continue
         assert kernel_violations(source) == [], path.name
         checked += len(_launches(ast.parse(source)))
@@ -176,6 +184,9 @@ def test_the_check_catches_a_kernel_that_does_not_wait():
     assert bad != src and any("without **pdl_args" in v for v in kernel_violations(bad))
     bad = src.replace("        let_next_kernel_launch(PDL)\n", "", 1)
     assert bad != src and any("last statement" in v for v in kernel_violations(bad))
+    bad = src.replace("launch(_flat_rows_kernel, (t, 2 if window is not None else 1),",
+                      "_flat_rows_kernel[(t, 2 if window is not None else 1)](", 1)
+    assert bad != src and any("not launched through" in v for v in kernel_violations(bad))
 
 
 def test_the_next_kernel_launches_only_at_the_end():

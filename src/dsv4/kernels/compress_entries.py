@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
@@ -326,7 +327,7 @@ def keep_ring_rows_pair(first: tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     k1, k2 = d1.shape[0], d2.shape[0]
     w1, w2 = r1.shape[-1], r2.shape[-1]
     if max(k1, k2):
-        _keep_rows_kernel[(max(k1, k2), 2)](
+        launch(_keep_rows_kernel, (max(k1, k2), 2),
             r1, x1, x1.stride(0), d1, s1, WIDTH=w1,
             BLOCK=min(1024, triton.next_power_of_2(w1)), K1=k1, ring2_ptr=r2, rows2_ptr=x2,
             s_rows2=x2.stride(0), dst2_ptr=d2, src2_ptr=s2, K2=k2, WIDTH2=w2,
@@ -343,9 +344,9 @@ def keep_ring_rows(ring: torch.Tensor, rows: torch.Tensor, keep_dst: torch.Tenso
     width = ring.shape[-1]
     k = keep_dst.shape[0]
     if k:
-        _keep_rows_kernel[(k,)](ring, rows, rows.stride(0), keep_dst, keep_src, WIDTH=width,
-                                BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4,
-                                **pdl_args(ring.device))
+        launch(_keep_rows_kernel, (k,), ring, rows, rows.stride(0), keep_dst, keep_src,
+               WIDTH=width, BLOCK=min(1024, triton.next_power_of_2(width)), num_warps=4,
+               **pdl_args(ring.device))
 
 
 def raw_rows_problem(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor
@@ -383,7 +384,7 @@ def raw_rows_pair(first: tuple[Compressor, torch.Tensor], second: tuple[Compress
     t = k1.shape[0]
     w1, w2 = c1.coff * c1.dim, c2.coff * c2.dim
     if t:
-        _raw_rows_kernel[(t, 2)](
+        launch(_raw_rows_kernel, (t, 2),
             k1, k1.stride(0), positions, c1.ape.contiguous(), outs[0], outs[0].stride(0),
             R=c1.ratio, WIDTH=w1, BLOCK=min(1024, triton.next_power_of_2(2 * w1)),
             ks2_ptr=k2, s_ks2=k2.stride(0), ape2_ptr=c2.ape.contiguous(), out2_ptr=outs[1],
@@ -405,10 +406,10 @@ def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) 
     t = kv_score.shape[0]
     out = torch.empty(t, 2 * width, dtype=torch.float32, device=kv_score.device)
     if t:
-        _raw_rows_kernel[(t,)](kv_score, kv_score.stride(0), positions, comp.ape.contiguous(),
-                               out, out.stride(0), R=comp.ratio, WIDTH=width,
-                               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4,
-                               **pdl_args(kv_score.device))
+        launch(_raw_rows_kernel, (t,), kv_score, kv_score.stride(0), positions,
+               comp.ape.contiguous(), out, out.stride(0), R=comp.ratio, WIDTH=width,
+               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4,
+               **pdl_args(kv_score.device))
     return out
 
 
@@ -439,7 +440,7 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         return out.to(out_dtype)
     rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
-    _compress_entries_kernel[(e,)](
+    launch(_compress_entries_kernel, (e,),
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
         **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.fused_input_proj import SplitKWorkspace
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.fp8 import e8m0_to_float
@@ -368,7 +369,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc_f32 = scale.dtype == torch.float32
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
-    _fp8_gemm_kernel[grid](
+    launch(_fp8_gemm_kernel, grid,
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
         ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
@@ -473,7 +474,6 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sc_f32 = scale.dtype == torch.float32
     sc = (scale if sc_f32 else scale.view(torch.uint8)).contiguous()
     bn, bk = 32, 128
-    _dequant_kernel[(n // bn, k // bk)](weight.contiguous(), sc, sc.stride(0), out, k, BN=bn,
-                                        BK=bk, SCALE_F32=sc_f32, num_warps=4,
-                                        **pdl_args(out.device))
+    launch(_dequant_kernel, (n // bn, k // bk), weight.contiguous(), sc, sc.stride(0), out, k,
+           BN=bn, BK=bk, SCALE_F32=sc_f32, num_warps=4, **pdl_args(out.device))
     return out

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _HAVE_TRITON, _INTERPRET, pdl_args, triton_available
 from dsv4.layers.quant_sim import fp8_block_sim
 
@@ -678,8 +679,8 @@ def fused_input_projections(
             raise ValueError("the cuBLAS path takes bf16 weights only")
         y = torch.mm(x, packed.weight.t(), out_dtype=torch.float32)
         grid = (-(-M // 32), -(-packed.n_total // 128))
-        scatter_kernel[grid](y, M, packed.n_total, *oargs, BM=32, BN=128, num_warps=4,
-                             **pdl_args(y.device))
+        launch(scatter_kernel, grid, y, M, packed.n_total, *oargs, BM=32, BN=128, num_warps=4,
+               **pdl_args(y.device))
         return out
     if K % cfg.block_k or (has_fp8 and K % 128):
         raise ValueError(f"K={K} is not a multiple of block_k={cfg.block_k} (and 128 for fp8)")
@@ -709,7 +710,7 @@ def fused_input_projections(
     launch_kw = {"launch_pdl": True} if pdl else {}
     # L2 prefetch per weight row: within this program's K range, a multiple of 32 bytes
     pf = min(cfg.prefetch, (K // cfg.split_k) * 2) // 32 * 32 if cfg.pdl else 0
-    fused_input_proj_kernel[grid1](
+    launch(fused_input_proj_kernel, grid1,
         x, x.stride(0), M, K,
         packed.weight, packed.n_bf16, w8, sc, stride_sc, packed.n_fp8,
         ws, cnt, m_ws,

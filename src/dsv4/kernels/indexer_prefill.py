@@ -67,6 +67,7 @@ import torch
 
 from dsv4.cache.formats import RowFormat
 from dsv4.host_copy import upload
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.indexer_topk import FMTS, check_key_store, index_kernel_format, topk_entries
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
@@ -232,7 +233,7 @@ def _launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str
     n = tiles_dev.shape[0]
     if n == 0 or width == 0:
         return
-    _prefill_score_kernel[(triton.cdiv(width, block_n), n)](
+    launch(_prefill_score_kernel, (triton.cdiv(width, block_n), n),
         q, q.stride(0), q.stride(1), weights, weights.stride(0), weights.stride(1), out,
         out.stride(0), keys, keys.stride(0), table, table.stride(0), table.shape[1], tiles_dev,
         pos, width, row0, rows_per_block, float(weight_scale),

@@ -60,6 +60,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.formats import DenseFormat, IndexFp4Format, IndexFp8Format, RowFormat
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.kernels.sparse_mqa import _n_sm
 
@@ -646,7 +647,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     n_tiles = -(-width // bn)
     n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
     tiles = choose_score_programs(n_tiles, t, n_sm, programs_per_sm)
-    _score_kernel[(t, -(-n_tiles // tiles))](
+    launch(_score_kernel, (t, -(-n_tiles // tiles)),
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
         rows_per_block, float(weight_scale), zero if zero is not None else s,
@@ -703,11 +704,10 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
         split = choose_split(width, topk, t, n_sm)
     if split == 1:
         auto_block, auto_warps = choose_scan(width)
-        _topk_kernel[(t,)](scores, scores.stride(0), pos, o, o.stride(0), width, K=topk, KP=kp,
-                           BLOCK=block or auto_block, SORT=sort,
-                           DB=digit_bits or choose_digit_bits(1, block or auto_block),
-                           num_warps=num_warps or auto_warps,
-                           **pdl_args(scores.device))
+        launch(_topk_kernel, (t,), scores, scores.stride(0), pos, o, o.stride(0), width,
+               K=topk, KP=kp, BLOCK=block or auto_block, SORT=sort,
+               DB=digit_bits or choose_digit_bits(1, block or auto_block),
+               num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
     if arrivals is None:
         arrivals = torch.zeros(t, device=scores.device, dtype=torch.int32)
@@ -720,7 +720,7 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     auto_block, auto_warps = choose_scan(chunk)
     # per row: P * topk candidate entries (int32), then their scores (float32 bits)
     cand = torch.empty(t, 2 * split * topk, device=scores.device, dtype=torch.int32)
-    _topk_split_kernel[(t, split)](
+    launch(_topk_split_kernel, (t, split),
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
         chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
         MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.cache.store import PagedStore
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
 __all__ = ["entry_and_window_rows", "entry_flat_rows", "paged_rows_usable",
@@ -157,7 +158,7 @@ def _launch(store: PagedStore, pos: torch.Tensor, slots: torch.Tensor,
                      MAX_LOGICAL2=wstore.max_logical, WIN2=True, BLOCK2=_block(w))
     table = _table(store, dtype)
     rows_arg = rows if rows is not None else out  # not read when WINDOW; written with RATIO
-    _flat_rows_kernel[(t, 2 if window is not None else 1)](
+    launch(_flat_rows_kernel, (t, 2 if window is not None else 1),
         pos, slots, rows_arg, rows_arg.stride(0), table, table.stride(0), out, out.stride(0),
         k, store.block_size, store.max_logical, WINDOW=rows is None, BLOCK=_block(k),
         num_warps=4, RATIO=ratio, **extra, **pdl_args(pos.device))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.fp8 import E4M3_MANTISSA_BITS, E4M3_MIN_NORMAL_EXP
 from dsv4.layers.quant_sim import E2M1_MANTISSA_BITS, E2M1_MIN_NORMAL_EXP
@@ -289,7 +290,7 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
     kv = torch.empty(t, kv_dim, dtype=x.dtype, device=x.device)
     if t:
         bq, bkv = triton.next_power_of_2(qr_rank), triton.next_power_of_2(kv_dim)
-        _latent_norms_kernel[(t,)](
+        launch(_latent_norms_kernel, (t,),
             x, x.stride(0), q_weight.contiguous(), kv_weight.contiguous(), qr, qr.stride(0), kv,
             kv.stride(0), eps_q, eps_kv, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
             num_warps=8 if bq >= 2048 else 4, **pdl_args(x.device))
@@ -329,7 +330,7 @@ def rope_heads(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         bd2 = triton.next_power_of_2(d2)
         bh = min(triton.next_power_of_2(n_heads), max(1, 2048 // bd2))
         grid = (t, triton.cdiv(n_heads, bh))
-        _rope_heads_kernel[grid](
+        launch(_rope_heads_kernel, grid,
             xh, xh.stride(0), xh.stride(1), oh, oh.stride(0), oh.stride(1), positions,
             inv_freq, n_heads, 0.0 if norm_eps is None else norm_eps, D2=d2, NOPE2=nope2,
             BH=bh, BD2=bd2, NORM=norm_eps is not None, SIGN=-1 if inverse else 1,
@@ -363,7 +364,7 @@ def rope_heads_and_row(heads: torch.Tensor, row: torch.Tensor, positions: torch.
         bd2 = triton.next_power_of_2(d2)
         bh = min(triton.next_power_of_2(n_heads), max(1, 2048 // bd2))
         grid = (t, triton.cdiv(n_heads, bh) + 1)  # + the rows' column
-        _rope_heads_kernel[grid](
+        launch(_rope_heads_kernel, grid,
             xh, xh.stride(0), xh.stride(1), out, out.stride(0), out.stride(1), positions,
             inv_freq, n_heads, norm_eps, D2=d2, NOPE2=nope2, BH=bh, BD2=bd2, NORM=True,
             SIGN=1, QPAIRS=0, QBLOCK=0, x2_ptr=xr, sx2t=xr.stride(0), o2_ptr=out_row,
@@ -396,7 +397,7 @@ def rope_hadamard_fp4(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
         grid = (t, triton.cdiv(n_heads, bh))
         # under the interpreter the MMA runs on fp32 operands (its bf16 dot is wrong on the
         # test install); the operands are bf16 values and +-1 either way, products exact
-        _rope_hadamard_fp4_kernel[grid](
+        launch(_rope_hadamard_fp4_kernel, grid,
             xh, xh.stride(0), xh.stride(1), out, out.stride(0), out.stride(1), positions,
             inv_freq, n_heads, D2=d2, NOPE2=nope2, BH=bh, HSCALE=d ** -0.5,
             DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,

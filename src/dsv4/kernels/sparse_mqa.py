@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.rotary import rotate_rope_dims
 
@@ -534,7 +535,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     n = d - ROPE
     dr, sr, _ = fp8_ds_mla_layout(d, B) if fmt == "fp8_ds_mla" else (0, 0, 0)
     dot_dt = tl.float32 if _INTERPRET else tl.bfloat16
-    _sparse_mqa_kernel[(T * n_hb * (d // dv) * split,)](
+    launch(_sparse_mqa_kernel, (T * n_hb * (d // dv) * split,),
         q, q.stride(0), q.stride(1), o, o.stride(0), o.stride(1), sink_f, ws_acc, ws_ml,
         ws_t, widx, widx.stride(0), w_blk, cs_t, cidx, cidx.stride(0), c_blk,
         T, H, W, KC, B, chunk, split, float(scale) * LOG2E,
@@ -547,7 +548,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
     if split > 1:
         sp = triton.next_power_of_2(split)
         bd = max(16, min(d, COMBINE_TILE // sp))  # [sp, bd] fp32 partials per program
-        _combine_kernel[(T * H * (d // bd),)](ws_acc, ws_ml, sink_f, o, o.stride(0), o.stride(1),
-                                              T, H, split, D=d, SP=sp, BD=bd, num_warps=4,
-                                              **pdl_args(ws_acc.device), **rope_args)
+        launch(_combine_kernel, (T * H * (d // bd),), ws_acc, ws_ml, sink_f, o, o.stride(0),
+               o.stride(1), T, H, split, D=d, SP=sp, BD=bd, num_warps=4,
+               **pdl_args(ws_acc.device), **rope_args)
     return o

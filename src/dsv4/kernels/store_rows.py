@@ -51,6 +51,7 @@ from dsv4.cache.formats import (
     PackedFormat,
 )
 from dsv4.cache.store import PagedStore
+from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 
@@ -364,7 +365,7 @@ def store_rows(store: PagedStore, slots: torch.Tensor, rows: torch.Tensor,
         nb, bb = data.shape[0], store.block_bytes
         st, blk = torch.as_strided(data, (nb, bb), (bb, 1), data.storage_offset()), bb
     table = store.table_dev
-    _store_rows_kernel[(n,)](
+    launch(_store_rows_kernel, (n,),
         st, v, v.stride(0), slots, rows, table, table.stride(0), table.shape[0],
         store.max_logical, store.block_size, blk,
         **_launch_constants(store, code, values), **pdl_args(st.device),

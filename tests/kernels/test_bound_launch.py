@@ -1,0 +1,166 @@
+"""Bound Triton launches (dsv4.kernels.bound_launch): a launch that skips Triton's per-call
+binding reaches exactly the compiled kernel Triton itself picks for the same arguments, with the
+same argument list, across every change that makes Triton specialise differently (alignment,
+dtype, integers equal to 1 / divisible by 16 / past int32 or int64, booleans, None, constexprs,
+launch options); and it takes Triton's own path where hooks or a callable grid ask for it.
+
+No GPU: Triton's driver and compiler are replaced by stand-ins (each compile returns a recorder
+named by Triton's cache key), so this runs wherever Triton imports."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime import jit as triton_jit  # noqa: E402
+
+from dsv4.kernels import bound_launch  # noqa: E402
+from dsv4.kernels.bound_launch import launch  # noqa: E402
+
+
+class _Driver:
+    """Triton's active driver as a CUDA sm_90 device 0 (nothing reaches a GPU)."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 7
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class _Recorder:
+    """A compiled kernel: records what each launch passed."""
+
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.calls: list[tuple[Any, ...]] = []
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+def _probe(x_ptr, y_ptr, n, stride, scale, flag, M: tl.constexpr,  # type: ignore[no-untyped-def]
+           DT: tl.constexpr = tl.float32, PDL: tl.constexpr = False):
+    pass
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """A fresh JIT function of ``_probe`` under the stand-in driver and compiler; yields it
+    and the recorders by key."""
+    recorders: dict[str, _Recorder] = {}
+
+    def compile_stand_in(self, key, signature, device, *rest):  # type: ignore[no-untyped-def]
+        rec = recorders.setdefault(key, _Recorder(key))
+        self.device_caches[device][0][key] = rec
+        return rec
+
+    monkeypatch.setattr(triton_jit.JITFunction, "_do_compile", compile_stand_in)
+    monkeypatch.setattr(bound_launch, "_INTERPRET", False)
+    saved = driver._active
+    driver.set_active(_Driver())
+    try:
+        yield triton_jit.JITFunction(_probe), recorders
+    finally:
+        driver._active = saved
+
+
+def test_a_bound_launch_reaches_the_kernel_triton_picks(stand_in):
+    fn, recorders = stand_in
+    rng = random.Random(0)
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base, base[1:], base.to(torch.bfloat16), base[4:], torch.zeros(3, dtype=torch.int32)]
+    ints = [0, 1, 2, 15, 16, 17, 48, -16, -17, 2**31 - 16, 2**31, 2**40, 2**63 - 16, 2**63 + 16]
+    seen_keys: set[str] = set()
+    for _ in range(600):
+        x = rng.choice(tensors)
+        y = rng.choice([None, *tensors])
+        args = (x, y, rng.choice(ints), rng.choice(ints), rng.choice([0.5, 2.0]),
+                rng.choice([True, False]))
+        kw: dict[str, Any] = {"M": rng.choice([16, 32])}
+        if rng.random() < 0.5:
+            kw["DT"] = rng.choice([tl.float32, tl.bfloat16])
+        kw["num_warps"] = rng.choice([4, 8])
+        kw["PDL"] = rng.random() < 0.5
+        grid = (rng.randint(1, 9), rng.randint(1, 3))
+        # Triton's own path: which compiled kernel, with which arguments
+        want = fn[grid](*args, **kw)
+        want_call = want.calls[-1]
+        for attempt in range(2):  # the second launch of the same arguments is bound
+            before = {k: len(r.calls) for k, r in recorders.items()}
+            launch(fn, grid, *args, **kw)
+            moved = [k for k, r in recorders.items() if len(r.calls) != before.get(k, 0)]
+            assert moved == [want.key], (args, kw)
+            got_call = want.calls[-1]
+            assert got_call[:4] == (grid[0], grid[1], 1, 7)
+            assert got_call[4:6] == ("fn", "meta")
+            assert got_call[9:] == want_call[9:]  # every argument, in signature order
+            assert got_call[7] is None or attempt == 0  # the bound path passes no hooks
+        seen_keys.add(want.key)
+    assert len(seen_keys) > 50  # the draws made Triton specialise in many ways
+
+
+def test_other_values_of_one_specialisation_launch_bound(stand_in):
+    """New tensors, integers, floats and grids that Triton specialises alike: the first launch
+    with them is already bound, to the same compiled kernel, with the new values."""
+    fn, recorders = stand_in
+    a, b = torch.zeros(64), torch.ones(64)
+    launch(fn, (2,), a, b, 32, 17, 0.5, True, M=16, num_warps=4)
+    (rec,) = recorders.values()
+    for x, y, n, stride, scale, grid in ((b, a, 48, 33, 2.0, (5, 2)),
+                                         (a[4:], b[8:], 2**20, 2**20 + 1, -1.0, (1, 1, 3))):
+        launch(fn, grid, x, y, n, stride, scale, True, M=16, num_warps=4)
+        assert len(recorders) == 1
+        call = rec.calls[-1]
+        assert call[7] is None  # bound
+        assert call[:3] == (grid + (1, 1))[:3]
+        assert call[9:] == (x, y, n, stride, scale, True, 16, tl.float32, False)
+
+
+def test_hooks_and_callable_grids_take_tritons_path(stand_in):
+    fn, recorders = stand_in
+    x = torch.zeros(16)
+    args = (x, x, 32, 16, 1.0, False)
+    launch(fn, (2,), *args, M=16)
+    launch(fn, (2,), *args, M=16)
+    (rec,) = recorders.values()
+    assert rec.calls[-1][7] is None  # bound
+    calls: list[Any] = []
+    hook = calls.append
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(fn, (2,), *args, M=16)
+        assert rec.calls[-1][7] is not None  # Triton's path passes its hooks on
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    launch(fn, lambda meta: (3,), *args, M=16)
+    assert rec.calls[-1][7] is not None and rec.calls[-1][0] == 3
+    launch(fn, (2,), *args, M=16)
+    assert rec.calls[-1][7] is None
+
+
+def test_a_missing_argument_is_named_by_triton(stand_in):
+    fn, _ = stand_in
+    x = torch.zeros(16)
+    with pytest.raises(TypeError, match="flag"):
+        launch(fn, (1,), x, x, 1, 1, 1.0, M=16)
