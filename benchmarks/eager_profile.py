@@ -36,6 +36,7 @@ def profile_case(cfg: DSV4Config, layer_type: str, m: int, context: int, steps: 
     ratio = {"SWA": 0, "C4": 4, "C128": 128}[layer_type]
     lid = cfg.layer_of_ratio(ratio)
     layer = build_stack(cfg, lid + 1, torch.device("cuda"), "cuda")[lid]
+    layer.use_step_graphs(0)  # the eager path itself, not the plain calls' step graphs
     caches = layer.new_caches(m, context + 4 * steps + 64)
     fill_history(caches, context)
     x = torch.randn(m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
