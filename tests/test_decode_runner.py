@@ -37,6 +37,10 @@ def test_buckets_and_widths():
         DecodeRunner(3)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         DecodeRunner(lambda plan, x: x, mode="graphs").mode_on(torch.device("cpu"))
+    shared = object()  # a graph pool given to the runner stays its pool after a reset
+    r = DecodeRunner(lambda plan, x: x, mempool=shared)
+    r.reset()
+    assert r._mempool is shared
 
 
 def test_visible_widths_are_powers_of_two_at_or_above_the_widest(tiny_exact):

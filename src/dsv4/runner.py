@@ -97,11 +97,15 @@ class DecodeRunner:
 
     ``mode``: ``auto`` (graphs on CUDA, else eager), ``graphs``, ``padded`` or ``eager``;
     ``buckets``: the batch sizes captured, ascending; ``query_buckets``: the tokens per
-    sequence captured, ascending."""
+    sequence captured, ascending; ``mempool``: a graph memory pool
+    (``torch.cuda.graph_pool_handle()``) to share with other runners - their graphs then reuse
+    each other's scratch memory. That is safe because every step copies its outputs out before
+    the next replay; runners that share a pool must not replay concurrently (on two streams at
+    once). Default: a pool of the runner's own."""
 
     def __init__(self, step_fn: StepFn, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  query_buckets: Sequence[int] = DEFAULT_QUERY_BUCKETS,
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", mempool: Any = None) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if mode not in MODES:
@@ -116,7 +120,8 @@ class DecodeRunner:
         self.query_buckets = tuple(query_buckets)
         self.mode = mode
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
-        self._mempool: Any = None
+        self._shared_mempool = mempool
+        self._mempool: Any = mempool
         self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0}
         """Steps run per kind (a capture's first step counts as padded and as a capture)."""
 
@@ -124,7 +129,7 @@ class DecodeRunner:
         """Drop every captured graph and buffer (after weights are reloaded or pools replaced:
         a graph reads both by address)."""
         self._buckets = {}
-        self._mempool = None
+        self._mempool = self._shared_mempool
 
     def mode_on(self, device: torch.device) -> str:
         """The mode a step on ``device`` runs in (``auto`` resolved)."""

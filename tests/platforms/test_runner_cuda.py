@@ -181,6 +181,7 @@ def test_plain_decode_calls_replay_each_layers_graphs():
     """``layer(x, positions, caches)`` decode and verify calls with the plan's
     ``step_graph_max_seqs`` on: each layer's runner replays its graphs, bit for bit the same
     layer's padded steps (fp8_ds_mla cache) as sequences join, leave and verify over 200 steps,
+    all layers' graphs in one shared memory pool,
     and within bf16 rounding of the eager calls until the sides' caches part (the first verify
     step); every sequence at the same length on every side."""
     sides = ("graphs", "padded", "eager")
@@ -246,3 +247,5 @@ def test_plain_decode_calls_replay_each_layers_graphs():
           f"verify {worst[True]:.2e}; {replays} replays")
     assert replays > 150 * len(SCHEDULE)
     assert all(lay._step_runner is None for lay in stacks["eager"])
+    # every layer's graphs share one memory pool (one layer's scratch memory, not one each)
+    assert len({id(lay._step_runner._mempool) for lay in stacks["graphs"]}) == 1
