@@ -136,6 +136,9 @@ class _CallContext:
     """[B, q] bool, True at real tokens of this forward call (None: all real)."""
     decode_mode: str = "auto"
     """How the adapters run decode calls: a :class:`~dsv4.runner.DecodeRunner` mode."""
+    graph_pool: Any = None
+    """The graph memory pool the adapters' runners share on a GPU (one layer's scratch memory,
+    not one per layer; made by the first adapter of a CUDA layer)."""
 
 
 # --------------------------------------------------------------------------------- the adapter
@@ -147,10 +150,14 @@ class DSV4AttentionAdapter(nn.Module):
         self.dsv4 = layer
         self.layer_idx = layer_idx
         self._context = context
-        self.runner = DecodeRunner(self._decode_step, mode=context.decode_mode)
+        if layer.device.type == "cuda" and context.graph_pool is None:
+            context.graph_pool = torch.cuda.graph_pool_handle()
+        self.runner = DecodeRunner(self._decode_step, mode=context.decode_mode,
+                                   mempool=context.graph_pool)
         """Decode calls (one token per row): the layer's step as a CUDA graph per batch bucket
         on a GPU (transformers calls each attention module on its own, so each layer's decode
-        call is its own graph, with static buffers)."""
+        call is its own graph, with static buffers; the layers' graphs share one memory
+        pool)."""
 
     def _decode_step(self, plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
         return self.dsv4(x, plan=plan)
