@@ -172,7 +172,12 @@ def test_a_plan_that_cannot_be_made_takes_no_blocks(tiny_exact):
     caches = _caches(layers, 2)
     pools = [c.pool for c in caches[0]]
     before = [p.blocks_in_use() for p in pools]
+    half = StepPlan.__new__(StepPlan)  # as a traceback's locals hold it
     with pytest.raises(StepPlanError, match="into: an int64"):
-        StepPlan(caches, [100, 70], into=torch.zeros(3, dtype=torch.int64))
+        half.__init__(caches, [100, 70], into=torch.zeros(3, dtype=torch.int64))
+    assert repr(half) == "StepPlan(not made)"
     assert [p.blocks_in_use() for p in pools] == before
     assert [c.length for s in caches for c in s] == [0, 0, 0, 0]
+    with pytest.raises(StepPlanError, match="pad_to"):
+        half.__init__(caches, [1, 1], pad_to=(1, 1))
+    assert repr(half) == "StepPlan(not made)"

@@ -222,6 +222,8 @@ class StepPlan:
             self.rollback()
 
     def __repr__(self) -> str:
+        if "steps" not in self.__dict__:  # __init__ raised (a traceback's locals show it)
+            return "StepPlan(not made)"
         state = "done" if self._done else "open"
         return (f"StepPlan({len(self.caches)} sequence(s), {sum(self.seq_lens)} token(s), "
                 f"{len(self.pools)} layer(s), {state})")
