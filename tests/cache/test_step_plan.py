@@ -181,3 +181,34 @@ def test_a_plan_that_cannot_be_made_takes_no_blocks(tiny_exact):
     with pytest.raises(StepPlanError, match="pad_to"):
         half.__init__(caches, [1, 1], pad_to=(1, 1))
     assert repr(half) == "StepPlan(not made)"
+
+
+def test_plans_into_one_buffer_reuse_its_views_and_read_each_steps_metadata(tiny_exact):
+    """Plans written into one kept buffer (the decode runner's, per bucket) split it into the
+    same view objects every step, and those views hold each step's own metadata: equal to a
+    plan of the same step with a fresh upload."""
+    layers = _stack(tiny_exact, [0, 4, 128])
+    caches = _caches(layers, 3)
+    for k, lay in enumerate(layers):  # some history, so that entries and windows move
+        pos = torch.cat([torch.arange(20 + 3 * i) for i in range(3)])
+        x = torch.randn(pos.numel(), tiny_exact.hidden_size, dtype=torch.float64)
+        lay(x, pos, [s[k] for s in caches], seq_lens=[20 + 3 * i for i in range(3)])
+    buffer: list[torch.Tensor] = []
+
+    def into(size, layout):
+        if not buffer:
+            buffer.append(torch.zeros(size, dtype=torch.int64))
+        return buffer[0]
+
+    first = None
+    for _ in range(9):  # across a compression boundary of ratio 4
+        fresh = StepPlan(caches, pad_to=(4, 1), visible_caps={4: 16, 128: 1})
+        fresh.rollback()
+        kept = StepPlan(caches, pad_to=(4, 1), visible_caps={4: 16, 128: 1}, into=into)
+        pos = kept.steps[id(caches[0][1].pool)].pos
+        if first is None:
+            first = pos
+        assert pos is first  # the same view, not a new one per step
+        for k in range(len(layers)):
+            _steps_equal(kept.steps[id(caches[0][k].pool)], fresh.steps[id(caches[0][k].pool)])
+        kept.commit()

@@ -35,6 +35,7 @@ from dsv4.cache.step import (
     HostMetadata,
     StepMetadata,
     build_metadata,
+    metadata_views,
     ring_specs,
     take_blocks,
 )
@@ -125,6 +126,7 @@ class StepPlan:
                 for k in members:
                     layout[k] = g
             into = into(buffer.numel(), tuple(layout))
+        made: dict[tuple[Any, ...], list[torch.Tensor]] | None = None
         if into is not None:
             if into.dtype != torch.int64 or into.device != device or into.dim() != 1 \
                     or into.numel() != buffer.numel():
@@ -132,14 +134,25 @@ class StepPlan:
                                     f"(got {into.dtype} {tuple(into.shape)} on {into.device})")
             upload_into(into, buffer)
             dev = into
+            # a buffer the caller keeps (the runner's, per bucket): its parts' views are made
+            # once per layout and kept on it (views are ~1 us of host time each)
+            made = into.__dict__.setdefault("_dsv4_metadata_views", {})
         else:
             dev, keep = upload(buffer, device)
         self.num_metadata = buffer.numel()
         steps: dict[int, CacheStep] = {}
         offset = 0
         for host, members in zip(hosts, groups.values(), strict=True):
-            meta = StepMetadata.split(host, dev[offset:offset + host.buffer.numel()])
-            offset += host.buffer.numel()
+            n = host.buffer.numel()
+            if made is None:
+                meta = StepMetadata.split(host, dev[offset:offset + n])
+            else:
+                key = (offset, tuple(host.shapes))
+                views = made.get(key)
+                if views is None:
+                    views = made[key] = metadata_views(host.shapes, dev[offset:offset + n])
+                meta = StepMetadata.split(host, dev, views)
+            offset += n
             for k in members:
                 pool = self.pools[k]
                 steps[id(pool)] = CacheStep(pool, self.columns[k], list(self.starts),

@@ -123,15 +123,23 @@ class StepMetadata:
     """Padded steps: the fixed width of visible entries per ratio (else None: the step's own)."""
 
     @classmethod
-    def split(cls, host: HostMetadata, dev: torch.Tensor) -> StepMetadata:
-        """The parts of ``dev`` (``host.buffer`` on the device, or a slice of a bigger copy)."""
-        views = list(torch.split(dev, [_numel(s) for s in host.shapes]))
-        # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
-        views = [v if len(s) == 1 else v.view(s) for v, s in zip(views, host.shapes, strict=True)]
+    def split(cls, host: HostMetadata, dev: torch.Tensor,
+              views: list[torch.Tensor] | None = None) -> StepMetadata:
+        """The parts of ``dev`` (``host.buffer`` on the device, or a slice of a bigger copy);
+        ``views``: those parts made before (:func:`metadata_views`) over the same memory."""
+        if views is None:
+            views = metadata_views(host.shapes, dev)
         jobs = {name: EntryJobs(e, *views[2 + 6 * k: 8 + 6 * k])
                 for k, (name, e, _k) in enumerate(host.jobs)}
         return cls(views[0], views[1], host.buffer[:host.tokens], host.seq_ids, jobs,
                    host.visible_caps)
+
+
+def metadata_views(shapes: list[tuple[int, ...]], dev: torch.Tensor) -> list[torch.Tensor]:
+    """``dev`` split into parts of ``shapes``."""
+    views = list(torch.split(dev, [_numel(s) for s in shapes]))
+    # split already gives the 1-D pieces their shape (a view is ~1 us of host time each)
+    return [v if len(s) == 1 else v.view(s) for v, s in zip(views, shapes, strict=True)]
 
 
 @dataclass
