@@ -91,16 +91,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
                                      ) -> None:
-    """One decode step of ``caches`` run eagerly, rolled back, warmed up on a side stream,
-    rolled back, captured as one CUDA graph and replayed: the replay equals the eager output
-    bitwise. (The cuda platform's own graphs of plain decode calls stay off meanwhile: they
-    replay padded steps, not this eager one.)"""
+    """One decode step of ``caches`` run eagerly and rolled back; then the same step over a
+    plan made before the capture (``layer(x, plan=plan)``, as the decode runner captures it),
+    warmed up on a side stream, captured as one CUDA graph and replayed: the replay equals the
+    eager output bitwise, and the plan's rollback leaves the caches as they were. (The cuda
+    platform's own graphs of plain decode calls stay off meanwhile: they replay padded steps,
+    not this eager one.)"""
     from dsv4.platforms.cuda import CudaAttention
 
     if not isinstance(layer, CudaAttention):
         return _decode_graph_equals_eager(layer, caches, x)
-    shipped = layer.plan.step_graph_max_seqs
-    layer.use_step_graphs(0)
+    shipped = layer.use_step_graphs(0)
     try:
         _decode_graph_equals_eager(layer, caches, x)
     finally:
@@ -109,6 +110,7 @@ def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x
 
 def _decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
                                ) -> None:
+    from dsv4.cache.plan import StepPlan
     from dsv4.runner import capture_graph
 
     pos = torch.tensor([c.length for c in caches])
@@ -120,18 +122,24 @@ def _decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torc
 
     eager = layer(x, pos, caches)
     roll_back()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer(x, pos, caches)
-    torch.cuda.current_stream().wait_stream(side)
-    roll_back()
-    graph = torch.cuda.CUDAGraph()
-    with capture_graph(graph):
-        out = layer(x, pos, caches)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    # the step's blocks are taken and its metadata uploaded before the capture (a plan): a
+    # step that opens a new block would otherwise take it inside the capture
+    plan = StepPlan([[c] for c in caches])
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer(x, plan=plan)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture_graph(graph):
+            out = layer(x, plan=plan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    finally:
+        plan.rollback()
+    assert [c.length for c in caches] == lengths
 
 
 def layer_stack(cfg: DSV4Config, ratios: list[int], dtype: torch.dtype = torch.float64,

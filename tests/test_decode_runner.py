@@ -266,6 +266,46 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     assert layers["a"]._step_runner is None
 
 
+def test_spies_see_one_eager_call_per_step_with_step_graphs_on(tiny_exact, monkeypatch):
+    """record_selection / replay_selection and spy_methods (what verify, the demo and the
+    contract checker use) hold a layer's step graphs off while they are on - a graph's first
+    step is run and then captured (two calls), its replays call no Python - and put them back
+    after; the recorded selections replay on the reference step for step."""
+    from dsv4.platforms.cuda import CudaAttention
+    from dsv4.testing.probes import record_selection, replay_selection, spy_methods
+
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
+    cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
+    lay = CudaAttention(cfg, 1, device="cpu", dtype=torch.float64, aux_streams=[])
+    lay.load_weights(random_layer_weights(cfg, 1, seed=1))
+    lay.aux_streams = None
+    lay.use_cuda_graphs(False)
+    lay.use_step_graphs(4)
+    ref = stack(cfg, [0, 4])[1]
+    ref.load_weights(random_layer_weights(cfg, 1, seed=1))
+    x = torch.randn(40, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator()
+                    .manual_seed(3))
+
+    def run(layer):
+        cache = layer.new_cache(64)
+        ys = [layer(x[:30], torch.arange(30), cache)]
+        ys += [layer(x[i:i + 1], torch.tensor([i]), cache) for i in range(30, 40)]
+        return torch.cat(ys)
+
+    with record_selection(lay) as seen, spy_methods(lay, ["_attend_and_project"]) as calls:
+        y = run(lay)
+        assert lay.plan.step_graph_max_seqs == 0 and lay._step_runner is None
+    assert len(seen) == 11 and len(calls["_attend_and_project"]) == 11  # one per step
+    assert lay.plan.step_graph_max_seqs == 4  # back on after the spies
+    with replay_selection(ref, seen):
+        y_ref = run(ref)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-10)
+    assert run(lay).shape == y.shape and lay._step_runner is not None  # routed again
+    assert lay.use_step_graphs(2) == 4 and lay.use_step_graphs(4) == 2  # the previous limit
+
+
 def test_a_freed_pools_buckets_are_never_replayed(tiny_exact):
     """A bucket knows its pools by weak reference: after the pools are freed, a new pool (at
     any address, the old one's included) gets a bucket of its own, and the dead one is dropped."""

@@ -64,6 +64,7 @@ from dsv4.bench.args import (
 from dsv4.bench.decode_step_tp import check_tp_args, main_tp
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
+from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
 from dsv4.kernels.launch import (
     programmatic_launch,
@@ -209,17 +210,15 @@ def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[
     return f"## {title}: where the GPU operations come from (5 frames)\n\n{table}\n"
 
 
-def replay_table(graph: Any, caches: list[Any], context: int, title: str) -> str:
+def replay_table(graph: Any, title: str) -> str:
     """The profiler's kernel table of one replay of ``graph`` (kernels inside a graph are
     timed as they ran there: PDL's overlap shows, unlike in an eager step under the
-    profiler); the replay's writes are undone."""
+    profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    for c in caches:
-        c.truncate(context)
     events = prof.key_averages()
     total = sum(getattr(e, "device_time_total", 0.0) for e in events)
     table = events.table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
@@ -314,43 +313,47 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             continue
         for c in caches:
             c.truncate(context)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            layer(x, pos, caches, lens)
-            for c in caches:
-                c.truncate(context)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph):
-            out = layer(x, pos, caches, lens)
-        for c in caches:
-            c.truncate(context)
-        graph.replay()
-        torch.cuda.synchronize()
-        if not torch.equal(out, eager):
-            raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay differs "
-                               "from eager")
-        if base is None:
-            base = (out.clone(), strategy)
-        err = float((out.double() - base[0].double()).norm() / base[0].double().norm())
-        if err > 2e-2:
-            raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel err "
-                               f"{err:.2e} against {base[1]}")
-        times = replay_times(graph, reps, scrub)
-        for c in caches:  # each replay wrote the step's rows again: back to the history
-            c.truncate(context)
+        # the step captured over a plan made before the capture - its blocks taken, its
+        # metadata uploaded - so the capture itself takes no block and copies nothing from the
+        # host (a truncate gives a step's new block back: captured eagerly, the step would take
+        # it again inside the capture); the plan stays open over the replays, then rolls back
+        plan = StepPlan([[c] for c in caches], lens)
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                layer(x, plan=plan)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with capture_graph(graph):
+                out = layer(x, plan=plan)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.equal(out, eager):
+                raise RuntimeError(f"{model} {layer_type} M={m} {strategy}: graph replay "
+                                   "differs from eager")
+            if base is None:
+                base = (out.clone(), strategy)
+            err = float((out.double() - base[0].double()).norm() / base[0].double().norm())
+            if err > 2e-2:
+                raise RuntimeError(f"{model} {layer_type} ctx={context} M={m} {strategy}: rel "
+                                   f"err {err:.2e} against {base[1]}")
+            times = replay_times(graph, reps, scrub)
+            case = f"{model} {layer_type} ctx={context} M={m}" + (
+                f" k={draft_tokens}" if draft_tokens else "")
+            replayed = (replay_table(graph, f"{case} {strategy}")
+                        if profiles is not None and strategy in OURS else "")
+        finally:
+            plan.rollback()
         us = statistics.median(times)
         nbytes = step_bytes(layer, m, context)
         floor = nbytes / bw * 1e6
-        case = f"{model} {layer_type} ctx={context} M={m}" + (
-            f" k={draft_tokens}" if draft_tokens else "")
         launches, table = count_launches(layer, x, pos, caches, context,
                                          f"{case} {strategy}", lens)
         if profiles is not None and strategy in OURS:
             title = f"{case} {strategy}"
             profiles.append(table)
-            profiles.append(replay_table(graph, caches, context, title))
+            profiles.append(replayed)
             profiles.append(launch_origins(layer, x, pos, caches, context, title, lens))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,

@@ -112,26 +112,26 @@ def time_steps(step: Any, steps: int, device: torch.device) -> float:
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int) -> float:
     """us per replay of one layer's decode step captured by hand (the decode-step bench's row);
     the caches are left as they were."""
-    context = caches[0].length
-    pos = torch.full((len(caches),), context, dtype=torch.long)
-    layer(x, pos, caches)
-    for c in caches:
-        c.truncate(context)
-    graph = torch.cuda.CUDAGraph()
-    with capture_graph(graph):
-        layer(x, pos, caches)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        for _ in range(10):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / 10)
-    for c in caches:
-        c.truncate(context)
-    del graph
+    # captured over a plan made before the capture (its blocks taken, its metadata uploaded:
+    # the capture takes and copies nothing), open over the replays, then rolled back
+    plan = StepPlan([[c] for c in caches])
+    try:
+        layer(x, plan=plan)
+        graph = torch.cuda.CUDAGraph()
+        with capture_graph(graph):
+            layer(x, plan=plan)
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record()
+            for _ in range(10):
+                graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / 10)
+        del graph
+    finally:
+        plan.rollback()
     return statistics.median(times)
 
 

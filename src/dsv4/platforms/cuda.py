@@ -223,15 +223,18 @@ class CudaAttention(DeepseekV4Attention):
         self._graphs = {}
         self._step_runner = None
 
-    def use_step_graphs(self, max_seqs: int) -> None:
+    def use_step_graphs(self, max_seqs: int) -> int:
         """Plain decode calls of at most ``max_seqs`` sequences replay a CUDA graph of the whole
-        step (module docstring); 0: none do. The shipped value: ``cuda_plan.json``'s
-        ``step_graph_max_seqs``."""
+        step (module docstring); 0: none do. Returns the previous limit. The shipped value:
+        ``cuda_plan.json``'s ``step_graph_max_seqs``."""
         if isinstance(max_seqs, bool) or not isinstance(max_seqs, int) or max_seqs < 0:
             raise ValueError(f"use_step_graphs: max_seqs must be an integer >= 0, got "
                              f"{max_seqs!r}")
-        self.plan = replace(self.plan, step_graph_max_seqs=max_seqs)
-        self._step_runner = None
+        previous = self.plan.step_graph_max_seqs
+        if max_seqs != previous:
+            self.plan = replace(self.plan, step_graph_max_seqs=max_seqs)
+            self._step_runner = None
+        return previous
 
     def attention_choice(self, pool: CachePool) -> BackendChoice:
         """The sparse-attention backend for this layer on ``pool``'s stores (host work, cached

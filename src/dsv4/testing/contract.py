@@ -27,7 +27,7 @@ import torch
 
 from dsv4.attention import DeepseekV4Attention
 from dsv4.stages import STAGE_OF, STAGES
-from dsv4.testing.probes import spy_methods
+from dsv4.testing.probes import eager_steps, spy_methods
 
 PLATFORM_HOOKS = ("__init__", "_after_weights_changed", "shared_build_kwargs")
 """Methods a platform may redefine besides the override points (construction and weight
@@ -170,7 +170,8 @@ def path_violations(layer: DeepseekV4Attention, x: torch.Tensor) -> list[str]:
     for n in points:
         setattr(layer, n, tracer(n))
     try:
-        layer(x, torch.arange(x.shape[0], device=x.device), layer.new_cache(x.shape[0]))
+        with eager_steps(layer):  # the traced path is the eager one (no replayed graph)
+            layer(x, torch.arange(x.shape[0], device=x.device), layer.new_cache(x.shape[0]))
     finally:
         for n in points:
             layer.__dict__.pop(n, None)

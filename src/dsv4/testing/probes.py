@@ -2,7 +2,8 @@
 
 Used by the demo, ``dsv4 verify`` and the tests (a forward provably passes through every override
 point; the compressed selection each query received can be replayed in a float64 evaluation).
-Spies are instance attributes that call the bound method they shadow, removed on exit.
+Spies are instance attributes that call the bound method they shadow, removed on exit; while
+one is on, the layer's steps run eagerly (:func:`eager_steps`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ from dsv4.stages import Selection
 
 
 @contextmanager
+def eager_steps(layer: DeepseekV4Attention) -> Iterator[None]:
+    """The layer's steps run as Python calls while the context is open: a platform that
+    replays whole steps as graphs (the ``cuda`` platform's plain decode calls,
+    ``use_step_graphs``) runs them eagerly, since a replay calls no Python a spy could see (and
+    a graph's first step is run and then captured: two calls). Restored on exit."""
+    use = getattr(layer, "use_step_graphs", None)
+    if use is None:
+        yield
+        return
+    previous = use(0)
+    try:
+        yield
+    finally:
+        use(previous)
+
+
+@contextmanager
 def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
                 ) -> Iterator[dict[str, list[tuple[tuple[Any, ...], Any]]]]:
     """Record (args, result) of every call to the named methods of ``layer`` while the context
@@ -41,7 +59,8 @@ def spy_methods(layer: DeepseekV4Attention, names: tuple[str, ...] | list[str]
 
         setattr(layer, name, spy)
     try:
-        yield calls
+        with eager_steps(layer):
+            yield calls
     finally:
         for name, value in saved.items():
             if value is missing:
@@ -65,7 +84,8 @@ def record_selection(layer: DeepseekV4Attention) -> Iterator[list[torch.Tensor |
 
     layer._select = spy  # type: ignore[method-assign]
     try:
-        yield seen
+        with eager_steps(layer):
+            yield seen
     finally:
         layer.__dict__.pop("_select", None)
 
@@ -100,7 +120,8 @@ def replay_selection(layer: DeepseekV4Attention, recorded: list[torch.Tensor | N
 
     layer._select = replay  # type: ignore[method-assign]
     try:
-        yield
+        with eager_steps(layer):
+            yield
     finally:
         layer.__dict__.pop("_select", None)
 
