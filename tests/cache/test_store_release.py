@@ -109,3 +109,63 @@ def test_a_long_sequences_window_release_does_not_rescan_its_history():
     # the one block between the watermark and the new boundary: its test and its release
     # (a scan from 0 reads all 19)
     assert Reads.count == 2 and store._released_below[0] == 19
+
+
+def _mirrored(slots: int = SLOTS) -> PagedStore:
+    """A store whose table has a device mirror of its own (on the CPU here; a GPU's is
+    another tensor too)."""
+    store = PagedStore("kv", DenseFormat("auto", 8, torch.float32), B, 256, slots, LOGICAL,
+                       torch.device("cpu"))
+    store.table_dev = store.table.clone()
+    return store
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(OPS, min_size=1, max_size=30), every=st.integers(1, 4))
+def test_the_device_table_mirrors_the_host_after_every_sync(ops, every):
+    """Whatever grows, releases, shrinks and forks ran since the last sync - one slot or
+    several, near or far apart - after ``sync`` the device mirror equals the host table."""
+    store = _mirrored()
+    for i, op in enumerate(ops):
+        kind = op[0]
+        if kind == "grow" and store.blocks_needed(op[1], op[2]) <= store.alloc.num_free:
+            store.grow(op[1], op[2])
+        elif kind == "release":
+            store.release_before(op[1], op[2], op[3])
+        elif kind == "release_each":
+            store.release_before_each(list(range(SLOTS)), op[1], op[2])
+        elif kind == "shrink":
+            store.shrink_to(op[1], op[2])
+        elif kind == "fork":
+            _, src, dst, rows = op
+            if src != dst and store.holds_rows(src, 0, rows) and store.alloc.num_free:
+                store.shrink_to(dst, 0)
+                store.fork(src, dst, rows)
+        if i % every == every - 1 or i == len(ops) - 1:
+            store.sync()
+            assert torch.equal(store.table_dev, store.table), ops[:i + 1]
+
+
+def test_many_slots_opening_a_block_in_one_step_sync_in_one_copy(monkeypatch):
+    """A step in which 16 sequences of equal length each open a block: one copy of the box
+    around the changed cells, not 16; far-apart changes in a wide table stay one per slot."""
+    import dsv4.cache.store as store_module
+
+    copies: list[tuple[int, ...]] = []
+    real = store_module.upload_into
+
+    def counting(dst: torch.Tensor, host: torch.Tensor) -> None:
+        copies.append(tuple(dst.shape))
+        real(dst, host)
+
+    monkeypatch.setattr(store_module, "upload_into", counting)
+    store = _mirrored(slots=16)
+    for slot in range(16):
+        store.grow(slot, B * 3)
+    store.sync()
+    copies.clear()
+    for slot in range(16):
+        store.grow(slot, B * 3 + 1)  # the fourth block of each
+    store.sync()
+    assert copies == [(16, 1)]
+    assert torch.equal(store.table_dev, store.table)

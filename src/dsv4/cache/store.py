@@ -22,6 +22,10 @@ from dsv4.cache.formats import RowFormat
 from dsv4.config import ceil_div
 from dsv4.host_copy import upload_into
 
+_BOX_CELLS = 16384
+"""A table sync copies the box around several changed slots in one copy while it holds at
+most this many cells (64 KiB of int32) or 4x the changed ones."""
+
 
 class PagedStore:
     def __init__(self, name: str, fmt: RowFormat, block_size: int, num_blocks: int,
@@ -198,10 +202,23 @@ class PagedStore:
         self._dirty[slot] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
 
     def sync(self) -> None:
-        """Copy the changed parts of the host table to the device mirror."""
-        for slot, (lo, hi) in self._dirty.items():
+        """Copy the changed parts of the host table to the device mirror: one copy of the box
+        around them where it is small (a step in which many sequences open a block, e.g. a
+        batch of equal lengths, is one copy, not one per sequence), else one per slot."""
+        dirty = self._dirty
+        if len(dirty) > 1:
+            s0, s1 = min(dirty), max(dirty) + 1
+            lo = min(r[0] for r in dirty.values())
+            hi = max(r[1] for r in dirty.values())
+            changed = sum(r[1] - r[0] for r in dirty.values())
+            if (s1 - s0) * (hi - lo) <= max(_BOX_CELLS, 4 * changed):
+                # the device mirrors the host everywhere outside the changed parts
+                upload_into(self.table_dev[s0:s1, lo:hi], self.table[s0:s1, lo:hi])
+                dirty.clear()
+                return
+        for slot, (lo, hi) in dirty.items():
             upload_into(self.table_dev[slot, lo:hi], self.table[slot, lo:hi])
-        self._dirty.clear()
+        dirty.clear()
 
     # ------------------------------------------------------------------ device side
     def flat_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
