@@ -250,10 +250,6 @@ def steps() -> bool:
         ok &= _try(f"paged_rows entries ratio={ratio} + window int32", pr._flat_rows_kernel,
                    t32, dict(WINDOW=False, BLOCK=128 if ratio else 256, RATIO=ratio,
                              WIN2=True, BLOCK2=128), dict(num_warps=4))
-    for ratio in (4, 128):
-        ok &= _try(f"visible_entries ratio={ratio}", pr._visible_entries_kernel,
-                   dict(pos_ptr="*i64", out_ptr="*i64", out_stride="i32", N="i32"),
-                   dict(RATIO=ratio, BLOCK=256), dict(num_warps=4))
     t = dict(ks_ptr="*fp32", s_ks="i32", pos_ptr="*i64", ape_ptr="*fp32", out_ptr="*fp32",
              s_out="i32")
     t = {**t, "ks2_ptr": "*fp32", "s_ks2": "i32", "ape2_ptr": "*fp32", "out2_ptr": "*fp32",
