@@ -47,6 +47,7 @@ from dsv4.bench.args import (
     pyplot,
     require_cuda,
 )
+from dsv4.bench.decode_step import replay_times
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, DSV4Config
@@ -120,15 +121,7 @@ def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: 
         graph = torch.cuda.CUDAGraph()
         with capture_graph(graph):
             layer(x, plan=plan)
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            s.record()
-            for _ in range(10):
-                graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / 10)
+        times = replay_times(graph, reps, None)  # the decode-step bench's timing
         del graph
     finally:
         plan.rollback()
