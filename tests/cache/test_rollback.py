@@ -169,3 +169,47 @@ def test_truncating_a_fork_into_a_shared_block_copies_it(tiny_exact):
     assert other.length == 258 and pool.blocks_in_use() == before
     for b in taken:
         store.alloc.release(b)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_a_call_failing_inside_a_graph_capture_rolls_back_the_host(tiny_exact, monkeypatch,
+                                                                    ratio):
+    """A plain call captured by hand whose step opens a block fails inside the capture (its
+    block-table copy cannot be captured); the call's rollback then undoes every host change -
+    block tables, lengths, free blocks - without a device copy (the capture ran none of the
+    step's device work), and the tables' changes reach the device with the next sync."""
+    import dsv4.cache.step as step_module
+    from dsv4.cache.store import PagedStore
+
+    (layer,) = stack(tiny_exact, [ratio])
+    caches = layer.new_caches(3, 256)
+    h = tiny_exact.hidden_size
+    for c, n in zip(caches, (64, 60, 61), strict=True):  # the first opens a block next step
+        layer(torch.randn(n, h, dtype=torch.float64), torch.arange(n), c)
+    pool = caches[0].pool
+    for store in pool.stores.values():  # a device mirror of its own, as on a GPU
+        store.table_dev = store.table.clone()
+    lengths = [c.length for c in caches]
+    tables = {n: (s.table.clone(), s.alloc.num_free) for n, s in pool.stores.items()}
+    real_sync = PagedStore.sync
+
+    def sync_in_capture(self):
+        if self._dirty:
+            raise RuntimeError("upload_into: a host-to-device copy ... cannot be captured")
+        real_sync(self)
+
+    monkeypatch.setattr(PagedStore, "sync", sync_in_capture)
+    monkeypatch.setattr(step_module, "_capturing", lambda device: True)
+    x = torch.randn(3, h, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="cannot be captured") as raised:
+        layer(x, torch.tensor(lengths), caches)
+    assert raised.value.__context__ is None  # the rollback itself raised nothing
+    assert [c.length for c in caches] == lengths
+    for n, s in pool.stores.items():
+        assert torch.equal(s.table, tables[n][0]) and s.alloc.num_free == tables[n][1], n
+    monkeypatch.undo()
+    for s in pool.stores.values():
+        s.sync()
+        assert torch.equal(s.table_dev, s.table)
+    y = layer(x, torch.tensor(lengths), caches)  # and the step runs outside the capture
+    assert [c.length for c in caches] == [n + 1 for n in lengths] and torch.isfinite(y).all()

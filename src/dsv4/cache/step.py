@@ -325,13 +325,25 @@ class CallTransaction:
         kv.sync()
 
     def rollback(self) -> None:
+        """The host's changes undone first (block tables, lengths), then the device's (the
+        rings' saved rows, the tables' mirrors) - except under a CUDA-graph capture, which ran
+        none of the call's device work and cannot copy from the host: the tables' changes stay
+        marked and go with the next sync."""
         for name, store in self.pool.stores.items():
             for c, n in zip(self.caches, self.logical[name], strict=True):
                 store.shrink_to(c.slot, n)
-            store.sync()
-        self.pool.restore_rings(self.slots, self.rings)
         for c, n in zip(self.caches, self.lengths, strict=True):
             self.pool._lengths[c.slot] = n
+        if _capturing(self.pool.device):
+            return
+        self.pool.restore_rings(self.slots, self.rings)
+        for store in self.pool.stores.values():
+            store.sync()
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 Metadata = tuple[torch.Tensor, list[tuple[int, ...]], list[tuple[str, int, int]], torch.Tensor]
