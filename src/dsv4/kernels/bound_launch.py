@@ -10,7 +10,7 @@ keeps the compiled kernel: later calls with arguments that specialise alike go s
 compiled kernel's launcher with the argument list in signature order.
 
 What makes two calls "alike" is a key at least as fine as Triton's own specialisation: for
-every tensor its dtype and whether its data pointer is 16-byte aligned; for every integer
+every tensor its dtype and its data pointer modulo 16 (Triton asks: aligned?); for every integer
 whether it equals 1, whether it is divisible by 16 and which of int32 / int64 / uint64 holds
 it; for booleans, floats and None their type (booleans their value); every constexpr, every
 launch option (``num_warps``, ``num_stages``, ``launch_pdl``, ...) and the current device by
