@@ -23,6 +23,8 @@
 # call with it, and a failing step does not stop the next. PACK=FILE.tgz rewrites one archive of
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
+# The whole suite takes more than one call: 16 workers on an H200 reached 61 % in 360 s
+# (2026-12-06); finish a cut run with LEFT=FILE in the next call.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
