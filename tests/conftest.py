@@ -91,54 +91,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
                                      ) -> None:
-    """One decode step of ``caches`` run eagerly and rolled back; then the same step over a
-    plan made before the capture (``layer(x, plan=plan)``, as the decode runner captures it),
-    warmed up on a side stream, captured as one CUDA graph and replayed: the replay equals the
-    eager output bitwise, and the plan's rollback leaves the caches as they were. (The cuda
-    platform's own graphs of plain decode calls stay off meanwhile: they replay padded steps,
-    not this eager one.)"""
-    from dsv4.platforms.cuda import CudaAttention
-
-    if not isinstance(layer, CudaAttention):
-        return _decode_graph_equals_eager(layer, caches, x)
-    shipped = layer.use_step_graphs(0)
-    try:
-        _decode_graph_equals_eager(layer, caches, x)
-    finally:
-        layer.use_step_graphs(shipped)
-
-
-def _decode_graph_equals_eager(layer: DeepseekV4Attention, caches: list, x: torch.Tensor
-                               ) -> None:
-    from dsv4.cache.plan import StepPlan
-    from dsv4.runner import capture_graph
+    """One decode step of ``caches`` run eagerly and rolled back; then the same step captured
+    by hand (:func:`dsv4.runner.captured_step`: over a plan made before the capture, as the
+    decode runner captures it) and replayed: the replay equals the eager output bitwise, and
+    the caches are as they were after. (A platform's own graphs of plain decode calls stay off
+    meanwhile - :func:`~dsv4.testing.probes.eager_steps`: they replay padded steps, not this
+    eager one.)"""
+    from dsv4.runner import captured_step
+    from dsv4.testing.probes import eager_steps
 
     pos = torch.tensor([c.length for c in caches])
     lengths = [c.length for c in caches]
-
-    def roll_back() -> None:
+    with eager_steps(layer):
+        eager = layer(x, pos, caches)
         for c, n in zip(caches, lengths, strict=True):
             c.truncate(n)
-
-    eager = layer(x, pos, caches)
-    roll_back()
-    # the step's blocks are taken and its metadata uploaded before the capture (a plan): a
-    # step that opens a new block would otherwise take it inside the capture
-    plan = StepPlan([[c] for c in caches])
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            layer(x, plan=plan)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph):
-            out = layer(x, plan=plan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    finally:
-        plan.rollback()
+        with captured_step(layer, caches, x) as (graph, out):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
     assert [c.length for c in caches] == lengths
 
 

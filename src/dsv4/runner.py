@@ -74,6 +74,50 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
             gc.enable()
 
 
+_SHARED_MEMPOOLS: dict[torch.device, Any] = {}
+
+
+def shared_mempool(device: torch.device) -> Any:
+    """One graph memory pool per CUDA device for runners that share their scratch memory
+    (:class:`DecodeRunner`'s ``mempool``): the ``cuda`` platform's plain-call step graphs and the
+    transformers bridge's adapters, one layer's scratch memory for all layers."""
+    key = torch.device("cuda", device.index if device.index is not None
+                       else torch.cuda.current_device())
+    pool = _SHARED_MEMPOOLS.get(key)
+    if pool is None:
+        pool = _SHARED_MEMPOOLS[key] = torch.cuda.graph_pool_handle()
+    return pool
+
+
+@contextlib.contextmanager
+def captured_step(layer: Callable[..., torch.Tensor], caches: Sequence[AttentionCache],
+                  x: torch.Tensor, seq_lens: Sequence[int] | None = None
+                  ) -> Iterator[tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """One step of ``layer`` over ``caches`` (one cache per sequence, ``seq_lens`` tokens each,
+    default 1) captured by hand as a CUDA graph; yields (the graph, its output tensor, which each
+    replay rewrites).
+
+    The step's :class:`StepPlan` is made before the capture - its blocks taken, its metadata
+    uploaded - so the capture itself takes no block and copies nothing from the host (after a
+    ``truncate`` gave a step's new block back, a plain call captured by hand would take it again
+    inside the capture). The step is warmed up on a side stream, then captured; the plan stays
+    open while the context is (each replay writes the same step again) and rolls back on exit:
+    the caches as they were."""
+    plan = StepPlan([[c] for c in caches], seq_lens)
+    try:
+        side = torch.cuda.Stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            layer(x, plan=plan)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with capture_graph(graph):
+            out = layer(x, plan=plan)
+        yield graph, out
+    finally:
+        plan.rollback()
+
+
 @dataclass
 class _Bucket:
     """One captured (or padded) step shape: its static buffers and, once captured, its graph."""

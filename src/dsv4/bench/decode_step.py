@@ -64,7 +64,6 @@ from dsv4.bench.args import (
 from dsv4.bench.decode_step_tp import check_tp_args, main_tp
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
-from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
 from dsv4.kernels.launch import (
     programmatic_launch,
@@ -73,7 +72,7 @@ from dsv4.kernels.launch import (
 )
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms.cuda import CudaAttention, CudaPlan
-from dsv4.runner import capture_graph
+from dsv4.runner import captured_step
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
@@ -313,20 +312,9 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             continue
         for c in caches:
             c.truncate(context)
-        # the step captured over a plan made before the capture - its blocks taken, its
-        # metadata uploaded - so the capture itself takes no block and copies nothing from the
-        # host (a truncate gives a step's new block back: captured eagerly, the step would take
-        # it again inside the capture); the plan stays open over the replays, then rolls back
-        plan = StepPlan([[c] for c in caches], lens)
-        try:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                layer(x, plan=plan)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with capture_graph(graph):
-                out = layer(x, plan=plan)
+        # captured over a plan made before the capture (dsv4.runner.captured_step), open over
+        # the replays, rolled back after them
+        with captured_step(layer, caches, x, lens) as (graph, out):
             graph.replay()
             torch.cuda.synchronize()
             if not torch.equal(out, eager):
@@ -343,8 +331,6 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                 f" k={draft_tokens}" if draft_tokens else "")
             replayed = (replay_table(graph, f"{case} {strategy}")
                         if profiles is not None and strategy in OURS else "")
-        finally:
-            plan.rollback()
         us = statistics.median(times)
         nbytes = step_bytes(layer, m, context)
         floor = nbytes / bw * 1e6

@@ -54,7 +54,7 @@ from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import build_attention
 from dsv4.platforms.cuda import CudaAttention
-from dsv4.runner import DEFAULT_BUCKETS, DecodeRunner, capture_graph
+from dsv4.runner import DEFAULT_BUCKETS, DecodeRunner, captured_step
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
@@ -113,18 +113,8 @@ def time_steps(step: Any, steps: int, device: torch.device) -> float:
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int) -> float:
     """us per replay of one layer's decode step captured by hand (the decode-step bench's row);
     the caches are left as they were."""
-    # captured over a plan made before the capture (its blocks taken, its metadata uploaded:
-    # the capture takes and copies nothing), open over the replays, then rolled back
-    plan = StepPlan([[c] for c in caches])
-    try:
-        layer(x, plan=plan)
-        graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph):
-            layer(x, plan=plan)
+    with captured_step(layer, caches, x) as (graph, _):
         times = replay_times(graph, reps, None)  # the decode-step bench's timing
-        del graph
-    finally:
-        plan.rollback()
     return statistics.median(times)
 
 

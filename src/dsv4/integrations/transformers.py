@@ -54,7 +54,7 @@ from dsv4.dialects.transformers_names import (
 from dsv4.layers.weight_layout import canonical
 from dsv4.platforms import build_attention
 from dsv4.runner import MODES as RUNNER_MODES
-from dsv4.runner import DecodeRunner
+from dsv4.runner import DecodeRunner, shared_mempool
 from dsv4.weights import official_weight_specs
 
 __all__ = ["DSV4AttentionAdapter", "DSV4AttentionHandle", "DSV4Cache", "dsv4_config_of",
@@ -136,9 +136,6 @@ class _CallContext:
     """[B, q] bool, True at real tokens of this forward call (None: all real)."""
     decode_mode: str = "auto"
     """How the adapters run decode calls: a :class:`~dsv4.runner.DecodeRunner` mode."""
-    graph_pool: Any = None
-    """The graph memory pool the adapters' runners share on a GPU (one layer's scratch memory,
-    not one per layer; made by the first adapter of a CUDA layer)."""
 
 
 # --------------------------------------------------------------------------------- the adapter
@@ -150,10 +147,9 @@ class DSV4AttentionAdapter(nn.Module):
         self.dsv4 = layer
         self.layer_idx = layer_idx
         self._context = context
-        if layer.device.type == "cuda" and context.graph_pool is None:
-            context.graph_pool = torch.cuda.graph_pool_handle()
-        self.runner = DecodeRunner(self._decode_step, mode=context.decode_mode,
-                                   mempool=context.graph_pool)
+        self.runner = DecodeRunner(
+            self._decode_step, mode=context.decode_mode,
+            mempool=shared_mempool(layer.device) if layer.device.type == "cuda" else None)
         """Decode calls (one token per row): the layer's step as a CUDA graph per batch bucket
         on a GPU (transformers calls each attention module on its own, so each layer's decode
         call is its own graph, with static buffers; the layers' graphs share one memory

@@ -40,11 +40,11 @@ under an outer capture, tensor parallelism or an offloader - replays the whole s
 graph: the layer's own :class:`~dsv4.runner.DecodeRunner` over that one layer, buckets and
 padding as the runner's (its module docstring), the padded step's values (the eager step's to
 the rounding of a padded batch). The layers' step graphs on one device share one graph memory
-pool, so their scratch memory is one layer's, not one per layer (calls on one stream at a
-time, as the runner's ``mempool`` asks). Every other call (prefill, mixed steps, ``layer(x,
-plan=plan)``) runs its stages eagerly. :meth:`CudaAttention.use_step_graphs` sets the limit per
-layer; ``step_graph_max_seqs`` is 0 in the shipped table until the whole GPU suite has run with
-it on.
+pool (:func:`~dsv4.runner.shared_mempool`), so their scratch memory is one layer's, not one per
+layer (calls on one stream at a time, as the runner's ``mempool`` asks). Every other call
+(prefill, mixed steps, ``layer(x, plan=plan)``) runs its stages eagerly.
+:meth:`CudaAttention.use_step_graphs` sets the limit per layer; ``step_graph_max_seqs`` is 0 in
+the shipped table until the whole GPU suite has run with it on.
 
 float32 / float64 layers, and inputs a kernel does not take, run the base path's PyTorch ops
 for that stage or point.
@@ -108,25 +108,16 @@ from dsv4.platforms.cuda_elementwise import (
     fused_query_heads_and_kv_rows,
 )
 from dsv4.platforms.cuda_linears import Fp8LinearPlan, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
-from dsv4.runner import DEFAULT_BUCKETS, DEFAULT_QUERY_BUCKETS, DecodeRunner, capture_graph
+from dsv4.runner import (
+    DEFAULT_BUCKETS,
+    DEFAULT_QUERY_BUCKETS,
+    DecodeRunner,
+    capture_graph,
+    shared_mempool,
+)
 from dsv4.stages import InputProjections, Selection
 
 logger = logging.getLogger(__name__)
-
-_STEP_GRAPH_POOLS: dict[torch.device, Any] = {}
-
-
-def _step_graph_pool(device: torch.device) -> Any:
-    """The graph memory pool every layer's plain-call step graphs on ``device`` share: one
-    layer's scratch memory, not one per layer (the runner's ``mempool``: each replay's output
-    is copied out before the next replay)."""
-    key = torch.device("cuda", device.index if device.index is not None
-                       else torch.cuda.current_device())
-    pool = _STEP_GRAPH_POOLS.get(key)
-    if pool is None:
-        pool = _STEP_GRAPH_POOLS[key] = torch.cuda.graph_pool_handle()
-    return pool
-
 
 def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight^T with an fp32 output from bf16 operands (products exact in fp32)."""
@@ -292,7 +283,7 @@ class CudaAttention(DeepseekV4Attention):
                 self._step_runner = DecodeRunner(
                     self._planned_step, mode=self.STEP_GRAPH_MODE,
                     buckets=[b for b in DEFAULT_BUCKETS if b < most] + [most],
-                    mempool=_step_graph_pool(x.device) if x.is_cuda else None)
+                    mempool=shared_mempool(x.device) if x.is_cuda else None)
             return self._step_runner([[c] for c in caches], x, seq_lens=counts)
         return super()._run_pool(x, pool, caches, counts)
 
