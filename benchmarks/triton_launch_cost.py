@@ -1,8 +1,9 @@
 """The Python cost of one Triton launch, measured without a GPU: ``JITFunction.run`` of the sparse
 attention kernel with its decode-step argument list (27 arguments and its constexprs), Triton's
-driver and compiled kernel replaced by stand-ins, so that what is timed is Triton's own Python
-path - argument binding and specialisation, the cache-key lookup, the launch bookkeeping - and
-not the C launcher or the driver, which every launch pays either way.
+driver and compiled kernel replaced by stand-ins (:mod:`dsv4.testing.triton_stand_ins`), so
+that what is timed is Triton's own Python path - argument binding and specialisation, the
+cache-key lookup, the launch bookkeeping - and not the C launcher or the driver, which every
+launch pays either way; beside it the bound launch (:mod:`dsv4.kernels.bound_launch`).
 
     python3 benchmarks/triton_launch_cost.py [--launches 5000]
 
@@ -16,61 +17,23 @@ import cProfile
 import pstats
 import statistics
 import time
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-from triton.runtime import jit as triton_jit
 
-
-class _Driver:
-    """Triton's active driver as a CUDA sm_90 device (no calls reach a GPU)."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-class _Compiled:
-    """A compiled kernel whose launch does nothing (counts the launches)."""
-
-    function = None
-    packed_metadata = None
-
-    def __init__(self) -> None:
-        self.launches = 0
-        self.last: tuple[Any, ...] = ()
-
-    def launch_metadata(self, *args: Any) -> None:
-        return None
-
-    def run(self, *args: Any) -> None:
-        self.launches += 1
-        self.last = args
+from dsv4.testing.triton_stand_ins import stand_in_triton
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", type=int, default=5000)
     args = ap.parse_args()
-    driver.set_active(_Driver())
-    compiled = _Compiled()
+    with stand_in_triton():
+        run(args.launches)
 
-    def no_compile(self: Any, key: Any, signature: Any, device: Any, *rest: Any) -> _Compiled:
-        return self.device_caches[device][0].setdefault(key, compiled)
 
-    triton_jit.JITFunction._do_compile = no_compile  # type: ignore[method-assign]
+def run(launches: int) -> None:
     from dsv4.kernels.bound_launch import launch
     from dsv4.kernels.sparse_mqa import _sparse_mqa_kernel
 
@@ -96,7 +59,7 @@ def main() -> None:
     def bound_path() -> None:
         launch(_sparse_mqa_kernel, grid, *kargs, **kw)
 
-    jit_path()
+    compiled = _sparse_mqa_kernel[grid](*kargs, **kw)
     seen = compiled.last
     bound_path()
     bound_path()
@@ -109,7 +72,7 @@ def main() -> None:
             fn()
     # the two paths alternate in rounds (this host's speed drifts); the median round of each
     times: dict[str, list[float]] = {name: [] for name, _ in paths}
-    per_round = max(1, args.launches // 9)
+    per_round = max(1, launches // 9)
     for _ in range(9):
         for name, fn in paths:
             t0 = time.perf_counter()

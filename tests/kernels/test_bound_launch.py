@@ -18,45 +18,11 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
 from triton.runtime import jit as triton_jit  # noqa: E402
 
 from dsv4.kernels import bound_launch  # noqa: E402
 from dsv4.kernels.bound_launch import launch  # noqa: E402
-
-
-class _Driver:
-    """Triton's active driver as a CUDA sm_90 device 0 (nothing reaches a GPU)."""
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 7
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-class _Recorder:
-    """A compiled kernel: records what each launch passed."""
-
-    function = "fn"
-    packed_metadata = "meta"
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.calls: list[tuple[Any, ...]] = []
-
-    def launch_metadata(self, *args: Any) -> None:
-        return None
-
-    def run(self, *args: Any) -> None:
-        self.calls.append(args)
+from dsv4.testing.triton_stand_ins import STREAM, stand_in_triton  # noqa: E402
 
 
 def _probe(x_ptr, y_ptr, n, stride, scale, flag, M: tl.constexpr,  # type: ignore[no-untyped-def]
@@ -67,22 +33,10 @@ def _probe(x_ptr, y_ptr, n, stride, scale, flag, M: tl.constexpr,  # type: ignor
 @pytest.fixture
 def stand_in(monkeypatch):
     """A fresh JIT function of ``_probe`` under the stand-in driver and compiler; yields it
-    and the recorders by key."""
-    recorders: dict[str, _Recorder] = {}
-
-    def compile_stand_in(self, key, signature, device, *rest):  # type: ignore[no-untyped-def]
-        rec = recorders.setdefault(key, _Recorder(key))
-        self.device_caches[device][0][key] = rec
-        return rec
-
-    monkeypatch.setattr(triton_jit.JITFunction, "_do_compile", compile_stand_in)
+    and the recording kernels by key."""
     monkeypatch.setattr(bound_launch, "_INTERPRET", False)
-    saved = driver._active
-    driver.set_active(_Driver())
-    try:
-        yield triton_jit.JITFunction(_probe), recorders
-    finally:
-        driver._active = saved
+    with stand_in_triton() as kernels:
+        yield triton_jit.JITFunction(_probe), kernels
 
 
 def test_a_bound_launch_reaches_the_kernel_triton_picks(stand_in):
@@ -105,14 +59,14 @@ def test_a_bound_launch_reaches_the_kernel_triton_picks(stand_in):
         grid = (rng.randint(1, 9), rng.randint(1, 3))
         # Triton's own path: which compiled kernel, with which arguments
         want = fn[grid](*args, **kw)
-        want_call = want.calls[-1]
+        want_call = want.last
         for attempt in range(2):  # the second launch of the same arguments is bound
-            before = {k: len(r.calls) for k, r in recorders.items()}
+            before = {k: r.launches for k, r in recorders.items()}
             launch(fn, grid, *args, **kw)
-            moved = [k for k, r in recorders.items() if len(r.calls) != before.get(k, 0)]
+            moved = [k for k, r in recorders.items() if r.launches != before.get(k, 0)]
             assert moved == [want.key], (args, kw)
-            got_call = want.calls[-1]
-            assert got_call[:4] == (grid[0], grid[1], 1, 7)
+            got_call = want.last
+            assert got_call[:4] == (grid[0], grid[1], 1, STREAM)
             assert got_call[4:6] == ("fn", "meta")
             assert got_call[9:] == want_call[9:]  # every argument, in signature order
             assert got_call[7] is None or attempt == 0  # the bound path passes no hooks
@@ -131,7 +85,7 @@ def test_other_values_of_one_specialisation_launch_bound(stand_in):
                                          (a[4:], b[8:], 2**20, 2**20 + 1, -1.0, (1, 1, 3))):
         launch(fn, grid, x, y, n, stride, scale, True, M=16, num_warps=4)
         assert len(recorders) == 1
-        call = rec.calls[-1]
+        call = rec.last
         assert call[7] is None  # bound
         assert call[:3] == (grid + (1, 1))[:3]
         assert call[9:] == (x, y, n, stride, scale, True, 16, tl.float32, False)
@@ -144,19 +98,19 @@ def test_hooks_and_callable_grids_take_tritons_path(stand_in):
     launch(fn, (2,), *args, M=16)
     launch(fn, (2,), *args, M=16)
     (rec,) = recorders.values()
-    assert rec.calls[-1][7] is None  # bound
+    assert rec.last[7] is None  # bound
     calls: list[Any] = []
     hook = calls.append
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
         launch(fn, (2,), *args, M=16)
-        assert rec.calls[-1][7] is not None  # Triton's path passes its hooks on
+        assert rec.last[7] is not None  # Triton's path passes its hooks on
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     launch(fn, lambda meta: (3,), *args, M=16)
-    assert rec.calls[-1][7] is not None and rec.calls[-1][0] == 3
+    assert rec.last[7] is not None and rec.last[0] == 3
     launch(fn, (2,), *args, M=16)
-    assert rec.calls[-1][7] is None
+    assert rec.last[7] is None
 
 
 def test_a_missing_argument_is_named_by_triton(stand_in):
