@@ -19,7 +19,10 @@ the host's work included, as a serving loop pays it):
 
 Beside them, in the same run, the single-layer graph row of each layer type (one layer's step
 captured by hand, as ``dsv4 bench decode-step`` does) and their sum over the schedule: the
-runner's goal is at most 1.10x that sum. Before timing, the runner's step is checked against
+runner's goal is at most 1.10x that sum. The rows replay one layer back to back, so part of
+its weights stays in the L2 from one replay to the next, which no layer of a stack finds; the
+same rows timed with the L2 flushed before each replay (``--cold-l2`` of ``decode-step``) are
+summed beside them. Before timing, the runner's step is checked against
 the eager plan's on the same caches (one step, taken back with ``truncate``).
 
     dsv4 bench model-decode --out DIR [--models flash,pro] [--layers N] [--ms 1,16,64]
@@ -47,7 +50,7 @@ from dsv4.bench.args import (
     pyplot,
     require_cuda,
 )
-from dsv4.bench.decode_step import replay_times
+from dsv4.bench.decode_step import l2_scrub_buffer, replay_times
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, DSV4Config
@@ -110,11 +113,13 @@ def time_steps(step: Any, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e6 / steps
 
 
-def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int) -> float:
-    """us per replay of one layer's decode step captured by hand (the decode-step bench's row);
-    the caches are left as they were."""
+def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int,
+                          scrub: torch.Tensor | None = None) -> float:
+    """us per replay of one layer's decode step captured by hand (the decode-step bench's row:
+    replays back to back, or with ``scrub`` each alone after the L2 was flushed, as
+    ``--cold-l2`` times them); the caches are left as they were."""
     with captured_step(layer, caches, x) as (graph, _):
-        times = replay_times(graph, reps, None)  # the decode-step bench's timing
+        times = replay_times(graph, reps, scrub)
     return statistics.median(times)
 
 
@@ -183,18 +188,27 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
             layer.use_cuda_graphs(True)
     if graphs:  # the single-layer graph rows of each type, at the caches' present length
         singles: dict[str, float] = {}
+        cold: dict[str, float] = {}
         counts: dict[str, int] = {}
+        scrub = l2_scrub_buffer(device)
         for k, layer in enumerate(layers):
             name = TYPE_NAMES[layer.compress_ratio]
             counts[name] = counts.get(name, 0) + 1
             if name not in singles:
-                singles[name] = single_layer_graph_us(layer, [s[k] for s in seqs], x, reps)
+                caches = [s[k] for s in seqs]
+                singles[name] = single_layer_graph_us(layer, caches, x, reps)
+                cold[name] = single_layer_graph_us(layer, caches, x, reps, scrub)
+        del scrub
         total = sum(singles[n] * c for n, c in counts.items())
+        total_cold = sum(cold[n] * c for n, c in counts.items())
         row["single_layer_graph_us"] = singles
+        row["single_layer_graph_cold_l2_us"] = cold
         row["layer_counts"] = counts
         row["sum_of_single_layer_graphs_us"] = total
+        row["sum_of_single_layer_graphs_cold_l2_us"] = total_cold
         for mode in ("runner", "layer_graphs", "eager_layers"):
             row[f"{mode}_vs_sum_of_single_layers"] = row[mode]["us_per_step"] / total
+        row["runner_vs_sum_of_cold_l2_single_layers"] = row["runner"]["us_per_step"] / total_cold
         row["eager_plan_vs_runner"] = (row["eager_plan"]["us_per_step"]
                                         / row["runner"]["us_per_step"])
     for seq in seqs:
@@ -206,7 +220,8 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     head = ["model", "layers", "ctx", "M"] + [f"{m} us/step (us/layer)" for m in MODES] + [
         "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "layer_graphs / sum",
-        "eager_layers / sum", "eager_plan / runner"]
+        "eager_layers / sum", "eager_plan / runner", "sum of cold-L2 1-layer graphs us",
+        "runner / cold-L2 sum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
@@ -221,6 +236,10 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
             cells.append("-" if v is None else f"{v:.2f}x")
         v = r.get("eager_plan_vs_runner")
         cells.append("-" if v is None else f"{v:.1f}x")
+        s = r.get("sum_of_single_layer_graphs_cold_l2_us")
+        cells.append("-" if s is None else f"{s:.0f}")
+        v = r.get("runner_vs_sum_of_cold_l2_single_layers")
+        cells.append("-" if v is None else f"{v:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
