@@ -134,6 +134,9 @@ class DSV4Cache(Cache):
 class _CallContext:
     real: torch.Tensor | None = None
     """[B, q] bool, True at real tokens of this forward call (None: all real)."""
+    counts: list[int] | None = None
+    """Real tokens per row of this forward call, read from ``real`` once per call (None: all
+    real): the adapters need them on the host, and a read of a CUDA mask waits for the GPU."""
     decode_mode: str = "auto"
     """How the adapters run decode calls: a :class:`~dsv4.runner.DecodeRunner` mode."""
 
@@ -167,13 +170,14 @@ class DSV4AttentionAdapter(nn.Module):
         if x.dim() != 3:
             raise BridgeError(f"hidden_states has shape {tuple(x.shape)}; expected [B, S, hidden]")
         batch, seq, hidden = x.shape
-        real = self._context.real
-        if real is None:
-            real = torch.ones(batch, seq, dtype=torch.bool, device=x.device)
-        if tuple(real.shape) != (batch, seq):
+        real, counts = self._context.real, self._context.counts
+        if real is not None and tuple(real.shape) != (batch, seq):
             raise BridgeError(f"the padding mask of this call is {tuple(real.shape)} but the "
                               f"attention input is [{batch}, {seq}, ...]")
-        counts = real.sum(dim=1).tolist()
+        if real is None or counts is None:  # a call outside the model's forward hooks
+            counts = [seq] * batch if real is None else real.sum(dim=1).tolist()
+        if all(n == seq for n in counts):  # every token real: no mask indexing (a host sync)
+            real = None
         if isinstance(cache, DSV4Cache):
             caches = cache.caches_for(self.layer_idx, self.dsv4, batch)
             expect = cache.real_lengths or [0] * batch
@@ -189,10 +193,9 @@ class DSV4AttentionAdapter(nn.Module):
             raise BridgeError(f"the dsv4 attention cannot use a {type(cache).__name__}; pass a "
                               "DSV4Cache or no cache")
         rows = [b for b in range(batch) if counts[b] > 0]
-        out = x.new_zeros(batch, seq, hidden)
         if not rows:
-            return out, None
-        xs = x[real].to(self.dsv4.dtype)
+            return x.new_zeros(batch, seq, hidden), None
+        xs = (x.reshape(batch * seq, hidden) if real is None else x[real]).to(self.dsv4.dtype)
         if seq == 1 and isinstance(cache, DSV4Cache):  # a decode call: through the runner
             y = self.runner([[caches[b]] for b in rows], xs)
         else:
@@ -200,6 +203,9 @@ class DSV4AttentionAdapter(nn.Module):
                                    for b in rows])
             y = self.dsv4(xs, positions, [caches[b] for b in rows],
                           seq_lens=[counts[b] for b in rows])
+        if real is None:
+            return y.to(x.dtype).view(batch, seq, hidden), None
+        out = x.new_zeros(batch, seq, hidden)
         out[real] = y.to(out.dtype)
         return out, None
 
@@ -357,12 +363,13 @@ class DSV4AttentionHandle:
         batch, q = ref.shape[0], ref.shape[1]
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         if mask is None:
-            self.context.real = None
+            self.context.real, self.context.counts = None, None
         elif isinstance(mask, torch.Tensor) and mask.dim() == 2:
             if mask.shape[0] != batch or mask.shape[1] < q:
                 raise BridgeError(f"attention_mask has shape {tuple(mask.shape)} for a call of "
                                   f"{batch} x {q} tokens")
-            self.context.real = mask[:, mask.shape[1] - q:].to(torch.bool)
+            real = mask[:, mask.shape[1] - q:].to(torch.bool)
+            self.context.real, self.context.counts = real, real.sum(dim=1).tolist()
         else:
             raise BridgeError("the dsv4 attention needs the 2-D padding attention_mask [B, S] "
                               f"(got {type(mask).__name__} "
@@ -396,8 +403,7 @@ class DSV4AttentionHandle:
         if pending is None:
             return
         cache, batch, q = pending
-        real = self.context.real
-        added = real.sum(dim=1).tolist() if real is not None else [q] * batch
+        added = self.context.counts if self.context.counts is not None else [q] * batch
         old = cache.real_lengths or [0] * batch
         cache.real_lengths = [a + b for a, b in zip(old, added, strict=True)]
         cache.seen += q
