@@ -37,6 +37,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _IS_XDIST_WORKER
+    _IS_XDIST_WORKER = hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """``DSV4_FAILURE_LOG=FILE``: each failure's traceback appended to FILE as it is reported
+    (pytest prints them only when the whole run ends, which a run cut by a time limit - a lent
+    GPU's call - never reaches). Written by the controlling process only, once per failure."""
+    path = os.environ.get("DSV4_FAILURE_LOG")
+    if not path or _IS_XDIST_WORKER or not report.failed:
+        return
+    with open(path, "a") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 TEST_SEED = int(os.environ.get("DSV4_TEST_SEED", "0"))
 """Varies every test's unseeded random inputs (``DSV4_TEST_SEED=N pytest``: another sweep)."""
 
