@@ -266,6 +266,82 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     assert layers["a"]._step_runner is None
 
 
+def test_layers_serving_a_runner_and_routed_plain_calls_stay_exact(tiny_exact, monkeypatch):
+    """The same cuda-platform layers (SWA, C4, C128) serve a stack's runner (plan calls, its
+    padded steps) on one set of pools and plain calls routed through each layer's own runner on
+    another, beside the same layers called eagerly on a third: every step equal to 1e-10
+    (float64) as sequences join, leave and fork over 120 steps; the CPU side of the GPU runner
+    test's ``step-graphs`` case (``tests/platforms/test_runner_cuda.py``)."""
+    from dsv4.platforms.cuda import CudaAttention
+
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
+    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
+    ratios = [0, 4, 128]
+    cfg = tiny_exact.replace(compress_ratios=tuple(ratios), num_hidden_layers=3)
+    stacks: dict[str, list] = {"shared": [], "eager": []}
+    for name, limit in (("shared", 8), ("eager", 0)):
+        for i in range(3):
+            lay = CudaAttention(cfg, i, device="cpu", dtype=torch.float64, aux_streams=[])
+            lay.load_weights(random_layer_weights(cfg, i, seed=i))
+            lay.aux_streams = None
+            lay.use_cuda_graphs(False)
+            lay.use_step_graphs(limit)
+            stacks[name].append(lay)
+    layers = stacks["shared"]
+    sides = ("runner", "routed", "eager")
+    stack_of = {"runner": layers, "routed": layers, "eager": stacks["eager"]}
+    pools = {s: [lay.new_cache_pool(8, 600) for lay in stack_of[s]] for s in sides}
+    live: dict[str, list] = {s: [] for s in sides}
+    runner = DecodeRunner(step_fn(layers), mode="padded", buckets=(1, 2, 4, 8))
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    h = cfg.hidden_size
+
+    def plain(side, x, seqs, lens):
+        """The side's stack by plain calls (for ``routed``, calls of at most 8 tokens a
+        sequence through the layers' runners, short prefills too)."""
+        pos = torch.cat([torch.arange(q[0].length, q[0].length + n)
+                         for q, n in zip(seqs, lens, strict=True)])
+        for k, lay in enumerate(stack_of[side]):
+            x = x + lay(torch.tanh(x), pos, [q[k] for q in seqs], lens)
+        return x
+
+    forks = 0
+    for step in range(120):
+        n_live = len(live["eager"])
+        event = rng.random()
+        if not n_live or (event < 0.08 and n_live < 8):
+            n = rng.choice([1, 3, 37, 130])
+            x = torch.randn(n, h, generator=gen, dtype=torch.float64)
+            for s in sides:
+                live[s].append([p.add_sequence() for p in pools[s]])
+                plain(s, x, live[s][-1:], [n])
+        elif event < 0.14 and n_live > 1:
+            i = rng.randrange(n_live)
+            for s in sides:
+                for c in live[s].pop(i):
+                    c.free()
+        elif event < 0.28 and n_live < 8:
+            i = rng.randrange(n_live)
+            for s in sides:
+                live[s].append([c.fork() for c in live[s][i]])
+            forks += 1
+        m = len(live["eager"])
+        x = torch.randn(m, h, generator=gen, dtype=torch.float64)
+        ys = {"runner": runner(live["runner"], x),
+              "routed": plain("routed", x, live["routed"], [1] * m),
+              "eager": plain("eager", x, live["eager"], [1] * m)}
+        for s in ("runner", "routed"):
+            assert torch.allclose(ys[s], ys["eager"], rtol=0, atol=1e-10), (step, s)
+    assert runner.stats["padded"] == 120 and forks >= 8
+    assert all(lay._step_runner.stats["padded"] >= 120 for lay in layers)
+    assert all(lay._step_runner is None for lay in stacks["eager"])
+    for s in ("runner", "routed"):
+        assert [[c.length for c in q] for q in live[s]] == \
+            [[c.length for c in q] for q in live["eager"]]
+
+
 def test_spies_see_one_eager_call_per_step_with_step_graphs_on(tiny_exact, monkeypatch):
     """record_selection / replay_selection and spy_methods (what verify, the demo and the
     contract checker use) hold a layer's step graphs off while they are on - a graph's first
