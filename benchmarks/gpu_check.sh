@@ -25,9 +25,9 @@
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
 # The whole suite takes more than one call: 16 workers on an H200 reached 61 % in 360 s, 15 on
 # an H100 with verify and eval running beside them 65 % in 560 s (2026-12-06); finish a cut run
-# with LEFT=FILE in the next call. Each failure's traceback is written to
-# gpu-tests/failures.txt as it happens (DSV4_FAILURE_LOG, tests/conftest.py): a cut run keeps
-# them, though pytest prints its failure section only at the end.
+# with LEFT=FILE in the next call. Each test's duration and each failure's traceback are
+# written to gpu-tests/durations.txt and failures.txt as they happen (DSV4_REPORT_DIR,
+# tests/conftest.py): a cut run keeps them, though pytest prints both only at the end.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
@@ -59,7 +59,7 @@ for w in "${WHEELS[@]}"; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fm \
     $(ls "${WHEELS[@]}" 2>/dev/null) >/dev/null 2>&1 || echo "wheels from .whl/ not installed"
-export PYTHONPATH=src:/tmp/fm PYTHONUNBUFFERED=1 DSV4_FAILURE_LOG=$OUT/gpu-tests/failures.txt
+export PYTHONPATH=src:/tmp/fm PYTHONUNBUFFERED=1 DSV4_REPORT_DIR=$OUT/gpu-tests
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
 git rev-parse --short HEAD >"$OUT/commit.txt" 2>/dev/null || true
 

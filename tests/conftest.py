@@ -46,14 +46,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """``DSV4_FAILURE_LOG=FILE``: each failure's traceback appended to FILE as it is reported
-    (pytest prints them only when the whole run ends, which a run cut by a time limit - a lent
-    GPU's call - never reaches). Written by the controlling process only, once per failure."""
-    path = os.environ.get("DSV4_FAILURE_LOG")
-    if not path or _IS_XDIST_WORKER or not report.failed:
+    """``DSV4_REPORT_DIR=DIR``: as each test phase is reported, its duration appended to
+    ``DIR/durations.txt`` (seconds, phase, id) and a failure's traceback to
+    ``DIR/failures.txt``. pytest prints both only when the whole run ends, which a run cut by a
+    time limit (a lent GPU's call) never reaches. Written by the controlling process only."""
+    folder = os.environ.get("DSV4_REPORT_DIR")
+    if not folder or _IS_XDIST_WORKER:
         return
-    with open(path, "a") as f:
-        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "durations.txt"), "a") as f:
+        f.write(f"{report.duration:9.2f} {report.when:8} {report.nodeid}\n")
+    if report.failed:
+        with open(os.path.join(folder, "failures.txt"), "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 TEST_SEED = int(os.environ.get("DSV4_TEST_SEED", "0"))
