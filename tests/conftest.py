@@ -41,8 +41,15 @@ _IS_XDIST_WORKER = False
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's PyTorch takes its share of the cores, not all of them.
+    With 15-16 workers of 16 threads each on a 16-core GPU machine, tests that take 1-17 s on a
+    2-core machine (the rollback property test, the prefill bench's CPU rows, the plan tests)
+    had not finished after 400-560 s (2026-12-06, `benchmarks/results/2026-12-06-h100/`)."""
     global _IS_XDIST_WORKER
     _IS_XDIST_WORKER = hasattr(config, "workerinput")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _IS_XDIST_WORKER and workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
