@@ -69,3 +69,55 @@ def test_flashmla_matches_reference(fmt, mode, H, K, T):
     ref = sparse_mqa_reference(*case)
     assert rel(o, ref) < 1e-2
     assert rel(o, sparse_mqa(*case)) < 1e-2  # ours agrees with FlashMLA
+
+
+def test_a_scheduling_object_filled_inside_a_capture_is_not_kept(monkeypatch):
+    """FlashMLA fills a decode shape's scheduling object on its first call; inside a CUDA-graph
+    capture that call only records the filling kernel, so the object is the graph's alone and
+    a later call of the same shape gets (and keeps) a fresh one; outside a capture it is kept."""
+    from dsv4.kernels import flashmla_backend as fb
+
+    class FakeFlashMLA:
+        made = 0
+
+        def get_mla_metadata(self):
+            FakeFlashMLA.made += 1
+            return object(), None
+
+    fm = FakeFlashMLA()
+    monkeypatch.setattr(fb, "_SCHED", {})
+    key = (torch.device("cuda", 0), 4, 64, 128, 10, 0, 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    in_capture = fb._sched_meta(fm, key)
+    assert not fb._SCHED and fb._sched_meta(fm, key) is not in_capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kept = fb._sched_meta(fm, key)
+    assert len(fb._SCHED) == 1 and fb._SCHED.get(key) is kept and fb._sched_meta(fm, key) is kept
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fb._sched_meta(fm, key) is kept  # filled eagerly: graphs read it as it is
+    assert FakeFlashMLA.made == 3
+
+
+@cuda
+def test_a_decode_shape_first_seen_in_a_capture_runs_right_eagerly_and_replayed():
+    """A decode shape whose first call is captured (no eager call before it): an eager call of
+    that shape before any replay, and the replay, both equal the reference."""
+    ok, why = flashmla_supports(64, 512, "fp8_ds_mla", "cuda" if torch.cuda.is_available()
+                                else "cpu")
+    if not ok:
+        pytest.skip(why)
+    warm = build_case(3, 64, 512, 128, 512, "fp8_ds_mla", seed=1, B=64, n_rows=4096,
+                      device="cuda")
+    flashmla_sparse_mqa(*warm, mode="decode")  # the library's kernels loaded, another shape
+    case = build_case(5, 64, 512, 128, 512, "fp8_ds_mla", seed=2, B=64, n_rows=4096,
+                      device="cuda")
+    ref = sparse_mqa_reference(*case)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashmla_sparse_mqa(*case, mode="decode")
+    eager = flashmla_sparse_mqa(*case, mode="decode")
+    assert rel(eager, ref) < 1e-2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(captured, ref) < 1e-2

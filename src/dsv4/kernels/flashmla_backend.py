@@ -20,7 +20,7 @@ block_bytes up to a multiple of 576, as vLLM does), 16-byte aligned base. The "V
 exactly our ``fp8_ds_mla`` (576 data bytes per row, then the block's 8-byte scale groups), so
 the store is passed as a strided [blocks, 64, 1, 584] view with no copy.
 ``sched_meta`` (``flash_mla.get_mla_metadata()[0]``) is filled on first use and cached here per
-shape.
+shape (:func:`_sched_meta`: not when that first use is inside a CUDA-graph capture).
 
 Prefill (or a bf16 store): ``flash_mla.flash_mla_sparse_fwd(q [s_q, h_q, 512], kv [s_kv, 1, 512]
 bf16, indices [s_q, 1, topk], sm_scale, 512, attn_sink=sink, use_legacy=True,
@@ -134,6 +134,22 @@ def flashmla_prefill_workspace(win_store: torch.Tensor, cmp_store: torch.Tensor 
     return torch.cat((w, c)).view(-1, 1, 512), w.shape[0]
 
 
+def _sched_meta(fm: Any, key: tuple) -> Any:
+    """The scheduling object of decode calls of ``key``'s shapes: FlashMLA fills it on its
+    first call (the split plan, into tensors it allocates), later calls reuse it. Kept per
+    shape only when that first call runs outside a CUDA-graph capture: inside one, the
+    filling kernel is only recorded, so the tensors would hold nothing until that graph
+    replays - a capture with no eager call of its shapes before it gets an object of its own
+    (its graph fills it on every replay)."""
+    meta = _SCHED.get(key)
+    if meta is not None:
+        return meta
+    meta = fm.get_mla_metadata()[0]
+    if not (key[0].type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SCHED[key] = meta
+    return meta
+
+
 def flashmla_sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
                         cmp_store: torch.Tensor | None, cmp_idx: torch.Tensor | None,
                         sink: torch.Tensor, scale: float, fmt: str, rows_per_block: int, *,
@@ -168,10 +184,8 @@ def flashmla_sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch
         key = (q.device, T, H, widx.shape[-1], kc.shape[0],
                kw["extra_k_cache"].shape[0] if has_cmp else 0,
                kw["extra_indices_in_kvcache"].shape[-1] if has_cmp else 0)
-        if key not in _SCHED:
-            _SCHED[key] = fm.get_mla_metadata()[0]
         out, _ = fm.flash_mla_with_kvcache(
-            q.contiguous().view(T, 1, H, d), kc, None, None, 512, _SCHED[key],
+            q.contiguous().view(T, 1, H, d), kc, None, None, 512, _sched_meta(fm, key),
             softmax_scale=scale, indices=widx, attn_sink=sink_f, use_legacy=True,
             kv_format="V4", **kw)
         return out.view(T, H, d)
