@@ -195,7 +195,8 @@ class DSV4AttentionAdapter(nn.Module):
         rows = [b for b in range(batch) if counts[b] > 0]
         if not rows:
             return x.new_zeros(batch, seq, hidden), None
-        xs = (x.reshape(batch * seq, hidden) if real is None else x[real]).to(self.dsv4.dtype)
+        xs = (x.reshape(batch * seq, hidden).contiguous() if real is None else x[real]).to(
+            self.dsv4.dtype)
         if seq == 1 and isinstance(cache, DSV4Cache):  # a decode call: through the runner
             y = self.runner([[caches[b]] for b in rows], xs)
         else:
