@@ -26,9 +26,9 @@
 # The whole suite took more than one call: 16 workers on an H200 reached 61 % in 360 s, 15 on
 # an H100 with verify and eval running beside them 65 % in 560 s (2026-12-06) - each worker's
 # PyTorch then ran 16 threads on the 16 cores; now each takes its share (tests/conftest.py).
-# Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's traceback are
-# written to gpu-tests/durations.txt and failures.txt as they happen (DSV4_REPORT_DIR,
-# tests/conftest.py): a cut run keeps them, though pytest prints both only at the end.
+# Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's
+# traceback are written to gpu-tests/durations.txt and failures.txt as they happen
+# (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them; pytest prints both only at the end.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
