@@ -81,6 +81,9 @@ def c4(tiny, make_layer):
     ("cache_none", r"cache has type NoneType: give an AttentionCache"),
     ("cache_str", r"cache has type str: give an AttentionCache"),
     ("cache_in_list", r"cache 0 is a NoneType, not an AttentionCache"),
+    ("foreign_in_batch", r"cache 1 belongs to layer 2"),
+    ("freed_in_batch", r"cache 1 was freed"),
+    ("too_long_in_batch", r"sequence 1: 0 cached \+ 9 new tokens exceed the cache's max_seq_len=8"),
 ])
 def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
     layer, cache = c4
@@ -117,6 +120,17 @@ def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
         cache_arg = "cache"  # was taken for 5 caches, one per character
     elif case == "cache_in_list":
         cache_arg, kwargs = [None], {"seq_lens": [5]}
+    elif case == "foreign_in_batch":  # a second pool, of another layer
+        x, pos = x[:2], torch.tensor([10, 0])
+        cache_arg = [cache, make_layer(tiny, 128).new_cache(64)]
+    elif case == "freed_in_batch":
+        other = layer.new_cache(8)
+        other.free()
+        x, pos, cache_arg = x[:2], torch.tensor([10, 0]), [cache, other]
+    elif case == "too_long_in_batch":
+        x = random_x(10, h).bfloat16()
+        pos = torch.cat([torch.tensor([10]), torch.arange(9)])
+        cache_arg, kwargs = [cache, layer.new_cache(8)], {"seq_lens": [1, 9]}
     state, csnap = snapshot_state(layer), snapshot_cache(cache)
     with pytest.raises(AttentionInputError, match=match):
         layer(x, pos, cache_arg, **kwargs)

@@ -891,8 +891,9 @@ class DeepseekV4Attention(nn.Module):
         check = positions.device.type == "cpu" or not (
             positions.is_cuda and torch.cuda.is_current_stream_capturing())
         pos_host = positions.detach().to("cpu", torch.long).numpy() if check else None
+        checked: set[int] = set()  # pools whose layer, dtype and device are checked
         for i, c in enumerate(caches):
-            self._check_cache(c, i)
+            self._check_cache(c, i, checked)
         lengths = np.fromiter((c.length for c in caches), dtype=np.int64, count=len(caches))
         counts = np.asarray(lens, dtype=np.int64)
         begins = np.cumsum(counts) - counts
@@ -906,35 +907,43 @@ class DeepseekV4Attention(nn.Module):
                     f"positions of sequence {i} are {_short(torch.from_numpy(pos_host[b:b + n]))} "
                     f"but its cache holds {c.length} tokens: they must continue it as "
                     f"{_short(torch.arange(c.length, c.length + n))}")
+        limits = np.fromiter((c.max_seq_len for c in caches), dtype=np.int64, count=len(caches))
+        over = np.flatnonzero(lengths + counts > limits)
+        if over.size:
+            i = int(over[0])
+            raise AttentionInputError(
+                f"sequence {i}: {caches[i].length} cached + {lens[i]} new tokens exceed the "
+                f"cache's max_seq_len={caches[i].max_seq_len}")
+        if len(checked) == 1:  # one pool: the whole call is one group (no row lists)
+            return [(caches[0].pool, None, caches, lens)]
         by_pool: dict[int, tuple[CachePool, list[int], list[AttentionCache], list[int]]] = {}
         for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
-            if c.length + n > c.max_seq_len:
-                raise AttentionInputError(
-                    f"sequence {i}: {c.length} cached + {n} new tokens exceed the cache's "
-                    f"max_seq_len={c.max_seq_len}")
             group = by_pool.setdefault(id(c.pool), (c.pool, [], [], []))
             begin = int(begins[i])
             group[1].extend(range(begin, begin + n))
             group[2].append(c)
             group[3].append(n)
-        if len(by_pool) == 1:
-            pool, _, cs, ns = next(iter(by_pool.values()))
-            return [(pool, None, cs, ns)]
         return [(pool, upload_once(torch.tensor(rows), x.device), cs, ns)
                 for pool, rows, cs, ns in by_pool.values()]
 
-    def _check_cache(self, c: Any, i: int) -> None:
+    def _check_cache(self, c: Any, i: int, checked: set[int]) -> None:
+        """Cache ``i`` of a call is a live cache of this layer's kind; what its pool decides
+        (layer, ratio, dtype, device) is checked once per pool (``checked``: ids of the pools
+        done)."""
         if not isinstance(c, AttentionCache):
             raise AttentionInputError(f"cache {i} is a {type(c).__name__}, not an AttentionCache "
                                       "(use layer.new_cache())")
         if not c.alive:
             raise AttentionInputError(f"cache {i} was freed")
+        if id(c.pool) in checked:
+            return
         if c.layer_id != self.layer_id or c.compress_ratio != self.compress_ratio:
             raise AttentionInputError(f"cache {i} belongs to layer {c.layer_id} (ratio "
                                       f"{c.compress_ratio}), not to layer {self.layer_id}")
         if c.dtype != self.dtype or c.device != self.device:
             raise AttentionInputError(f"cache {i} is {c.dtype} on {c.device}; the layer is "
                                       f"{self.dtype} on {self.device}")
+        checked.add(id(c.pool))
 
     def extra_repr(self) -> str:
         return (f"layer_id={self.layer_id}, compress_ratio={self.compress_ratio}, "
