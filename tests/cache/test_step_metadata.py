@@ -1,5 +1,6 @@
-"""A step's metadata: the decode fast path (every count 1, plain Python) builds exactly the
-buffer of the general NumPy path, for every layer type's rings and any positions."""
+"""A step's metadata: the decode fast paths (every count 1: plain Python for small steps, a
+vectorised one from ``DECODE_NUMPY_FROM`` tokens) build exactly the buffer of the general NumPy
+path, for every layer type's rings and any positions, padded or not."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4.cache import step as step_module
 from dsv4.cache.pool import RingSpec
 from dsv4.cache.step import _decode_metadata, _padded, _step_metadata
 
@@ -105,3 +107,32 @@ def test_a_padded_verify_step_keeps_the_real_parts_at_fixed_sizes(ratio, data):
     for i, (r, p) in enumerate(zip(rp, pp, strict=True)):
         assert torch.equal(p[:r.numel()], r), i
     assert pp[1][sum(counts):].eq(9).all()  # padded tokens in the padding slot
+
+
+@settings(max_examples=120, deadline=None)
+@given(ratio=st.sampled_from([0, 4, 128]),
+       starts=st.lists(st.integers(0, 3000), min_size=1, max_size=80),
+       extra=st.integers(0, 50))
+def test_both_decode_paths_build_the_general_paths_buffer(ratio, starts, extra):
+    """Plain Python and the vectorised decode path, unpadded and padded by ``extra`` tokens,
+    equal the general path's buffer (padded by its one rule)."""
+    starts = [a if a % 3 else a - a % 128 + 127 for a in starts]
+    m = len(starts)
+    slots = list(range(m))[::-1]
+    pad_slot = m + 5
+    for pad_to in (None, m + extra):
+        built = []
+        for threshold in (10**9, 0):  # plain Python, then NumPy
+            step_module.DECODE_NUMPY_FROM, saved = threshold, step_module.DECODE_NUMPY_FROM
+            try:
+                built.append(_decode_metadata(starts, slots, [1] * m, SPECS[ratio], pad_to,
+                                              pad_slot))
+            finally:
+                step_module.DECODE_NUMPY_FROM = saved
+        general = _step_metadata(starts, slots, [1] * m, SPECS[ratio])
+        if pad_to is not None:
+            general = _padded(general, SPECS[ratio], pad_to, 1, pad_slot)
+        for got in built:
+            assert torch.equal(got[0], general[0])
+            assert got[1:3] == general[1:3]
+            assert torch.equal(got[3], general[3])
