@@ -1,6 +1,6 @@
 """A step's metadata: the decode fast paths (every count 1: plain Python for small steps, a
-vectorised one from ``DECODE_NUMPY_FROM`` tokens) build exactly the buffer of the general NumPy
-path, for every layer type's rings and any positions, padded or not."""
+vectorised one from ``DECODE_NUMPY_WORK`` units of work) build exactly the buffer of the general
+NumPy path, for every layer type's rings and any positions, padded or not."""
 
 from __future__ import annotations
 
@@ -123,12 +123,12 @@ def test_both_decode_paths_build_the_general_paths_buffer(ratio, starts, extra):
     for pad_to in (None, m + extra):
         built = []
         for threshold in (10**9, 0):  # plain Python, then NumPy
-            step_module.DECODE_NUMPY_FROM, saved = threshold, step_module.DECODE_NUMPY_FROM
+            step_module.DECODE_NUMPY_WORK, saved = threshold, step_module.DECODE_NUMPY_WORK
             try:
                 built.append(_decode_metadata(starts, slots, [1] * m, SPECS[ratio], pad_to,
                                               pad_slot))
             finally:
-                step_module.DECODE_NUMPY_FROM = saved
+                step_module.DECODE_NUMPY_WORK = saved
         general = _step_metadata(starts, slots, [1] * m, SPECS[ratio])
         if pad_to is not None:
             general = _padded(general, SPECS[ratio], pad_to, 1, pad_slot)

@@ -403,21 +403,23 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
                      specs: list[tuple[str, RingSpec]], pad_to: int | None = None,
                      pad_slot: int = -1) -> Metadata:
     """:func:`_step_metadata` for a decode step (every count 1) in plain Python: the same buffer
-    in a fraction of the host time (NumPy's per-call cost dominates arrays this small); from
-    :data:`DECODE_NUMPY_FROM` tokens (padded ones included), :func:`_decode_metadata_numpy`.
+    in a fraction of the host time (NumPy's per-call cost dominates arrays this small); where
+    the step's work reaches :data:`DECODE_NUMPY_WORK`, :func:`_decode_metadata_numpy`.
     ``pad_to``: ``pad_to`` tokens and jobs per compressor, padded with :func:`_job_padding`'s
     values."""
     m = len(starts)
-    if (m if pad_to is None else pad_to) >= DECODE_NUMPY_FROM:
-        return _decode_metadata_numpy(starts, slots, specs, pad_to, pad_slot)
     t = m if pad_to is None else pad_to
+    done_of = [[i for i, a in enumerate(starts) if (a + 1) % spec.ratio == 0]  # entry a // ratio
+               for _name, spec in specs]
+    work = t + sum(len(d) * spec.sources for d, (_name, spec) in zip(done_of, specs, strict=True))
+    if work >= DECODE_NUMPY_WORK:
+        return _decode_metadata_numpy(starts, slots, specs, pad_to, pad_slot)
     pads = t - m
     flat = list(starts) + [0] * pads + list(slots) + [pad_slot] * pads
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
-    for name, spec in specs:
+    for (name, spec), done in zip(specs, done_of, strict=True):
         cr, src, ratio, coff = spec.rows, spec.sources, spec.ratio, spec.coff
-        done = [i for i, a in enumerate(starts) if (a + 1) % ratio == 0]  # entry a // ratio
         ring_src: list[int] = []
         call_src: list[int] = []
         for i in done:
@@ -445,12 +447,12 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     return host, shapes, job_meta, seq_ids
 
 
-DECODE_NUMPY_FROM = 32
-"""Decode steps of at least this many tokens (padded ones included) build their metadata in
-NumPy: its cost is near flat in the tokens, plain Python's grows with them (a C4 pool's two
-compressors, padded to the runner's bucket, the 2-core development CPU: Python 45 / 87 / 139 /
-245 us at 16 / 32 / 64 / 128 sequences, NumPy 64 / 67 / 71 / 79 us; at one sequence 11
-against 58)."""
+DECODE_NUMPY_WORK = 128
+"""Decode steps whose work - tokens (padded ones included) plus, per compressor, the sources of
+the entries completed - reaches this build their metadata in NumPy, which costs about the same
+at any size (~65 us on the 2-core development CPU), while plain Python costs about 11 us plus
+0.4 us a unit of work (a C4 pool's two compressors: 45 us at 16 sequences, 139 us at 64
+sequences with a quarter of them completing an entry)."""
 
 
 def _decode_metadata_numpy(starts: list[int], slots: list[int],
