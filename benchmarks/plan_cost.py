@@ -2,8 +2,11 @@
 the CPU per step. Per layer type and M, best of 7 batches of 60 steps: a layer planning its own
 step (``CacheStep.plan``, what ``layer(x, positions, caches)`` does) and a model's
 ``StepPlan`` over 8 layers of the type (one metadata build and upload for all of them; blocks
-and tables per layer), per layer; then ``CacheStep.commit`` by context, a rollback of rejected
-drafts, and a whole 43-layer model's plan and commit.
+and tables per layer), per layer; then a layer planning its own step over sequences of
+staggered lengths (600 + i: a quarter of them complete a C4 entry each step) with the decode
+metadata as shipped and in plain Python only (``DECODE_NUMPY_WORK``), alternating in one run;
+then ``CacheStep.commit`` by context, a rollback of rejected drafts, and a whole 43-layer
+model's plan and commit.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -18,6 +21,7 @@ import time
 import torch
 
 from dsv4.bench.synthetic_cache import fill_history
+from dsv4.cache import step as step_module
 from dsv4.cache.plan import StepPlan
 from dsv4.cache.step import CacheStep
 from dsv4.config import DSV4Config
@@ -52,7 +56,33 @@ def main() -> None:
                 planned = min(planned, spent / 60 / LAYERS)
             print(f"ratio {ratio:3d} M={m:2d}: {own * 1e6:6.0f} us a layer planning its own, "
                   f"{planned * 1e6:6.0f} us per layer of a {LAYERS}-layer StepPlan", flush=True)
+    staggered_cost()
     commit_cost()
+
+
+def staggered_cost() -> None:
+    """A C4 layer planning its own decode step over sequences of lengths 600 + i: the decode
+    metadata as shipped (NumPy where the step's work makes it cheaper) against plain Python
+    only, alternating batches, best of 7 each."""
+    cfg = DSV4Config.preset("tiny")
+    layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
+    shipped = step_module.DECODE_NUMPY_WORK
+    for m in (16, 32, 64, 128):
+        pool = layer.new_cache_pool(m, 2048)
+        caches = [pool.add_sequence() for _ in range(m)]
+        for i, c in enumerate(caches):
+            fill_history([c], 600 + i, seed=i)
+        best = {"shipped": float("inf"), "python": float("inf")}
+        for _ in range(7):
+            for name, work in (("shipped", shipped), ("python", 1 << 60)):
+                step_module.DECODE_NUMPY_WORK = work
+                t0 = time.perf_counter()
+                for _ in range(60):
+                    CacheStep.plan(pool, caches, [1] * m)
+                best[name] = min(best[name], (time.perf_counter() - t0) / 60)
+        step_module.DECODE_NUMPY_WORK = shipped
+        print(f"ratio   4 M={m:3d}, staggered lengths: {best['shipped'] * 1e6:6.0f} us a layer "
+              f"planning its own (plain Python only: {best['python'] * 1e6:6.0f} us)", flush=True)
 
 
 def commit_cost() -> None:
