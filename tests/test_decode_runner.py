@@ -199,25 +199,36 @@ class _NoEvent:  # the CPU build of PyTorch has no CUDA events (the cuda platfor
         pass
 
 
-def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exact, monkeypatch):
-    """The cuda platform's plain calls of at most ``step_graph_max_seqs`` sequences of up to 8
-    tokens (one step) run through the layer's own runner - on a GPU its graphs, here its padded
-    steps - with the eager call's values, as sequences join, leave and verify; prefill, more
-    sequences and longer calls run eagerly. New weights drop the runner."""
+@pytest.fixture
+def cpu_cuda_layer(monkeypatch):
+    """A factory of the cuda platform's layer on the CPU (its base-path stages, float64, no
+    input-stage graphs), its plain decode calls routed through its runner's padded steps up to
+    ``step_graphs`` sequences: ``make(cfg, layer_id, step_graphs)``."""
     from dsv4.platforms.cuda import CudaAttention
 
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
     monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
     monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
-    layers = {}
-    cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
-    for side in "ab":  # the platform's class on the CPU: its base-path stages
-        lay = CudaAttention(cfg, 1, device="cpu", dtype=torch.float64, aux_streams=[])
-        lay.load_weights(random_layer_weights(cfg, 1, seed=1))
+
+    def make(cfg, layer_id, step_graphs):
+        lay = CudaAttention(cfg, layer_id, device="cpu", dtype=torch.float64, aux_streams=[])
+        lay.load_weights(random_layer_weights(cfg, layer_id, seed=layer_id))
         lay.aux_streams = None
         lay.use_cuda_graphs(False)  # no input-stage graphs on the CPU
-        lay.use_step_graphs(4 if side == "a" else 0)
-        layers[side] = lay
+        lay.use_step_graphs(step_graphs)
+        return lay
+
+    return make
+
+
+def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exact,
+                                                                        cpu_cuda_layer):
+    """The cuda platform's plain calls of at most ``step_graph_max_seqs`` sequences of up to 8
+    tokens (one step) run through the layer's own runner - on a GPU its graphs, here its padded
+    steps - with the eager call's values, as sequences join, leave and verify; prefill, more
+    sequences and longer calls run eagerly. New weights drop the runner."""
+    cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
+    layers = {side: cpu_cuda_layer(cfg, 1, 4 if side == "a" else 0) for side in "ab"}
     pools = {side: layers[side].new_cache_pool(6, 400, max_rollback=3) for side in "ab"}
     live: dict[str, list] = {"a": [], "b": []}
     rng = random.Random(5)
@@ -266,28 +277,15 @@ def test_plain_decode_calls_of_the_cuda_platform_take_the_layers_runner(tiny_exa
     assert layers["a"]._step_runner is None
 
 
-def test_layers_serving_a_runner_and_routed_plain_calls_stay_exact(tiny_exact, monkeypatch):
+def test_layers_serving_a_runner_and_routed_plain_calls_stay_exact(tiny_exact, cpu_cuda_layer):
     """The same cuda-platform layers (SWA, C4, C128) serve a stack's runner (plan calls, its
     padded steps) on one set of pools and plain calls routed through each layer's own runner on
     another, beside the same layers called eagerly on a third: every step equal to 1e-10
     (float64) as sequences join, leave and fork over 120 steps; the CPU side of the GPU runner
     test's ``step-graphs`` case (``tests/platforms/test_runner_cuda.py``)."""
-    from dsv4.platforms.cuda import CudaAttention
-
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
-    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
-    ratios = [0, 4, 128]
-    cfg = tiny_exact.replace(compress_ratios=tuple(ratios), num_hidden_layers=3)
-    stacks: dict[str, list] = {"shared": [], "eager": []}
-    for name, limit in (("shared", 8), ("eager", 0)):
-        for i in range(3):
-            lay = CudaAttention(cfg, i, device="cpu", dtype=torch.float64, aux_streams=[])
-            lay.load_weights(random_layer_weights(cfg, i, seed=i))
-            lay.aux_streams = None
-            lay.use_cuda_graphs(False)
-            lay.use_step_graphs(limit)
-            stacks[name].append(lay)
+    cfg = tiny_exact.replace(compress_ratios=(0, 4, 128), num_hidden_layers=3)
+    stacks = {name: [cpu_cuda_layer(cfg, i, limit) for i in range(3)]
+              for name, limit in (("shared", 8), ("eager", 0))}
     layers = stacks["shared"]
     sides = ("runner", "routed", "eager")
     stack_of = {"runner": layers, "routed": layers, "eager": stacks["eager"]}
@@ -342,23 +340,15 @@ def test_layers_serving_a_runner_and_routed_plain_calls_stay_exact(tiny_exact, m
             [[c.length for c in q] for q in live["eager"]]
 
 
-def test_spies_see_one_eager_call_per_step_with_step_graphs_on(tiny_exact, monkeypatch):
+def test_spies_see_one_eager_call_per_step_with_step_graphs_on(tiny_exact, cpu_cuda_layer):
     """record_selection / replay_selection and spy_methods (what verify, the demo and the
     contract checker use) hold a layer's step graphs off while they are on - a graph's first
     step is run and then captured (two calls), its replays call no Python - and put them back
     after; the recorded selections replay on the reference step for step."""
-    from dsv4.platforms.cuda import CudaAttention
     from dsv4.testing.probes import record_selection, replay_selection, spy_methods
 
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_DEVICE", "cpu")
-    monkeypatch.setattr(CudaAttention, "STEP_GRAPH_MODE", "padded")
     cfg = tiny_exact.replace(compress_ratios=(0, 4), num_hidden_layers=2)
-    lay = CudaAttention(cfg, 1, device="cpu", dtype=torch.float64, aux_streams=[])
-    lay.load_weights(random_layer_weights(cfg, 1, seed=1))
-    lay.aux_streams = None
-    lay.use_cuda_graphs(False)
-    lay.use_step_graphs(4)
+    lay = cpu_cuda_layer(cfg, 1, 4)
     ref = stack(cfg, [0, 4])[1]
     ref.load_weights(random_layer_weights(cfg, 1, seed=1))
     x = torch.randn(40, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator()
