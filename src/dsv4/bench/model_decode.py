@@ -114,13 +114,14 @@ def time_steps(step: Any, steps: int, device: torch.device) -> float:
 
 
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int,
-                          scrub: torch.Tensor | None = None) -> float:
-    """us per replay of one layer's decode step captured by hand (the decode-step bench's row:
-    replays back to back, or with ``scrub`` each alone after the L2 was flushed, as
-    ``--cold-l2`` times them); the caches are left as they were."""
+                          scrub: torch.Tensor) -> tuple[float, float]:
+    """us per replay of one layer's decode step captured by hand (the decode-step bench's row),
+    one capture timed twice: replays back to back, and each alone after ``scrub`` flushed the
+    L2 (as ``--cold-l2`` times them); the caches are left as they were."""
     with captured_step(layer, caches, x) as (graph, _):
-        times = replay_times(graph, reps, scrub)
-    return statistics.median(times)
+        warm = replay_times(graph, reps, None)
+        cold = replay_times(graph, reps, scrub)
+    return statistics.median(warm), statistics.median(cold)
 
 
 def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: int,
@@ -195,9 +196,8 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
             name = TYPE_NAMES[layer.compress_ratio]
             counts[name] = counts.get(name, 0) + 1
             if name not in singles:
-                caches = [s[k] for s in seqs]
-                singles[name] = single_layer_graph_us(layer, caches, x, reps)
-                cold[name] = single_layer_graph_us(layer, caches, x, reps, scrub)
+                singles[name], cold[name] = single_layer_graph_us(
+                    layer, [s[k] for s in seqs], x, reps, scrub)
         del scrub
         total = sum(singles[n] * c for n, c in counts.items())
         total_cold = sum(cold[n] * c for n, c in counts.items())
