@@ -413,7 +413,7 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
                for _name, spec in specs]
     work = t + sum(len(d) * spec.sources for d, (_name, spec) in zip(done_of, specs, strict=True))
     if work >= DECODE_NUMPY_WORK:
-        return _decode_metadata_numpy(starts, slots, specs, pad_to, pad_slot)
+        return _decode_metadata_numpy(starts, slots, specs, done_of, pad_to, pad_slot)
     pads = t - m
     flat = list(starts) + [0] * pads + list(slots) + [pad_slot] * pads
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
@@ -457,9 +457,10 @@ against 81; 128, a quarter: 129 against 83)."""
 
 
 def _decode_metadata_numpy(starts: list[int], slots: list[int],
-                           specs: list[tuple[str, RingSpec]], pad_to: int | None,
-                           pad_slot: int) -> Metadata:
-    """:func:`_decode_metadata`'s buffer, vectorised over the sequences (its arguments)."""
+                           specs: list[tuple[str, RingSpec]], done_of: list[list[int]],
+                           pad_to: int | None, pad_slot: int) -> Metadata:
+    """:func:`_decode_metadata`'s buffer, vectorised over the sequences (its arguments;
+    ``done_of``: per compressor, the sequences whose token completes an entry)."""
     m = len(starts)
     t = m if pad_to is None else pad_to
     pads = t - m
@@ -472,9 +473,9 @@ def _decode_metadata_numpy(starts: list[int], slots: list[int],
     parts = [a, fill(pads, 0), s, fill(pads, pad_slot)]
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
-    for name, spec in specs:
+    for (name, spec), done_list in zip(specs, done_of, strict=True):
         cr, src, ratio = spec.rows, spec.sources, spec.ratio
-        done = np.flatnonzero((a + 1) % ratio == 0)  # completes entry a // ratio
+        done = np.asarray(done_list, dtype=np.int64)
         a_d, s_d = a[done, None], s[done, None]
         q = (a_d // ratio - spec.coff + 1) * ratio + np.arange(src)[None, :]
         ring_src = np.where((q >= 0) & (q < a_d), s_d * cr + q % cr, -1)
