@@ -5,8 +5,9 @@ step (``CacheStep.plan``, what ``layer(x, positions, caches)`` does) and a model
 and tables per layer), per layer; then a layer planning its own step over sequences of
 staggered lengths (600 + i: a quarter of them complete a C4 entry each step) with the decode
 metadata as shipped and in plain Python only (``DECODE_NUMPY_WORK``), alternating in one run;
-then ``CacheStep.commit`` by context, a rollback of rejected drafts, and a whole 43-layer
-model's plan and commit.
+the decode metadata alone in plain Python and in NumPy by M and completing sequences (the
+calibration of ``DECODE_NUMPY_WORK``); then ``CacheStep.commit`` by context, a rollback of
+rejected drafts, and a whole 43-layer model's plan and commit.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -23,7 +24,7 @@ import torch
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache import step as step_module
 from dsv4.cache.plan import StepPlan
-from dsv4.cache.step import CacheStep
+from dsv4.cache.step import CacheStep, build_metadata, ring_specs
 from dsv4.config import DSV4Config
 from dsv4.platforms import build_attention
 
@@ -57,6 +58,7 @@ def main() -> None:
             print(f"ratio {ratio:3d} M={m:2d}: {own * 1e6:6.0f} us a layer planning its own, "
                   f"{planned * 1e6:6.0f} us per layer of a {LAYERS}-layer StepPlan", flush=True)
     staggered_cost()
+    metadata_cost()
     commit_cost()
 
 
@@ -83,6 +85,34 @@ def staggered_cost() -> None:
         step_module.DECODE_NUMPY_WORK = shipped
         print(f"ratio   4 M={m:3d}, staggered lengths: {best['shipped'] * 1e6:6.0f} us a layer "
               f"planning its own (plain Python only: {best['python'] * 1e6:6.0f} us)", flush=True)
+
+
+def metadata_cost() -> None:
+    """The calibration of ``DECODE_NUMPY_WORK``: a C4 pool's decode metadata
+    (``build_metadata``) in plain Python and in NumPy, both forced, alternating, best of 5 x 2,
+    by M and by how many sequences complete an entry (none, a quarter, all) - with the step's
+    work (tokens + completed entries' sources)."""
+    cfg = DSV4Config.preset("tiny")
+    layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
+    specs = ring_specs(layer.new_cache_pool(128, 2048))
+    shipped = step_module.DECODE_NUMPY_WORK
+    for m in (16, 32, 64, 128):
+        for done, starts in (("none", [600] * m), ("a quarter", [600 + i for i in range(m)]),
+                             ("all", [603] * m)):
+            work = m + sum(sum((a + 1) % s.ratio == 0 for a in starts) * s.sources
+                           for _name, s in specs)
+            best = {"python": float("inf"), "numpy": float("inf")}
+            for _ in range(10):
+                for name, threshold in (("python", 1 << 60), ("numpy", 0)):
+                    step_module.DECODE_NUMPY_WORK = threshold
+                    t0 = time.perf_counter()
+                    for _ in range(60):
+                        build_metadata(starts, list(range(m)), [1] * m, specs)
+                    best[name] = min(best[name], (time.perf_counter() - t0) / 60)
+            step_module.DECODE_NUMPY_WORK = shipped
+            print(f"decode metadata M={m:3d}, {done:9s} completing (work {work:4d}): plain "
+                  f"Python {best['python'] * 1e6:5.0f} us, NumPy {best['numpy'] * 1e6:5.0f} us",
+                  flush=True)
 
 
 def commit_cost() -> None:

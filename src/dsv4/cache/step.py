@@ -449,11 +449,12 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
 
 DECODE_NUMPY_WORK = 352
 """Decode steps whose work - tokens (padded ones included) plus, per compressor, the sources of
-the entries completed - reaches this build their metadata in NumPy. Measured on the 2-core
-development CPU, a C4 pool's two compressors, both paths alternating in one run: plain Python
-costs about 11 us + 0.16 us a unit of work, NumPy about 58 us + 0.02 us a unit (16 sequences,
-none completing: 17 against 58 us; 64, a quarter completing: 70 against 70; 64, all: 181
-against 81; 128, a quarter: 129 against 83)."""
+the entries completed - reaches this build their metadata in NumPy. Calibrated on the 2-core
+development CPU, a C4 pool's two compressors, both paths forced and alternating
+(``benchmarks/plan_cost.py``, ``benchmarks/results/2026-12-06-cpu/plan-cost/``): plain Python
+costs about 11 us + 0.16 us a unit of work, NumPy about 55 us + 0.02 us a unit (16 sequences,
+none completing: 17 against 54 us; 64, a quarter completing: 71 against 69; 64, all: 189
+against 81; 128, a quarter: 135 against 82)."""
 
 
 def _decode_metadata_numpy(starts: list[int], slots: list[int],
