@@ -4,6 +4,7 @@ found from any directory), the license, the version, docstrings on the public AP
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,12 @@ def test_the_shipped_model_lives_in_the_package():
 
 def test_the_model_is_found_from_another_directory(tmp_path):
     code = "from dsv4.tinylm.paths import default_model_dir as d; print(d() / 'config.json')"
+    # the package as this run imports it (installed, or a relative PYTHONPATH=src as on the GPU
+    # machine, which the other directory would not resolve)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(dsv4.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, check=True).stdout.strip()
+                         text=True, check=True, env=env).stdout.strip()
     assert Path(out).is_file()
 
 
