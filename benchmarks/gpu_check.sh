@@ -91,7 +91,7 @@ case "${1:-}" in
 suite)  # -vv: one line per test as it ends, so a cut run names what passed and failed;
     # `python3 benchmarks/pytest_remaining.py $OUT/gpu-tests/pytest_all.txt` lists the rest
     XDIST=()
-    python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${WORKERS:-8}")
+    python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${WORKERS:-8}" --dist loadgroup)
     if [ -n "${LEFT:-}" ]; then
         mapfile -t IDS < <(grep -v '^#' "$LEFT")
         step gpu-tests/pytest_left.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${IDS[@]}"

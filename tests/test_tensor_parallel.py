@@ -29,6 +29,12 @@ from dsv4.tinylm.checkpoint import ATTN_SHARD, default_model_dir
 from dsv4.tp_launch import NO_MULTICAST_ENV, spawn
 from dsv4.weights import WeightLoadError
 
+pytestmark = pytest.mark.xdist_group("tensor-parallel")
+"""Under pytest-xdist with ``--dist loadgroup`` (``benchmarks/gpu_check.sh``) one worker runs
+this module: the spawned jobs are module-scoped fixtures, and spread over workers each
+worker ran them again, all at once (on the 16-core GPU machine six copies of the TP=2 job
+had not finished after 250 s; alone the module takes 17 s)."""
+
 ARITH = default_model_dir()
 ARITH_TOKENS = 48
 
