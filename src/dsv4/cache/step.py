@@ -255,8 +255,11 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
     """Give sequence i (in slot ``slots[i]`` of each (pool, slots) pair, holding ``starts[i]``
     positions) the blocks that hold its rows up to position ``ends[i]`` - all checked before any
     is taken (a pool that lacks blocks raises :class:`CacheCapacityError` naming it, with nothing
-    taken anywhere) - and copy the changed block tables to the device. Returns (pool, store,
-    slot, logical blocks before) of each table that grew (what an undo shrinks back to).
+    taken anywhere) - and copy every changed block table of these pools to the device: the
+    blocks taken here and what changed since the last step (a fork's new table rows, which no
+    block taken may follow: the step would read the child's rows through a stale mirror).
+    Returns (pool, store, slot, logical blocks before) of each table that grew (what an undo
+    shrinks back to).
 
     Only sequences whose rows cross into a new logical block can need one (a sequence holds the
     logical blocks of its rows: growing, forking and truncating keep that), so a decode step
@@ -291,9 +294,9 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
             grows += [(pool, name, s, n) for s, n, k in zip(sub, rows_each, missing, strict=True)
                       if k]
     grown = [(pool, name, s, pool.stores[name].grow(s, rows)) for pool, name, s, rows in grows]
-    for pool in {id(p): p for p, _, _, _ in grown}.values():
+    for pool, _ in pools:
         for store in pool.stores.values():
-            store.sync()
+            store.sync()  # nothing to copy (no host work) where no row changed
     return grown
 
 
