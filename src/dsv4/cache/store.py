@@ -6,7 +6,10 @@ table maps the logical block to a physical one (-1: not held). A flat row index
 ``physical * block_size + offset`` addresses the storage (what a paged kernel takes).
 
 The table is kept on the host (the allocator's truth) and mirrored on the device, where the
-forward turns (slot, row) into flat rows without a host round trip.
+forward turns (slot, row) into flat rows without a host round trip. A CPU store keeps a mirror
+of its own too, so the CPU runs every copy a GPU needs: a table change that never reaches the
+mirror fails there as it would on a GPU (the table and its mirror were once one tensor on the
+CPU, which hid a fork's rows that waited for a later step's copy).
 
 The storage holds one block more than the allocator hands out: the padding block, the first
 (and only) block of the padding slot's table row (``padding_slot``). The padded tokens of a
@@ -41,7 +44,7 @@ class PagedStore:
         self.table = torch.full((max_seqs, max_logical), -1, dtype=torch.int32)
         if padding_slot is not None:  # the padding block (module docstring), never released
             self.table[padding_slot, 0] = num_blocks
-        self.table_dev = self.table if device.type == "cpu" else self.table.to(device)
+        self.table_dev = self.table.clone() if device.type == "cpu" else self.table.to(device)
         self._blocks: list[list[int]] = [[] for _ in range(max_seqs)]
         """Physical block of each logical block per slot (-1: released), the host's truth."""
         self._released_below = [0] * max_seqs
@@ -196,8 +199,6 @@ class PagedStore:
         self._mark(dst, 0, self.max_logical)
 
     def _mark(self, slot: int, lo: int, hi: int) -> None:
-        if self.table_dev is self.table:
-            return
         old = self._dirty.get(slot)
         self._dirty[slot] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
 
@@ -206,6 +207,8 @@ class PagedStore:
         around them where it is small (a step in which many sequences open a block, e.g. a
         batch of equal lengths, is one copy, not one per sequence), else one per slot."""
         dirty = self._dirty
+        if not dirty:
+            return
         if len(dirty) > 1:
             s0, s1 = min(dirty), max(dirty) + 1
             lo = min(r[0] for r in dirty.values())
