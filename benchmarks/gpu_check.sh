@@ -23,10 +23,9 @@
 # call with it, and a failing step does not stop the next. PACK=FILE.tgz rewrites one archive of
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
-# The whole suite took more than one call: 16 workers on an H200 reached 61 % in 360 s, 15 on
-# an H100 with verify and eval running beside them 65 % in 560 s (2026-12-06) - each worker's
-# PyTorch then ran 16 threads on the 16 cores; now each takes its share (tests/conftest.py).
-# Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's
+# The whole suite: 16 workers on an H100 reached 99 % in 340 s (2026-12-06, 8582c66; each
+# worker's PyTorch takes its share of the cores, tests/conftest.py, and the tensor-parallel
+# tests share one worker, --dist loadgroup). Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's
 # traceback are written to gpu-tests/durations.txt and failures.txt as they happen
 # (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them; pytest prints both only at the end.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
