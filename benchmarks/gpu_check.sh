@@ -28,7 +28,7 @@
 # tests share one worker, --dist loadgroup). Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's
 # traceback are written to gpu-tests/durations.txt and failures.txt as they happen
 # (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them; pytest prints both only at the end.
-# Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 330), LAYERS
+# Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 420), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
 # BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
@@ -95,10 +95,10 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
         mapfile -t IDS < <(grep -v '^#' "$LEFT")
         step gpu-tests/pytest_left.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${IDS[@]}"
     else
-        step verify/verify_cuda.txt 150 python3 -m dsv4 verify --platform cuda
-        step verify/eval_cuda.txt 100 python3 -m dsv4 eval --device cuda --platform cuda \
+        step verify/verify_cuda.txt 90 python3 -m dsv4 verify --platform cuda
+        step verify/eval_cuda.txt 60 python3 -m dsv4 eval --device cuda --platform cuda \
             --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
-        step gpu-tests/pytest_all.txt "${SUITE_SECS:-330}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
+        step gpu-tests/pytest_all.txt "${SUITE_SECS:-420}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
     fi
     ;;
 decode)  # with BASELINE both trees share the call: shorter limits, no profile
