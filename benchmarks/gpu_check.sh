@@ -25,9 +25,10 @@
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
 # The whole suite: 16 workers on an H100 reached 99 % in 340 s (2026-12-06, 8582c66; each
 # worker's PyTorch takes its share of the cores, tests/conftest.py, and the tensor-parallel
-# tests share one worker, --dist loadgroup). Finish a cut run with LEFT=FILE in the next call. Each test's duration and each failure's
-# traceback are written to gpu-tests/durations.txt and failures.txt as they happen
-# (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them; pytest prints both only at the end.
+# tests share one worker, --dist loadgroup). Finish a cut run with LEFT=FILE in the next call.
+# Each test's duration and each failure's traceback are written to gpu-tests/durations.txt and
+# failures.txt as they happen (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them;
+# pytest prints both only at the end.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 420), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
