@@ -1,13 +1,14 @@
 """The device mirror of every block table is current whenever a step runs.
 
-Every store keeps its table on the host and a mirror where its data lives (on the CPU a tensor
-of its own, so the CPU runs the copies a GPU needs). Here, in every step of a stack - a runner's
+Every store keeps its table on the host and a mirror where its data lives (on the CPU a tensor of
+its own, so the CPU runs the copies a GPU needs). Here, in every step of a stack - a runner's
 padded steps and plain calls - each layer's step starts by checking its pool's mirrors against
-their tables, as sequences join, fork, leave and are truncated. A fork's new table rows once waited for the next
-step that took a block in that pool; until then the child's rows were read and written through
-whatever the mirror's row held (-1, or a freed sequence's blocks): on a GPU another sequence's
-rows or memory outside the store (the GPU runner test, ``tests/platforms/test_runner_cuda.py``;
-on the CPU, where table and mirror were then one tensor, nothing showed)."""
+their tables, as sequences join, fork, leave and are truncated. A fork's new table rows once waited
+for the next step that took a block in that pool; until then the child's rows were read and written
+through whatever the mirror's row held (-1, or a freed sequence's blocks): on a GPU another
+sequence's rows or memory outside the store (the GPU runner test,
+``tests/platforms/test_runner_cuda.py``; on the CPU, where table and mirror were then one tensor,
+nothing showed)."""
 
 from __future__ import annotations
 
