@@ -20,7 +20,8 @@ Under CUDA-graph capture :func:`upload` is captured like any copy: the graph kee
 snapshot's address, so a caller that replays it keeps the snapshot (``upload`` returns a
 fresh one then, never a ring slice, which later copies overwrite; a step's metadata keeps it).
 :func:`upload_once` and :func:`upload_into` keep no snapshot and refuse capture, loudly. Other
-devices get plain copies.
+devices get plain copies (on the CPU a copy too, so a host tensor changed after its upload
+differs from its device side there as on a GPU).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torc
     copied from when that is not a ring slice - during CUDA-graph capture, whose graph replays
     the copy, or a copy too large for the ring - else None). Keep the snapshot as long as the
     graph."""
-    if device.type != "cuda":
-        return host.to(device), None
+    if device.type != "cuda":  # a copy on the CPU too: the device side is a snapshot there as
+        return host.to(device, copy=True), None  # on a GPU, never the caller's own tensor
     dev = torch.empty(host.shape, dtype=host.dtype, device=device)
     if not torch.cuda.is_current_stream_capturing() and _copy_through_ring(dev, host):
         return dev, None
