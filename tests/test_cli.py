@@ -306,3 +306,15 @@ def test_errors_of_every_subcommand_name_it(capsys, tmp_path):
                                               "holds no config.json")
     assert main(["verify", "--platform", "int8"]) == 2
     assert capsys.readouterr().err.startswith("dsv4 verify: error: unknown platform 'int8'")
+
+
+@pytest.mark.parametrize("prompt,match", [("", "prompt 2 of 2 is empty"),
+                                          ("a=1;b=2;a+b=\u00e9", "prompt 2 of 2: ")])
+def test_generate_names_a_bad_prompt_in_one_line_before_any_warning(capsys, prompt, match):
+    """A prompt the model cannot take (empty, a character outside its vocabulary) is the one
+    line on stderr, exit 2: no format warning about it or the other prompts comes first."""
+    assert main(["generate", "--prompt", "a=1;b=2;a+b=", "--prompt", prompt]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, lines
+    assert lines[0].startswith("dsv4 generate: error: ") and match in lines[0], lines

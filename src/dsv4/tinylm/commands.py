@@ -178,10 +178,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_model_dir("--model", args.model)
     device = _device(args.device)
     from dsv4.tinylm.checkpoint import load_tiny_lm
-    from dsv4.tinylm.generate import DecodeStats, generate, prompt_name
+    from dsv4.tinylm.generate import DecodeStats, encode_prompts, generate, prompt_name
 
     model = load_tiny_lm(args.model, platform=args.platform, device=device,
                          dtype=torch_dtype(args.dtype))
+    encode_prompts(model, args.prompt, args.max_new_tokens)  # a prompt's error before warnings
     spec = model.cfg.task
     n = len(args.prompt)
     for i, prompt in enumerate(args.prompt):
