@@ -6,8 +6,9 @@ and tables per layer), per layer; then a layer planning its own step over sequen
 staggered lengths (600 + i: a quarter of them complete a C4 entry each step) with the decode
 metadata as shipped and in plain Python only (``DECODE_NUMPY_WORK``), alternating in one run;
 the decode metadata alone in plain Python and in NumPy by M and completing sequences (the
-calibration of ``DECODE_NUMPY_WORK``); then ``CacheStep.commit`` by context, a rollback of
-rejected drafts, and a whole 43-layer model's plan and commit.
+calibration of ``DECODE_NUMPY_WORK``), and padded to the decode runner's buckets; the runner's
+host work per step over 8 layers; then ``CacheStep.commit`` by context, a rollback of rejected
+drafts, and a whole 43-layer model's plan and commit.
 
     PYTHONPATH=src python benchmarks/plan_cost.py
 
@@ -27,6 +28,7 @@ from dsv4.cache.plan import StepPlan
 from dsv4.cache.step import CacheStep, build_metadata, ring_specs
 from dsv4.config import DSV4Config
 from dsv4.platforms import build_attention
+from dsv4.runner import DecodeRunner
 
 LAYERS = 8
 
@@ -59,6 +61,8 @@ def main() -> None:
                   f"{planned * 1e6:6.0f} us per layer of a {LAYERS}-layer StepPlan", flush=True)
     staggered_cost()
     metadata_cost()
+    padded_metadata_cost()
+    runner_step_cost()
     commit_cost()
 
 
@@ -113,6 +117,66 @@ def metadata_cost() -> None:
             print(f"decode metadata M={m:3d}, {done:9s} completing (work {work:4d}): plain "
                   f"Python {best['python'] * 1e6:5.0f} us, NumPy {best['numpy'] * 1e6:5.0f} us",
                   flush=True)
+
+
+def padded_metadata_cost() -> None:
+    """The decode runner's padded steps (``pad_to``: a bucket of sequences and as many job rows
+    per compressor, most of them padding): a C4 and a C128 pool's decode metadata in plain
+    Python and in NumPy, both forced, alternating, best of 5 x 2, by M and its bucket (lengths
+    600 + 3i), with the step's work as ``DECODE_NUMPY_WORK`` counts it and the path it picks."""
+    cfg = DSV4Config.preset("tiny")
+    for ratio in (4, 128):
+        layer = build_attention(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
+        pool = layer.new_cache_pool(64, 2048)
+        specs = ring_specs(pool)
+        shipped = step_module.DECODE_NUMPY_WORK
+        for m, bucket in ((1, 1), (2, 2), (3, 4), (16, 16), (32, 32), (64, 64)):
+            starts = [600 + 3 * i for i in range(m)]
+            work = bucket + sum(bucket * s.sources for _name, s in specs)
+            best = {"python": float("inf"), "numpy": float("inf")}
+            for _ in range(10):
+                for name, threshold in (("python", 1 << 60), ("numpy", 0)):
+                    step_module.DECODE_NUMPY_WORK = threshold
+                    t0 = time.perf_counter()
+                    for _ in range(60):
+                        build_metadata(starts, list(range(m)), [1] * m, specs, (bucket, 1),
+                                       pool.pad_slot)
+                    best[name] = min(best[name], (time.perf_counter() - t0) / 60)
+            step_module.DECODE_NUMPY_WORK = shipped
+            picks = "NumPy" if work >= shipped else "plain Python"
+            print(f"padded decode metadata ratio {ratio:3d} M={m:2d} (bucket {bucket:2d}, work "
+                  f"{work:5d}, picks {picks}): plain Python {best['python'] * 1e6:5.0f} us, "
+                  f"NumPy {best['numpy'] * 1e6:5.0f} us", flush=True)
+
+
+def runner_step_cost() -> None:
+    """The decode runner's host work per step - its padded plan into the bucket's buffer and
+    the commit, no layers (``step_fn`` returns its input) - over 8 layers in Flash's schedule
+    (SWA, SWA, then C4 / C128), by M: the metadata as shipped against plain Python only,
+    alternating, best of 5 x 2 batches of 30 steps."""
+    ratios = [0, 0, 4, 128, 4, 128, 4, 128]
+    cfg = DSV4Config.preset("tiny")
+    cfg = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
+    layers = [build_attention(cfg, i, dtype=torch.bfloat16) for i in range(len(ratios))]
+    shipped = step_module.DECODE_NUMPY_WORK
+    for m in (1, 16, 64):
+        pools = [layer.new_cache_pool(m, 2048) for layer in layers]
+        seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
+        for k in range(len(layers)):
+            fill_history([s[k] for s in seqs], 600)
+        runner = DecodeRunner(lambda plan, x: x, mode="padded")
+        x = torch.zeros(m, 8)
+        best = {"shipped": float("inf"), "python": float("inf")}
+        for _ in range(10):
+            for name, threshold in (("shipped", shipped), ("python", 1 << 60)):
+                step_module.DECODE_NUMPY_WORK = threshold
+                t0 = time.perf_counter()
+                for _ in range(30):
+                    runner(seqs, x)
+                best[name] = min(best[name], (time.perf_counter() - t0) / 30)
+        step_module.DECODE_NUMPY_WORK = shipped
+        print(f"runner step, 8 layers M={m:2d}: {best['shipped'] * 1e6:5.0f} us as shipped, "
+              f"{best['python'] * 1e6:5.0f} us with plain-Python metadata", flush=True)
 
 
 def commit_cost() -> None:

@@ -414,7 +414,8 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     t = m if pad_to is None else pad_to
     done_of = [[i for i, a in enumerate(starts) if (a + 1) % spec.ratio == 0]  # entry a // ratio
                for _name, spec in specs]
-    work = t + sum(len(d) * spec.sources for d, (_name, spec) in zip(done_of, specs, strict=True))
+    work = t + sum((len(d) if pad_to is None else pad_to) * spec.sources  # every job row
+                   for d, (_name, spec) in zip(done_of, specs, strict=True))
     if work >= DECODE_NUMPY_WORK:
         return _decode_metadata_numpy(starts, slots, specs, done_of, pad_to, pad_slot)
     pads = t - m
@@ -452,12 +453,15 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
 
 DECODE_NUMPY_WORK = 352
 """Decode steps whose work - tokens (padded ones included) plus, per compressor, the sources of
-the entries completed - reaches this build their metadata in NumPy. Calibrated on the 2-core
-development CPU, a C4 pool's two compressors, both paths forced and alternating
-(``benchmarks/plan_cost.py``, ``benchmarks/results/2026-12-06-cpu/plan-cost/``): plain Python
-costs about 11 us + 0.16 us a unit of work, NumPy about 55 us + 0.02 us a unit (16 sequences,
-none completing: 17 against 54 us; 64, a quarter completing: 71 against 69; 64, all: 189
-against 81; 128, a quarter: 135 against 82)."""
+its job rows (the entries completed; in a padded step every one of its ``pad_to`` rows) -
+reaches this build their metadata in NumPy. Calibrated on the 2-core development CPU, a C4
+pool's two compressors, both paths forced and alternating (``benchmarks/plan_cost.py``,
+``benchmarks/results/2026-12-06-cpu/plan-cost/``): plain Python costs about 11 us + 0.16 us a
+unit of work, NumPy about 55 us + 0.02 us a unit (16 sequences, none completing: 17 against 54
+us; 64, a quarter completing: 71 against 69; 64, all: 189 against 81; 128, a quarter: 135
+against 82). A padded row costs plain Python less than a completed one (a list repeated, about
+0.03 us), NumPy nearly nothing: the decode runner's steps (C128 pools padded to their bucket:
+128 sources a job row) are the case, same file."""
 
 
 def _decode_metadata_numpy(starts: list[int], slots: list[int],
