@@ -19,6 +19,8 @@ model's dims); 600 positions of synthetic history per sequence.
 from __future__ import annotations
 
 import time
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -91,6 +93,24 @@ def staggered_cost() -> None:
               f"planning its own (plain Python only: {best['python'] * 1e6:6.0f} us)", flush=True)
 
 
+def _both_paths(build: Any) -> dict[str, float]:
+    """Seconds of one ``build()`` with the decode metadata forced to plain Python and to NumPy,
+    alternating, best of 10 batches of 60 each; the shipped threshold restored after."""
+    shipped = step_module.DECODE_NUMPY_WORK
+    best = {"python": float("inf"), "numpy": float("inf")}
+    try:
+        for _ in range(10):
+            for name, threshold in (("python", 1 << 60), ("numpy", 0)):
+                step_module.DECODE_NUMPY_WORK = threshold
+                t0 = time.perf_counter()
+                for _ in range(60):
+                    build()
+                best[name] = min(best[name], (time.perf_counter() - t0) / 60)
+    finally:
+        step_module.DECODE_NUMPY_WORK = shipped
+    return best
+
+
 def metadata_cost() -> None:
     """The calibration of ``DECODE_NUMPY_WORK``: a C4 pool's decode metadata
     (``build_metadata``) in plain Python and in NumPy, both forced, alternating, best of 5 x 2,
@@ -99,21 +119,12 @@ def metadata_cost() -> None:
     cfg = DSV4Config.preset("tiny")
     layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
     specs = ring_specs(layer.new_cache_pool(128, 2048))
-    shipped = step_module.DECODE_NUMPY_WORK
     for m in (16, 32, 64, 128):
         for done, starts in (("none", [600] * m), ("a quarter", [600 + i for i in range(m)]),
                              ("all", [603] * m)):
             work = m + sum(sum((a + 1) % s.ratio == 0 for a in starts) * s.sources
                            for _name, s in specs)
-            best = {"python": float("inf"), "numpy": float("inf")}
-            for _ in range(10):
-                for name, threshold in (("python", 1 << 60), ("numpy", 0)):
-                    step_module.DECODE_NUMPY_WORK = threshold
-                    t0 = time.perf_counter()
-                    for _ in range(60):
-                        build_metadata(starts, list(range(m)), [1] * m, specs)
-                    best[name] = min(best[name], (time.perf_counter() - t0) / 60)
-            step_module.DECODE_NUMPY_WORK = shipped
+            best = _both_paths(partial(build_metadata, starts, list(range(m)), [1] * m, specs))
             print(f"decode metadata M={m:3d}, {done:9s} completing (work {work:4d}): plain "
                   f"Python {best['python'] * 1e6:5.0f} us, NumPy {best['numpy'] * 1e6:5.0f} us",
                   flush=True)
@@ -133,16 +144,8 @@ def padded_metadata_cost() -> None:
         for m, bucket in ((1, 1), (2, 2), (3, 4), (16, 16), (32, 32), (64, 64)):
             starts = [600 + 3 * i for i in range(m)]
             work = bucket + sum(bucket * s.sources for _name, s in specs)
-            best = {"python": float("inf"), "numpy": float("inf")}
-            for _ in range(10):
-                for name, threshold in (("python", 1 << 60), ("numpy", 0)):
-                    step_module.DECODE_NUMPY_WORK = threshold
-                    t0 = time.perf_counter()
-                    for _ in range(60):
-                        build_metadata(starts, list(range(m)), [1] * m, specs, (bucket, 1),
-                                       pool.pad_slot)
-                    best[name] = min(best[name], (time.perf_counter() - t0) / 60)
-            step_module.DECODE_NUMPY_WORK = shipped
+            best = _both_paths(partial(build_metadata, starts, list(range(m)), [1] * m, specs,
+                                       (bucket, 1), pool.pad_slot))
             picks = "NumPy" if work >= shipped else "plain Python"
             print(f"padded decode metadata ratio {ratio:3d} M={m:2d} (bucket {bucket:2d}, work "
                   f"{work:5d}, picks {picks}): plain Python {best['python'] * 1e6:5.0f} us, "
