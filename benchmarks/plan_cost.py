@@ -27,7 +27,7 @@ import torch
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache import step as step_module
 from dsv4.cache.plan import StepPlan
-from dsv4.cache.step import CacheStep, build_metadata, ring_specs
+from dsv4.cache.step import CacheStep, build_metadata, completing, decode_work, ring_specs
 from dsv4.config import DSV4Config
 from dsv4.platforms import build_attention
 from dsv4.runner import DecodeRunner
@@ -80,61 +80,60 @@ def staggered_cost() -> None:
         caches = [pool.add_sequence() for _ in range(m)]
         for i, c in enumerate(caches):
             fill_history([c], 600 + i, seed=i)
-        best = {"shipped": float("inf"), "python": float("inf")}
-        for _ in range(7):
-            for name, work in (("shipped", shipped), ("python", 1 << 60)):
-                step_module.DECODE_NUMPY_WORK = work
-                t0 = time.perf_counter()
-                for _ in range(60):
-                    CacheStep.plan(pool, caches, [1] * m)
-                best[name] = min(best[name], (time.perf_counter() - t0) / 60)
-        step_module.DECODE_NUMPY_WORK = shipped
+        best = _alternating(partial(CacheStep.plan, pool, caches, [1] * m),
+                            {"shipped": shipped, "python": PYTHON_ONLY}, 7, 60)
         print(f"ratio   4 M={m:3d}, staggered lengths: {best['shipped'] * 1e6:6.0f} us a layer "
               f"planning its own (plain Python only: {best['python'] * 1e6:6.0f} us)", flush=True)
 
 
-def _both_paths(build: Any) -> dict[str, float]:
-    """Seconds of one ``build()`` with the decode metadata forced to plain Python and to NumPy,
-    alternating, best of 10 batches of 60 each; the shipped threshold restored after."""
+def _alternating(build: Any, thresholds: dict[str, int], batches: int, calls: int
+                 ) -> dict[str, float]:
+    """Seconds of one ``build()`` under each ``DECODE_NUMPY_WORK`` of ``thresholds`` (name ->
+    value; 0 forces NumPy, a huge value plain Python), the values taking turns, best of
+    ``batches`` batches of ``calls`` each; the shipped value restored after."""
     shipped = step_module.DECODE_NUMPY_WORK
-    best = {"python": float("inf"), "numpy": float("inf")}
+    best = dict.fromkeys(thresholds, float("inf"))
     try:
-        for _ in range(10):
-            for name, threshold in (("python", 1 << 60), ("numpy", 0)):
+        for _ in range(batches):
+            for name, threshold in thresholds.items():
                 step_module.DECODE_NUMPY_WORK = threshold
                 t0 = time.perf_counter()
-                for _ in range(60):
+                for _ in range(calls):
                     build()
-                best[name] = min(best[name], (time.perf_counter() - t0) / 60)
+                best[name] = min(best[name], (time.perf_counter() - t0) / calls)
     finally:
         step_module.DECODE_NUMPY_WORK = shipped
     return best
 
 
+PYTHON_ONLY = 1 << 60
+BOTH_PATHS = {"python": PYTHON_ONLY, "numpy": 0}
+
+
 def metadata_cost() -> None:
-    """The calibration of ``DECODE_NUMPY_WORK``: a C4 pool's decode metadata
-    (``build_metadata``) in plain Python and in NumPy, both forced, alternating, best of 5 x 2,
-    by M and by how many sequences complete an entry (none, a quarter, all) - with the step's
-    work (tokens + completed entries' sources)."""
+    """The calibration of ``DECODE_NUMPY_WORK``: a C4 pool's decode metadata (``build_metadata``)
+    in plain Python and in NumPy, both forced, alternating, best of 10 batches each, by M and by
+    how many sequences complete an entry (none, a quarter, all) - with the step's work (tokens +
+    completed entries' sources)."""
     cfg = DSV4Config.preset("tiny")
     layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
     specs = ring_specs(layer.new_cache_pool(128, 2048))
     for m in (16, 32, 64, 128):
         for done, starts in (("none", [600] * m), ("a quarter", [600 + i for i in range(m)]),
                              ("all", [603] * m)):
-            work = m + sum(sum((a + 1) % s.ratio == 0 for a in starts) * s.sources
-                           for _name, s in specs)
-            best = _both_paths(partial(build_metadata, starts, list(range(m)), [1] * m, specs))
+            work = decode_work(completing(starts, specs), specs, m, None)
+            best = _alternating(partial(build_metadata, starts, list(range(m)), [1] * m, specs),
+                                BOTH_PATHS, 10, 60)
             print(f"decode metadata M={m:3d}, {done:9s} completing (work {work:4d}): plain "
                   f"Python {best['python'] * 1e6:5.0f} us, NumPy {best['numpy'] * 1e6:5.0f} us",
                   flush=True)
 
 
 def padded_metadata_cost() -> None:
-    """The decode runner's padded steps (``pad_to``: a bucket of sequences and as many job rows
-    per compressor, most of them padding): a C4 and a C128 pool's decode metadata in plain
-    Python and in NumPy, both forced, alternating, best of 5 x 2, by M and its bucket (lengths
-    600 + 3i), with the step's work as ``DECODE_NUMPY_WORK`` counts it and the path it picks."""
+    """The decode runner's padded steps (``pad_to``: a bucket of sequences and as many job rows per
+    compressor, most of them padding): a C4 and a C128 pool's decode metadata in plain Python and
+    in NumPy, both forced, alternating, best of 10 batches each, by M and its bucket (lengths 600 +
+    3i), with the step's work as ``DECODE_NUMPY_WORK`` counts it and the path it picks."""
     cfg = DSV4Config.preset("tiny")
     for ratio in (4, 128):
         layer = build_attention(cfg, cfg.layer_of_ratio(ratio), dtype=torch.bfloat16)
@@ -143,9 +142,9 @@ def padded_metadata_cost() -> None:
         shipped = step_module.DECODE_NUMPY_WORK
         for m, bucket in ((1, 1), (2, 2), (3, 4), (16, 16), (32, 32), (64, 64)):
             starts = [600 + 3 * i for i in range(m)]
-            work = bucket + sum(bucket * s.sources for _name, s in specs)
-            best = _both_paths(partial(build_metadata, starts, list(range(m)), [1] * m, specs,
-                                       (bucket, 1), pool.pad_slot))
+            work = decode_work(completing(starts, specs), specs, bucket, bucket)
+            best = _alternating(partial(build_metadata, starts, list(range(m)), [1] * m, specs,
+                                        (bucket, 1), pool.pad_slot), BOTH_PATHS, 10, 60)
             picks = "NumPy" if work >= shipped else "plain Python"
             print(f"padded decode metadata ratio {ratio:3d} M={m:2d} (bucket {bucket:2d}, work "
                   f"{work:5d}, picks {picks}): plain Python {best['python'] * 1e6:5.0f} us, "
@@ -156,7 +155,7 @@ def runner_step_cost() -> None:
     """The decode runner's host work per step - its padded plan into the bucket's buffer and
     the commit, no layers (``step_fn`` returns its input) - over 8 layers in Flash's schedule
     (SWA, SWA, then C4 / C128), by M: the metadata as shipped against plain Python only,
-    alternating, best of 5 x 2 batches of 30 steps."""
+    alternating, best of 10 batches of 30 steps each."""
     ratios = [0, 0, 4, 128, 4, 128, 4, 128]
     cfg = DSV4Config.preset("tiny")
     cfg = cfg.replace(compress_ratios=tuple(ratios), num_hidden_layers=len(ratios))
@@ -169,15 +168,8 @@ def runner_step_cost() -> None:
             fill_history([s[k] for s in seqs], 600)
         runner = DecodeRunner(lambda plan, x: x, mode="padded")
         x = torch.zeros(m, 8)
-        best = {"shipped": float("inf"), "python": float("inf")}
-        for _ in range(10):
-            for name, threshold in (("shipped", shipped), ("python", 1 << 60)):
-                step_module.DECODE_NUMPY_WORK = threshold
-                t0 = time.perf_counter()
-                for _ in range(30):
-                    runner(seqs, x)
-                best[name] = min(best[name], (time.perf_counter() - t0) / 30)
-        step_module.DECODE_NUMPY_WORK = shipped
+        best = _alternating(partial(runner, seqs, x),
+                            {"shipped": shipped, "python": PYTHON_ONLY}, 10, 30)
         print(f"runner step, 8 layers M={m:2d}: {best['shipped'] * 1e6:5.0f} us as shipped, "
               f"{best['python'] * 1e6:5.0f} us with plain-Python metadata", flush=True)
 

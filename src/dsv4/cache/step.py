@@ -412,11 +412,8 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     values."""
     m = len(starts)
     t = m if pad_to is None else pad_to
-    done_of = [[i for i, a in enumerate(starts) if (a + 1) % spec.ratio == 0]  # entry a // ratio
-               for _name, spec in specs]
-    work = t + sum((len(d) if pad_to is None else pad_to) * spec.sources  # every job row
-                   for d, (_name, spec) in zip(done_of, specs, strict=True))
-    if work >= DECODE_NUMPY_WORK:
+    done_of = completing(starts, specs)
+    if decode_work(done_of, specs, t, pad_to) >= DECODE_NUMPY_WORK:
         return _decode_metadata_numpy(starts, slots, specs, done_of, pad_to, pad_slot)
     pads = t - m
     flat = list(starts) + [0] * pads + list(slots) + [pad_slot] * pads
@@ -451,17 +448,32 @@ def _decode_metadata(starts: list[int], slots: list[int], counts: list[int],
     return host, shapes, job_meta, seq_ids
 
 
+def completing(starts: list[int], specs: list[tuple[str, RingSpec]]) -> list[list[int]]:
+    """Per compressor, the sequences (by index) whose decode token at ``starts[i]`` completes
+    an entry (entry ``starts[i] // ratio``)."""
+    return [[i for i, a in enumerate(starts) if (a + 1) % spec.ratio == 0]
+            for _name, spec in specs]
+
+
+def decode_work(done_of: list[list[int]], specs: list[tuple[str, RingSpec]], tokens: int,
+                pad_to: int | None) -> int:
+    """A decode step's metadata work, as :data:`DECODE_NUMPY_WORK` counts it: ``tokens``
+    (padded ones included) plus, per compressor, the sources of its job rows - the entries
+    completed (``done_of``, :func:`completing`), or in a padded step all ``pad_to`` rows."""
+    return tokens + sum((len(d) if pad_to is None else pad_to) * spec.sources
+                        for d, (_name, spec) in zip(done_of, specs, strict=True))
+
+
 DECODE_NUMPY_WORK = 352
-"""Decode steps whose work - tokens (padded ones included) plus, per compressor, the sources of
-its job rows (the entries completed; in a padded step every one of its ``pad_to`` rows) -
-reaches this build their metadata in NumPy. Calibrated on the 2-core development CPU, a C4
-pool's two compressors, both paths forced and alternating (``benchmarks/plan_cost.py``,
-``benchmarks/results/2026-12-06-cpu/plan-cost/``): plain Python costs about 11 us + 0.16 us a
-unit of work, NumPy about 55 us + 0.02 us a unit (16 sequences, none completing: 17 against 54
-us; 64, a quarter completing: 71 against 69; 64, all: 189 against 81; 128, a quarter: 135
-against 82). A padded row costs plain Python less than a completed one (a list repeated, about
-0.03 us), NumPy nearly nothing: the decode runner's steps (C128 pools padded to their bucket:
-128 sources a job row) are the case, same file."""
+"""Decode steps whose work (:func:`decode_work`: tokens, padded ones included, plus per compressor
+the sources of its job rows) reaches this build their metadata in NumPy. Calibrated on the 2-core
+development CPU, a C4 pool's two compressors, both paths forced and alternating
+(``benchmarks/plan_cost.py``, ``benchmarks/results/2026-12-06-cpu/plan-cost/``): plain Python costs
+about 11 us + 0.16 us a unit of work, NumPy about 55 us + 0.02 us a unit (16 sequences, none
+completing: 17 against 54 us; 64, a quarter completing: 71 against 69; 64, all: 189 against 81;
+128, a quarter: 135 against 82). A padded row costs plain Python less than a completed one (a list
+repeated, about 0.03 us), NumPy nearly nothing: the decode runner's steps (C128 pools padded to
+their bucket: 128 sources a job row) are the case, same file."""
 
 
 def _decode_metadata_numpy(starts: list[int], slots: list[int],
