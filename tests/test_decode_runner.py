@@ -37,10 +37,9 @@ def test_buckets_and_widths():
         DecodeRunner(3)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         DecodeRunner(lambda plan, x: x, mode="graphs").mode_on(torch.device("cpu"))
-    shared = object()  # a graph pool given to the runner stays its pool after a reset
-    r = DecodeRunner(lambda plan, x: x, mempool=shared)
-    r.reset()
-    assert r._mempool is shared
+    # a bare pool handle names a pool that dies with its last graph (dsv4.runner.new_mempool)
+    with pytest.raises(TypeError, match="mempool must be a torch.cuda.MemPool"):
+        DecodeRunner(lambda plan, x: x, mempool=(0, 1))
 
 
 def test_visible_widths_are_powers_of_two_at_or_above_the_widest(tiny_exact):

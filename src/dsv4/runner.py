@@ -74,18 +74,31 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
             gc.enable()
 
 
-_SHARED_MEMPOOLS: dict[torch.device, Any] = {}
+_SHARED_MEMPOOLS: dict[torch.device, torch.cuda.MemPool] = {}
 
 
-def shared_mempool(device: torch.device) -> Any:
+def new_mempool(device: torch.device) -> torch.cuda.MemPool:
+    """A graph memory pool on ``device`` that lives as long as the returned object.
+
+    A bare handle (``torch.cuda.graph_pool_handle()``) names a pool that lives only while a
+    graph captured into it does: once the last such graph is freed (its cache pools replaced,
+    its layer deleted), the allocator keeps the pool's entry with no users, and the next capture
+    into that handle fails an internal assert of PyTorch's allocator
+    (``it->second->use_count > 0``). A :class:`torch.cuda.MemPool` holds a use of its own."""
+    with torch.cuda.device(device):
+        return torch.cuda.MemPool()
+
+
+def shared_mempool(device: torch.device) -> torch.cuda.MemPool:
     """One graph memory pool per CUDA device for runners that share their scratch memory
     (:class:`DecodeRunner`'s ``mempool``): the ``cuda`` platform's plain-call step graphs and the
-    transformers bridge's adapters, one layer's scratch memory for all layers."""
+    transformers bridge's adapters, one layer's scratch memory for all layers. The pool lives
+    as long as the process: graphs come and go with layers and caches, the pool stays usable."""
     key = torch.device("cuda", device.index if device.index is not None
                        else torch.cuda.current_device())
     pool = _SHARED_MEMPOOLS.get(key)
     if pool is None:
-        pool = _SHARED_MEMPOOLS[key] = torch.cuda.graph_pool_handle()
+        pool = _SHARED_MEMPOOLS[key] = new_mempool(key)
     return pool
 
 
@@ -141,15 +154,16 @@ class DecodeRunner:
 
     ``mode``: ``auto`` (graphs on CUDA, else eager), ``graphs``, ``padded`` or ``eager``;
     ``buckets``: the batch sizes captured, ascending; ``query_buckets``: the tokens per
-    sequence captured, ascending; ``mempool``: a graph memory pool
-    (``torch.cuda.graph_pool_handle()``) to share with other runners - their graphs then reuse
-    each other's scratch memory. That is safe because every step copies its outputs out before
-    the next replay; runners that share a pool must not replay concurrently (on two streams at
-    once). Default: a pool of the runner's own."""
+    sequence captured, ascending; ``mempool``: a :class:`torch.cuda.MemPool` (e.g.
+    :func:`shared_mempool`) to share with other runners - their graphs then reuse each other's
+    scratch memory (a bare ``graph_pool_handle()`` is refused: :func:`new_mempool` says why).
+    That is safe because every step copies its outputs out before the next replay; runners
+    that share a pool must not replay concurrently (on two streams at once). Default: a pool
+    of the runner's own."""
 
     def __init__(self, step_fn: StepFn, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  query_buckets: Sequence[int] = DEFAULT_QUERY_BUCKETS,
-                 mode: str = "auto", mempool: Any = None) -> None:
+                 mode: str = "auto", mempool: torch.cuda.MemPool | None = None) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if mode not in MODES:
@@ -159,13 +173,16 @@ class DecodeRunner:
             if (not b or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in b)
                     or b != sorted(set(b))):
                 raise ValueError(f"{name}={tuple(values)} must be ascending positive integers")
+        if mempool is not None and not isinstance(mempool, torch.cuda.MemPool):
+            raise TypeError(f"mempool must be a torch.cuda.MemPool (dsv4.runner.shared_mempool "
+                            f"or new_mempool), got {type(mempool).__name__}")
         self.step_fn = step_fn
         self.buckets = tuple(buckets)
         self.query_buckets = tuple(query_buckets)
         self.mode = mode
         self._buckets: dict[tuple[Any, ...], _Bucket] = {}
         self._shared_mempool = mempool
-        self._mempool: Any = mempool
+        self._mempool: torch.cuda.MemPool | None = mempool
         self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0}
         """Steps run per kind (a capture's first step counts as padded and as a capture)."""
 
@@ -270,9 +287,9 @@ class DecodeRunner:
         # stream: its outputs are read there
         outs = self.step_fn(plan, *state.inputs)
         if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
+            self._mempool = new_mempool(state.metadata.device)
         graph = torch.cuda.CUDAGraph()
-        with capture_graph(graph, self._mempool):
+        with capture_graph(graph, self._mempool.id):
             state.outputs = self.step_fn(plan, *state.inputs)
         state.graph = graph
         self.stats["captures"] += 1

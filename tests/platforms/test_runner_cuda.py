@@ -7,6 +7,7 @@ greedy tokens through graphs equal its eager ones."""
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from dsv4 import DSV4Config, process_weights_after_loading
 from dsv4.cache.plan import StepPlan
 from dsv4.platforms.cuda import CudaAttention
-from dsv4.runner import DecodeRunner
+from dsv4.runner import DecodeRunner, shared_mempool
 from dsv4.testing.random_weights import random_layer_weights
 
 pytestmark = pytest.mark.cuda
@@ -280,3 +281,54 @@ def test_plain_decode_calls_replay_each_layers_graphs():
     assert all(lay._step_runner is None for lay in stacks["eager"])
     # every layer's graphs share one memory pool (one layer's scratch memory, not one each)
     assert len({id(lay._step_runner._mempool) for lay in stacks["graphs"]}) == 1
+
+
+def test_graphs_capture_again_after_every_graph_of_their_pool_is_freed():
+    """Graph pools outlive their graphs: runners whose caches were replaced (their graphs freed
+    with them) and layers deleted with their step graphs capture again into the same pool, also
+    while a tensor made during a freed graph's capture lives on. With a bare
+    ``graph_pool_handle()`` that capture failed PyTorch's allocator assert
+    (``use_count > 0``): the pool had no graph left but a block in use, so ``torch.cuda.graph``'s
+    ``empty_cache()`` could not retire it (seen on an H100 in ``test_host_copy`` once plain
+    calls' step graphs were on by default)."""
+    import gc
+
+    cfg, layers = cuda_stack()
+    kept = []  # what a step made during a capture, alive after that graph is freed
+
+    def fn(plan, x):
+        y = stack_fn(layers)(plan, x)
+        kept.append(y * 1)
+        return y
+
+    shared = shared_mempool(torch.device("cuda"))
+    given = DecodeRunner(fn, mode="graphs", buckets=(1, 2), mempool=shared)
+    given.reset()
+    assert given._mempool is shared
+    own = DecodeRunner(fn, mode="graphs", buckets=(1, 2))
+    x = torch.randn(1, cfg.hidden_size, device="cuda").bfloat16()
+    for runner in (own, given):
+        outs, graphs = [], []
+        for _ in range(2):  # each round on new pools; the last round's pools and graphs freed
+            pools = [lay.new_cache_pool(2, 256) for lay in layers]
+            seqs = [[p.add_sequence() for p in pools]]
+            outs.append([runner(seqs, x) for _ in range(3)])
+            graphs += [weakref.ref(b.graph) for b in runner._buckets.values()]
+            del pools, seqs
+            gc.collect()
+        assert runner.stats["captures"] == 2, runner.stats
+        assert graphs[0]() is None  # the first round's graph was freed before the second capture
+        for a, b in zip(*outs, strict=True):  # the same steps on fresh pools: the same bits
+            assert torch.equal(a, b)
+    # plain calls' step graphs (the shared pool): a layer and its graphs deleted, then another
+    for _ in range(2):
+        lay = CudaAttention(cfg, 2, device="cuda", dtype=torch.bfloat16)
+        lay.load_weights(random_layer_weights(cfg, 2, seed=2))
+        process_weights_after_loading(lay)
+        lay.use_step_graphs(8)
+        cache = lay.new_cache(64)
+        for i in range(3):
+            lay(x, torch.tensor([i]), [cache])
+        assert lay._step_runner.stats["captures"] == 1
+        del lay, cache
+        gc.collect()
