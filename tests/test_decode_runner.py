@@ -63,6 +63,8 @@ def test_bad_inputs_are_errors(tiny_exact):
     with pytest.raises(StepPlanError, match="no sequences"):
         r([])
     assert caches[0][0].length == 0
+    r(caches, torch.zeros(1, 256, dtype=torch.float64))  # a padded step: no graph to replay
+    assert caches[0][0].length == 1 and r.last_graph is None
 
 
 def _eager_step(layers, seqs, x):

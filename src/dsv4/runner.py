@@ -185,12 +185,21 @@ class DecodeRunner:
         self._mempool: torch.cuda.MemPool | None = mempool
         self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0}
         """Steps run per kind (a capture's first step counts as padded and as a capture)."""
+        self._last_graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def last_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The graph of the last step's bucket (None after a step without one): replayed alone
+        it repeats that step's GPU work with no host work - how ``dsv4 bench model-decode``
+        splits a step's time between the GPU and the host."""
+        return self._last_graph
 
     def reset(self) -> None:
         """Drop every captured graph and buffer (after weights are reloaded or pools replaced:
         a graph reads both by address)."""
         self._buckets = {}
         self._mempool = self._shared_mempool
+        self._last_graph = None
 
     def mode_on(self, device: torch.device) -> str:
         """The mode a step on ``device`` runs in (``auto`` resolved)."""
@@ -229,6 +238,7 @@ class DecodeRunner:
         mode = self.mode_on(pools[0].device)
         bucket = self.bucket_for(m)
         per_seq = self.query_bucket_for(max(counts))
+        self._last_graph = None
         if mode == "eager" or bucket is None or per_seq is None:
             self.stats["eager"] += 1
             with StepPlan(caches, counts) as plan:
@@ -269,6 +279,7 @@ class DecodeRunner:
             plan.rollback()
             raise
         plan.commit()
+        self._last_graph = state.graph
         return _rows(outs, t_real)
 
     def _drop_dead_buckets(self) -> None:

@@ -22,8 +22,11 @@ captured by hand, as ``dsv4 bench decode-step`` does) and their sum over the sch
 runner's goal is at most 1.10x that sum. The rows replay one layer back to back, so part of
 its weights stays in the L2 from one replay to the next, which no layer of a stack finds; the
 same rows timed with the L2 flushed before each replay (``--cold-l2`` of ``decode-step``) are
-summed beside them. Before timing, the runner's step is checked against
-the eager plan's on the same caches (one step, taken back with ``truncate``).
+summed beside them. The runner's last graph is also replayed alone, back to back
+(``runner replay``): the step's GPU time without its host work, so ``runner / replay`` says how
+much of the runner's step the host adds and ``replay / cold-L2 sum`` how much the stacked graph
+costs beyond its layers. Before timing, the runner's step is checked against the eager plan's
+on the same caches (one step, taken back with ``truncate``).
 
     dsv4 bench model-decode --out DIR [--models flash,pro] [--layers N] [--ms 1,16,64]
         [--contexts 512,16384,65536]
@@ -184,6 +187,11 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
                      "tokens_per_s": m / us * 1e6}
     row["runner_stats"] = dict(runner.stats)
+    if runner.last_graph is not None:  # the last step's GPU work again, without the host's
+        us = statistics.median(replay_times(runner.last_graph, reps, None))
+        row["runner_replay"] = {"us_per_step": us, "us_per_layer": us / len(layers),
+                                "tokens_per_s": m / us * 1e6}
+        row["runner_vs_replay"] = row["runner"]["us_per_step"] / us
     for layer in layers:  # the shipped plan again; the layers' own graphs dropped
         if isinstance(layer, CudaAttention):
             layer.use_cuda_graphs(True)
@@ -209,6 +217,9 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         for mode in ("runner", "layer_graphs", "eager_layers"):
             row[f"{mode}_vs_sum_of_single_layers"] = row[mode]["us_per_step"] / total
         row["runner_vs_sum_of_cold_l2_single_layers"] = row["runner"]["us_per_step"] / total_cold
+        if "runner_replay" in row:
+            row["replay_vs_sum_of_cold_l2_single_layers"] = (
+                row["runner_replay"]["us_per_step"] / total_cold)
         row["eager_plan_vs_runner"] = (row["eager_plan"]["us_per_step"]
                                         / row["runner"]["us_per_step"])
     for seq in seqs:
@@ -221,7 +232,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     head = ["model", "layers", "ctx", "M"] + [f"{m} us/step (us/layer)" for m in MODES] + [
         "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "layer_graphs / sum",
         "eager_layers / sum", "eager_plan / runner", "sum of cold-L2 1-layer graphs us",
-        "runner / cold-L2 sum"]
+        "runner / cold-L2 sum", "runner replay us/step (us/layer)", "runner / replay",
+        "replay / cold-L2 sum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
@@ -240,6 +252,12 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         cells.append("-" if s is None else f"{s:.0f}")
         v = r.get("runner_vs_sum_of_cold_l2_single_layers")
         cells.append("-" if v is None else f"{v:.2f}x")
+        rep = r.get("runner_replay")
+        cells.append("-" if rep is None else
+                     f"{rep['us_per_step']:.0f} ({rep['us_per_layer']:.0f})")
+        for key in ("runner_vs_replay", "replay_vs_sum_of_cold_l2_single_layers"):
+            v = r.get(key)
+            cells.append("-" if v is None else f"{v:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
