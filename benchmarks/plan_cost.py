@@ -8,9 +8,11 @@ metadata as shipped and in plain Python only (``DECODE_NUMPY_WORK``), alternatin
 the decode metadata alone in plain Python and in NumPy by M and completing sequences (the
 calibration of ``DECODE_NUMPY_WORK``), and padded to the decode runner's buckets; the runner's
 host work per step over 8 layers; then ``CacheStep.commit`` by context, a rollback of rejected
-drafts, and a whole 43-layer model's plan and commit.
+drafts, and a whole 43-layer model's plan and commit; last, the host work of one plain decode
+call through its layer's step graph, the replay left out.
 
-    PYTHONPATH=src python benchmarks/plan_cost.py
+    PYTHONPATH=src python benchmarks/plan_cost.py          # every section
+    PYTHONPATH=src python benchmarks/plan_cost.py plain    # the plain call's host work only
 
 The tiny preset's pools (the plan's work depends on M, the ratio and the block size, not on the
 model's dims); 600 positions of synthetic history per sequence.
@@ -18,6 +20,7 @@ model's dims); 600 positions of synthetic history per sequence.
 
 from __future__ import annotations
 
+import sys
 import time
 from functools import partial
 from typing import Any
@@ -174,6 +177,44 @@ def runner_step_cost() -> None:
               f"{best['python'] * 1e6:5.0f} us with plain-Python metadata", flush=True)
 
 
+def _plain_call(layer: Any, caches: list[Any], runner: DecodeRunner, x: torch.Tensor) -> None:
+    """What ``CudaAttention._run_pool``'s step-graph path does on the host, the replay left
+    out: the call's checks, then the layer's runner over its sequences."""
+    layer._plan_call(x, torch.tensor([c.length for c in caches]), caches, None)
+    runner([[c] for c in caches], x)
+
+
+def plain_call_cost() -> None:
+    """The host work of one plain decode call ``layer(x, positions, caches)`` that replays its
+    layer's step graph (the ``cuda`` platform's ``_run_pool``), the replay and the GPU's copies
+    left out: the call's checks (``_plan_call``) and the layer's own runner over its sequences
+    with a step that returns its input (the padded plan into the bucket's buffer, the commit),
+    one token per sequence, by layer type and M; best of 7 batches of 60 calls. Each call
+    advances the sequences by one token, as decoding does. On a GPU a call adds its replay and
+    a few copies' launches; #38's eager goal sets the call against the layer's ~88 us graph
+    (Flash, H100)."""
+    cfg = DSV4Config.preset("tiny")
+    for ratio in (4, 128, 0):
+        c = cfg.replace(compress_ratios=(ratio,), num_hidden_layers=1)
+        layer = build_attention(c, 0, dtype=torch.bfloat16)
+        for m in (1, 16, 64):
+            pool = layer.new_cache_pool(m, 2048)
+            caches = [pool.add_sequence() for _ in range(m)]
+            fill_history(caches, 600)
+            call = partial(_plain_call, layer, caches,
+                           DecodeRunner(lambda plan, x: x, mode="padded"),
+                           torch.zeros(m, c.hidden_size, dtype=torch.bfloat16))
+            call()
+            best = float("inf")
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(60):
+                    call()
+                best = min(best, (time.perf_counter() - t0) / 60)
+            print(f"plain call, ratio {ratio:3d} M={m:2d}: {best * 1e6:5.0f} us of host work",
+                  flush=True)
+
+
 def commit_cost() -> None:
     """Host time of ``CacheStep.commit`` (lengths advanced, window blocks released) of a
     one-token-per-sequence step, 16 sequences, by context: the same at any context since the
@@ -257,6 +298,12 @@ def model_step_cost() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    rollback_cost()
-    model_step_cost()
+    if sys.argv[1:] == ["plain"]:
+        plain_call_cost()
+    elif sys.argv[1:]:
+        sys.exit(f"usage: {sys.argv[0]} [plain]")
+    else:
+        main()
+        rollback_cost()
+        model_step_cost()
+        plain_call_cost()
