@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.plan import StepPlan, StepPlanError
 from dsv4.runner import DecodeRunner, visible_caps
 from dsv4.testing.random_weights import random_layer_weights
@@ -52,6 +53,39 @@ def test_visible_widths_are_powers_of_two_at_or_above_the_widest(tiny_exact):
         for p in pools:
             p._lengths[seqs[0][0].slot] = length
         assert visible_caps(pools, seqs) == want, length
+
+
+def test_buckets_beyond_max_graphs_are_dropped_least_recently_used_first(tiny_exact):
+    """A runner keeps at most ``max_graphs`` buckets and drops the least recently used (a step
+    of a dropped one makes it again); the buckets of one (B, Q) at every width share their
+    static inputs, so a new width costs a metadata buffer (and a graph), not another copy of
+    the inputs."""
+    layer = stack(tiny_exact, [4])[0]
+    pool = layer.new_cache_pool(3, 4096)
+    seqs = {n: [pool.add_sequence()] for n in (3, 40, 300)}
+    for n, seq in seqs.items():
+        fill_history(seq, n)
+    widths = {n: visible_caps([pool], [seq])[4] for n, seq in seqs.items()}
+    assert widths == {3: 1, 40: 16, 300: 128}
+    r = DecodeRunner(lambda plan, x: x, mode="padded", max_graphs=2)
+    x = torch.zeros(1, 8, dtype=torch.float64)
+
+    def held():
+        return [dict(key[2])[4] for key in r._buckets]
+
+    for n in (3, 40):
+        r([seqs[n]], x)
+    first, second = r._buckets.values()
+    assert first.inputs[0] is second.inputs[0] and first.metadata is not second.metadata
+    r([seqs[3]], x)  # now the most recently used
+    r([seqs[300]], x)  # drops width 16's
+    assert held() == [1, 128] and r.stats["dropped"] == 1
+    r([seqs[40]], x)  # made again, dropping width 1's
+    assert held() == [128, 16] and r.stats["dropped"] == 2
+    assert [seq[0].length for seq in seqs.values()] == [5, 42, 301]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_graphs"):
+            DecodeRunner(lambda plan, x: x, max_graphs=bad)
 
 
 def test_bad_inputs_are_errors(tiny_exact):

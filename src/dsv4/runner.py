@@ -13,7 +13,10 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   the next power of two at or above the step's widest (at least 1), so a graph serves a context
   range of 2x and the C4 indexer runs wherever that width exceeds ``index_topk`` (a query with
   fewer visible entries takes them all: the indexer's contract). A bucket is (B, Q, the widths,
-  the pools).
+  the pools). Its graph and metadata buffer are its own; the static inputs belong to (B, Q) and
+  serve every width. A runner keeps at most ``max_graphs`` buckets, dropping the least recently
+  used: a long generation meets a new width at each doubling of its context, and a server
+  meets each batch bucket; without a bound every layer's step graphs would accumulate.
 * **A step.** On the host: the plan (:class:`dsv4.cache.plan.StepPlan` with ``pad_to`` and
   ``into``) takes the step's blocks in every pool, copies changed block tables, and writes the
   step's metadata into the bucket's device buffer in one copy; each input is copied into the
@@ -49,6 +52,9 @@ from dsv4.cache.pool import AttentionCache, CachePool
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_QUERY_BUCKETS = (1, 2, 4, 8)
 """Tokens per sequence of the captured steps: decode (1) and verify steps of up to 7 drafts."""
+DEFAULT_MAX_GRAPHS = 32
+"""Buckets a runner keeps (its graphs and metadata buffers): the batch buckets a server moves
+between, each at the one or two widths its contexts span, with room to spare."""
 MODES = ("auto", "graphs", "padded", "eager")
 
 StepFn = Callable[..., Any]
@@ -159,11 +165,13 @@ class DecodeRunner:
     scratch memory (a bare ``graph_pool_handle()`` is refused: :func:`new_mempool` says why).
     That is safe because every step copies its outputs out before the next replay; runners
     that share a pool must not replay concurrently (on two streams at once). Default: a pool
-    of the runner's own."""
+    of the runner's own. ``max_graphs``: the most buckets kept (module docstring); a step of a
+    dropped bucket captures it again (``stats["dropped"]`` counts the drops)."""
 
     def __init__(self, step_fn: StepFn, *, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  query_buckets: Sequence[int] = DEFAULT_QUERY_BUCKETS,
-                 mode: str = "auto", mempool: torch.cuda.MemPool | None = None) -> None:
+                 mode: str = "auto", mempool: torch.cuda.MemPool | None = None,
+                 max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if mode not in MODES:
@@ -173,6 +181,8 @@ class DecodeRunner:
             if (not b or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in b)
                     or b != sorted(set(b))):
                 raise ValueError(f"{name}={tuple(values)} must be ascending positive integers")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs!r} must be a positive integer")
         if mempool is not None and not isinstance(mempool, torch.cuda.MemPool):
             raise TypeError(f"mempool must be a torch.cuda.MemPool (dsv4.runner.shared_mempool "
                             f"or new_mempool), got {type(mempool).__name__}")
@@ -180,11 +190,14 @@ class DecodeRunner:
         self.buckets = tuple(buckets)
         self.query_buckets = tuple(query_buckets)
         self.mode = mode
-        self._buckets: dict[tuple[Any, ...], _Bucket] = {}
+        self.max_graphs = max_graphs
+        self._buckets: dict[tuple[Any, ...], _Bucket] = {}  # least recently used first
+        self._inputs: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # by (B * Q, input specs)
         self._shared_mempool = mempool
         self._mempool: torch.cuda.MemPool | None = mempool
-        self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0}
-        """Steps run per kind (a capture's first step counts as padded and as a capture)."""
+        self.stats = {"replays": 0, "captures": 0, "padded": 0, "eager": 0, "dropped": 0}
+        """Steps run per kind (a capture's first step counts as padded and as a capture), and
+        buckets dropped beyond ``max_graphs``."""
         self._last_graph: torch.cuda.CUDAGraph | None = None
 
     @property
@@ -198,6 +211,7 @@ class DecodeRunner:
         """Drop every captured graph and buffer (after weights are reloaded or pools replaced:
         a graph reads both by address)."""
         self._buckets = {}
+        self._inputs = {}
         self._mempool = self._shared_mempool
         self._last_graph = None
 
@@ -248,18 +262,25 @@ class DecodeRunner:
         picked: list[_Bucket] = []
 
         def buffer_for(size: int, layout: tuple[int, ...]) -> torch.Tensor:
-            """The bucket of this step's shapes (made on first use): its metadata buffer."""
+            """The bucket of this step's shapes (made on first use, else made the most
+            recently used): its metadata buffer."""
+            specs = tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs)
             key = (bucket, per_seq, tuple(sorted(caps.items())), tuple(id(p) for p in pools),
-                   layout, size, tuple((t.dtype, t.device, tuple(t.shape[1:])) for t in inputs))
-            state = self._buckets.get(key)
+                   layout, size, specs)
+            state = self._buckets.pop(key, None)
             if state is None or not state.serves(pools):
                 self._drop_dead_buckets()
-                device = pools[0].device
-                state = _Bucket(torch.zeros(size, dtype=torch.int64, device=device),
-                                [torch.zeros((rows, *t.shape[1:]), dtype=t.dtype,
-                                             device=t.device) for t in inputs],
-                                tuple(weakref.ref(p) for p in pools))
-                self._buckets[key] = state
+                while len(self._buckets) >= self.max_graphs:  # the least recently used first
+                    del self._buckets[next(iter(self._buckets))]
+                    self.stats["dropped"] += 1
+                statics = self._inputs.get((rows, specs))
+                if statics is None:
+                    statics = self._inputs[(rows, specs)] = [
+                        torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        for t in inputs]
+                state = _Bucket(torch.zeros(size, dtype=torch.int64, device=pools[0].device),
+                                statics, tuple(weakref.ref(p) for p in pools))
+            self._buckets[key] = state
             picked.append(state)
             return state.metadata
 
