@@ -84,6 +84,11 @@ def c4(tiny, make_layer):
     ("foreign_in_batch", r"cache 1 belongs to layer 2"),
     ("freed_in_batch", r"cache 1 was freed"),
     ("too_long_in_batch", r"sequence 1: 0 cached \+ 9 new tokens exceed the cache's max_seq_len=8"),
+    # a decode batch (one token a sequence) and a mixed one: the sequence at fault is named
+    ("positions_decode_batch", r"positions of sequence 2 are \[4\] but its cache holds 3 "
+                               r"tokens: they must continue it as \[3\]"),
+    ("positions_mixed_batch", r"positions of sequence 1 are \[0, 2\] but its cache holds 0 "
+                              r"tokens: they must continue it as \[0, 1\]"),
 ])
 def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
     layer, cache = c4
@@ -131,6 +136,14 @@ def test_forward_rejects_bad_input(c4, tiny, make_layer, case, match):
         x = random_x(10, h).bfloat16()
         pos = torch.cat([torch.tensor([10]), torch.arange(9)])
         cache_arg, kwargs = [cache, layer.new_cache(8)], {"seq_lens": [1, 9]}
+    elif case in ("positions_decode_batch", "positions_mixed_batch"):
+        others = layer.new_caches(2, 16)
+        layer(random_x(3, h).bfloat16(), torch.arange(3), others[1])
+        if case == "positions_decode_batch":  # lengths 10, 0, 3; the third is one ahead
+            x, pos, cache_arg = x[:3], torch.tensor([10, 0, 4]), [cache, *others]
+        else:
+            x, pos = x[:3], torch.tensor([10, 0, 2])
+            cache_arg, kwargs = [cache, others[0]], {"seq_lens": [1, 2]}
     state, csnap = snapshot_state(layer), snapshot_cache(cache)
     with pytest.raises(AttentionInputError, match=match):
         layer(x, pos, cache_arg, **kwargs)

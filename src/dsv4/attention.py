@@ -890,17 +890,27 @@ class DeepseekV4Attention(nn.Module):
         # under CUDA-graph capture, where reading is impossible and they are trusted.
         check = positions.device.type == "cpu" or not (
             positions.is_cuda and torch.cuda.is_current_stream_capturing())
-        pos_host = positions.detach().to("cpu", torch.long).numpy() if check else None
+        if not check:
+            pos_host = None
+        elif positions.device.type == "cpu" and positions.dtype == torch.int64:
+            pos_host = positions.detach().numpy()
+        else:
+            pos_host = positions.detach().to("cpu", torch.long).numpy()
         checked: set[int] = set()  # pools whose layer, dtype and device are checked
         for i, c in enumerate(caches):
             self._check_cache(c, i, checked)
         lengths = np.fromiter((c.length for c in caches), dtype=np.int64, count=len(caches))
-        counts = np.asarray(lens, dtype=np.int64)
-        begins = np.cumsum(counts) - counts
+        decode = t == len(caches)  # one token a sequence (the counts are positive, sum to t)
+        counts = 1 if decode else np.asarray(lens, dtype=np.int64)
         if pos_host is not None:  # every sequence's positions continue its cache (vectorised)
-            expect = np.repeat(lengths - begins, counts) + np.arange(t)
-            wrong = np.flatnonzero(pos_host != expect)
+            if decode:
+                wrong = np.flatnonzero(pos_host != lengths)
+            else:
+                begins = np.cumsum(counts) - counts
+                wrong = np.flatnonzero(pos_host != np.repeat(lengths - begins, counts)
+                                       + np.arange(t))
             if wrong.size:
+                begins = np.cumsum(lens) - np.asarray(lens)
                 i = int(np.searchsorted(begins, wrong[0], side="right") - 1)
                 b, n, c = int(begins[i]), lens[i], caches[i]
                 raise AttentionInputError(
@@ -917,12 +927,13 @@ class DeepseekV4Attention(nn.Module):
         if len(checked) == 1:  # one pool: the whole call is one group (no row lists)
             return [(caches[0].pool, None, caches, lens)]
         by_pool: dict[int, tuple[CachePool, list[int], list[AttentionCache], list[int]]] = {}
-        for i, (c, n) in enumerate(zip(caches, lens, strict=True)):
+        begin = 0
+        for c, n in zip(caches, lens, strict=True):
             group = by_pool.setdefault(id(c.pool), (c.pool, [], [], []))
-            begin = int(begins[i])
             group[1].extend(range(begin, begin + n))
             group[2].append(c)
             group[3].append(n)
+            begin += n
         return [(pool, upload_once(torch.tensor(rows), x.device), cs, ns)
                 for pool, rows, cs, ns in by_pool.values()]
 
