@@ -5,6 +5,7 @@ GPU the same with CUDA graphs (``tests/platforms/test_runner_cuda.py``)."""
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -86,6 +87,36 @@ def test_buckets_beyond_max_graphs_are_dropped_least_recently_used_first(tiny_ex
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_graphs"):
             DecodeRunner(lambda plan, x: x, max_graphs=bad)
+
+
+def test_the_shared_pool_lives_while_a_holder_does(monkeypatch):
+    """``shared_mempool`` gives every caller the same pool while someone holds it, and a new
+    one once nobody does (the old one's memory goes with it); a stand-in for the CUDA pool."""
+    import gc
+
+    import dsv4.runner as runner_module
+
+    class Pool:
+        pass
+
+    made = []
+
+    def new_pool(device):
+        made.append(Pool())
+        return made[-1]
+
+    monkeypatch.setattr(runner_module, "new_mempool", new_pool)
+    monkeypatch.setattr(runner_module, "_SHARED_MEMPOOLS", weakref.WeakValueDictionary())
+    dev = torch.device("cuda", 0)
+    held = runner_module.shared_mempool(dev)
+    assert runner_module.shared_mempool(dev) is held and len(made) == 1
+    assert runner_module.shared_mempool(torch.device("cuda", 1)) is not held
+    first = weakref.ref(held)
+    del held
+    made.clear()
+    gc.collect()
+    assert first() is None
+    assert runner_module.shared_mempool(dev) is made[0]
 
 
 def test_bad_inputs_are_errors(tiny_exact):

@@ -80,7 +80,8 @@ def capture_graph(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[Non
             gc.enable()
 
 
-_SHARED_MEMPOOLS: dict[torch.device, torch.cuda.MemPool] = {}
+_SHARED_MEMPOOLS: weakref.WeakValueDictionary[torch.device, torch.cuda.MemPool] = (
+    weakref.WeakValueDictionary())
 
 
 def new_mempool(device: torch.device) -> torch.cuda.MemPool:
@@ -98,8 +99,10 @@ def new_mempool(device: torch.device) -> torch.cuda.MemPool:
 def shared_mempool(device: torch.device) -> torch.cuda.MemPool:
     """One graph memory pool per CUDA device for runners that share their scratch memory
     (:class:`DecodeRunner`'s ``mempool``): the ``cuda`` platform's plain-call step graphs and the
-    transformers bridge's adapters, one layer's scratch memory for all layers. The pool lives
-    as long as the process: graphs come and go with layers and caches, the pool stays usable."""
+    transformers bridge's adapters, one layer's scratch memory for all layers. The runners hold
+    it: while one does, every caller gets the same pool (graphs come and go with layers and
+    caches, the pool stays usable); once none does, it goes, its memory with it, and the next
+    caller gets a new one."""
     key = torch.device("cuda", device.index if device.index is not None
                        else torch.cuda.current_device())
     pool = _SHARED_MEMPOOLS.get(key)
