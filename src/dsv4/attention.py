@@ -903,16 +903,15 @@ class DeepseekV4Attention(nn.Module):
         decode = t == len(caches)  # one token a sequence (the counts are positive, sum to t)
         counts = 1 if decode else np.asarray(lens, dtype=np.int64)
         if pos_host is not None:  # every sequence's positions continue its cache (vectorised)
-            if decode:
-                wrong = np.flatnonzero(pos_host != lengths)
-            else:
+            expect: np.ndarray = lengths
+            if not decode:
                 begins = np.cumsum(counts) - counts
-                wrong = np.flatnonzero(pos_host != np.repeat(lengths - begins, counts)
-                                       + np.arange(t))
-            if wrong.size:
-                begins = np.cumsum(lens) - np.asarray(lens)
-                i = int(np.searchsorted(begins, wrong[0], side="right") - 1)
-                b, n, c = int(begins[i]), lens[i], caches[i]
+                expect = np.repeat(lengths - begins, counts) + np.arange(t)
+            wrong = np.flatnonzero(pos_host != expect)
+            if wrong.size:  # the sequence whose tokens hold the first wrong one
+                i = int(np.searchsorted(np.cumsum(lens), wrong[0], side="right"))
+                n, c = lens[i], caches[i]
+                b = sum(lens[:i])
                 raise AttentionInputError(
                     f"positions of sequence {i} are {_short(torch.from_numpy(pos_host[b:b + n]))} "
                     f"but its cache holds {c.length} tokens: they must continue it as "
