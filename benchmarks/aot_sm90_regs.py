@@ -289,13 +289,13 @@ def steps() -> bool:
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", s_ptr="*fp32",
              sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32", max_logical="i32",
              slot_ptr="*i64", pos_ptr="*i64", width="i32", tiles="i32", B="i32",
-             weight_scale="fp32", z_ptr="*i32")
+             weight_scale="fp32", z_ptr="*i32", T="i32")
     for fmt, kt in (("bf16", "*bf16"), ("fp8", "*u8"), ("fp4", "*u8")):
         for zero in (False, True):
             ok &= _try(f"indexer score {fmt} zero={zero}", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=zero, PIPE=0),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=zero, PIPE=0, QG=1),
                        dict(num_warps=4))
         # score_probe.py's variants (128-entry tiles: 255 registers and 112-1904 bytes of
         # stack, not probed)
@@ -303,8 +303,15 @@ def steps() -> bool:
             ok &= _try(f"indexer score {fmt} block={bn} stages={pipe}", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=bn, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe, QG=1),
                        dict(num_warps=4))
+        # scoring groups (a verify step's queries of one sequence a program), their warps
+        for qg, warps in ((2, 8), (4, 8), (4, 16)):
+            ok &= _try(f"indexer score {fmt} group={qg} warps={warps}", it._score_kernel,
+                       {**t, "keys_ptr": kt},
+                       dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=0, QG=qg),
+                       dict(num_warps=warps))
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):
         for sort in (True, False):

@@ -1,22 +1,28 @@
 """The indexer's decode score launch at decode widths: its variants against the default.
 
 Variants (``indexer_scores`` overrides): entries per tile (``block``), the visible tiles' own
-software-pipelined loop (``stages``) and programs per SM (``programs_per_sm``).
+software-pipelined loop (``stages``), programs per SM (``programs_per_sm``), and queries a
+program (``group``: a verify step's tokens of one sequence sharing its key tiles) with their
+warps (``num_warps``).
 
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
+    PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR --tokens-per-seq 1,4 \
+        --widths 4096,16384 --seqs 1,16 --variants default,group 2,group 4
 
 For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible) of an fp8
 index key store (Flash's indexer: 64 heads x 128, 64 rows a block, blocks in shuffled order),
-1, 16 and 64 queries, each one its own sequence, every variant's scores must match the
-default's (the same -inf pattern; values to 1e-5, a wider tile may sum in another order; a
-variant that does not is reported and not timed); then each is timed as 10 calls captured in
-a CUDA graph, replayed (median of 7), beside the floor of the key bytes read (at the copy
-bandwidth the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
+1, 16 and 64 sequences of 1 query each (``--tokens-per-seq``: Q consecutive positions each,
+the last seeing every entry), every variant's scores must match the default's (the same -inf
+pattern; values to 1e-5, a wider tile may sum in another order; a variant that does not is
+reported and not timed); then each is timed as 10 calls captured in a CUDA graph, replayed
+(median of 7), beside the floor of the key bytes read once per sequence (at the copy bandwidth
+the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 
 import torch
@@ -36,6 +42,9 @@ VARIANTS = {
     "2 / SM": dict(programs_per_sm=2), "8 / SM": dict(programs_per_sm=8),
     "stages 2, 2 / SM": dict(stages=2, programs_per_sm=2),
     "stages 2, 8 / SM": dict(stages=2, programs_per_sm=8),
+    "group 2": dict(group=2), "group 2, 4 warps": dict(group=2, num_warps=4),
+    "group 4": dict(group=4), "group 4, 16 warps": dict(group=4, num_warps=16),
+    "group 4, block 32": dict(group=4, block=32),
 }
 """Name -> indexer_scores keywords. 128-entry tiles are left out: 255 registers and 112-1904
 bytes of stack at 4 warps (sm_90 compile, ``aot_sm90_regs.py steps``)."""
@@ -72,7 +81,20 @@ def main(argv: list[str] | None = None) -> int:
                          "(topk_probe.py's docstring)")
     ap.add_argument("--variants", default="",
                     help="comma-separated variant names to time (default: every one)")
+    ap.add_argument("--widths", default="4096,16384,65536",
+                    help="comma-separated entries a sequence holds")
+    ap.add_argument("--seqs", default="1,16,64", help="comma-separated sequence counts")
+    ap.add_argument("--tokens-per-seq", default="1",
+                    help="comma-separated queries per sequence (verify steps: 1 + k)")
     args = ap.parse_args(argv)
+    try:
+        widths, seq_counts, per_seq = ([int(v) for v in a.split(",")] for a in (
+            args.widths, args.seqs, args.tokens_per_seq))
+    except ValueError as ex:
+        raise SystemExit(f"score_probe: --widths, --seqs and --tokens-per-seq take "
+                         f"comma-separated integers ({ex})") from None
+    if min(widths + seq_counts + per_seq) < 1:
+        raise SystemExit("score_probe: --widths, --seqs and --tokens-per-seq must be >= 1")
     keep_variants(VARIANTS, args.variants)
     impls = {}
     if args.baseline is not None:
@@ -84,36 +106,38 @@ def main(argv: list[str] | None = None) -> int:
     bw = _copy_bandwidth()
     scale = (HEADS * DIM) ** -0.5
     rows = []
-    for width in (4096, 16384, 65536):
-        for t in (1, 16, 64):
-            keys, table = _store(t, width, seed=width + t)
-            g = torch.Generator().manual_seed(t)
-            q = torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
-            w = torch.randn(t, HEADS, generator=g).to("cuda", torch.bfloat16)
-            slot = torch.arange(t, device="cuda")
-            pos = torch.full((t,), 4 * width - 1, dtype=torch.long, device="cuda")
-            call_args = (q, w, keys, "fp8", ROWS, table, slot, pos, width, scale)
-            ref = indexer_scores(*call_args)
-            vis = torch.isfinite(ref)
-            floor_us = t * width * ROW_BYTES / bw * 1e6
-            row = {"width": width, "T": t, "floor_us": round(floor_us, 2)}
-            for name, kw in VARIANTS.items():
-                fn = impls.get(name, indexer_scores)
-                got = fn(*call_args, **kw)
-                if not (torch.equal(torch.isfinite(got), vis)
-                        and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
-                    row[name] = "differs"
-                    continue
-                row[name] = round(_time(lambda o=got, kw=kw, a=call_args, fn=fn: fn(
-                    *a, out=o, **kw)), 2)
-            rows.append(row)
-            print(row, flush=True)
-            del keys, table
+    for width, n_seq, qn in itertools.product(widths, seq_counts, per_seq):
+        t = n_seq * qn
+        keys, table = _store(n_seq, width, seed=width + n_seq)
+        g = torch.Generator().manual_seed(t)
+        q = torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+        w = torch.randn(t, HEADS, generator=g).to("cuda", torch.bfloat16)
+        slot = torch.arange(n_seq, device="cuda").repeat_interleave(qn)
+        pos = (4 * width - qn + torch.arange(qn)).repeat(n_seq).to("cuda")
+        call_args = (q, w, keys, "fp8", ROWS, table, slot, pos, width, scale)
+        ref = indexer_scores(*call_args)
+        vis = torch.isfinite(ref)
+        floor_us = n_seq * width * ROW_BYTES / bw * 1e6
+        row = {"width": width, "T": t, "seqs": n_seq, "per_seq": qn,
+               "floor_us": round(floor_us, 2)}
+        for name, kw in VARIANTS.items():
+            fn = impls.get(name, indexer_scores)
+            got = fn(*call_args, **kw)
+            if not (torch.equal(torch.isfinite(got), vis)
+                    and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
+                row[name] = "differs"
+                continue
+            row[name] = round(_time(lambda o=got, kw=kw, a=call_args, fn=fn: fn(
+                *a, out=o, **kw)), 2)
+        rows.append(row)
+        print(row, flush=True)
+        del keys, table
     write_results(args.out, "score_probe",
                   {"copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": rows},
                   f"Indexer score launch, us per call (CUDA graph of 10 calls; fp8 keys, 64 heads "
                   f"x 128; floor: the key bytes at {bw / 1e12:.2f} TB/s)",
-                  [("entries", "width"), ("T", "T"), ("floor", "floor_us")], list(VARIANTS))
+                  [("entries", "width"), ("sequences", "seqs"), ("queries each", "per_seq"),
+                   ("floor", "floor_us")], list(VARIANTS))
     return 0
 
 

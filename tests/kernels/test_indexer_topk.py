@@ -87,13 +87,14 @@ def flash_ties_cfg() -> DSV4Config:
 
 def run_kernels(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, *,
                 width: int | None = None, sort: bool = True,
-                workspace_bytes: int = 256 << 20, split: int | None = None) -> torch.Tensor:
+                workspace_bytes: int = 256 << 20, split: int | None = None,
+                group: int | None = None) -> torch.Tensor:
     store = step.pool.stores["idx_keys"]
     return indexer_topk(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
                         store.table_dev, step.tok_slot, step.pos,
                         step.max_visible(4) if width is None else width, cfg.index_topk,
                         cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort,
-                        split=split)
+                        split=split, group=group)
 
 
 def torch_path(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor
@@ -288,12 +289,60 @@ def test_score_overrides_give_the_same_scores(fmt, kw):
     torch.testing.assert_close(got[vis], want[vis], rtol=1e-5, atol=1e-6)
 
 
+@kernel_runs
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("shape", ["verify", "ragged"])
+def test_score_groups_give_the_same_scores(fmt, group, shape):
+    """Queries scored a group a program - a verify step's tokens sharing their sequence's key
+    tiles - score as one query a program: groups aligned with the sequences ("verify": 4 + 4 +
+    4 tokens) and groups cut across them ("ragged": 1 + 3 + 2 + 1 + 5 tokens, a sequence with
+    nothing visible, a last group short of queries), with the arrival counts zeroed."""
+    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
+                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, fmt, lengths, counts, seed=7)
+    q, w = queries(cfg, step.num_tokens, seed=8)
+    width = step.max_visible(4) + 37
+    store = step.pool.stores["idx_keys"]
+    args = (q, w, store.data, index_kernel_format(store.fmt), store.block_size, store.table_dev,
+            step.tok_slot, step.pos, width, cfg.index_weight_scale)
+    want = indexer_scores(*args)
+    zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
+    got = indexer_scores(*args, group=group, zero=zero)
+    assert not zero.any()
+    vis = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), vis)
+    torch.testing.assert_close(got[vis], want[vis], rtol=1e-5, atol=1e-6)
+    s64, tol = scores_f64(cfg, step, q, w, width)
+    assert_scores_match(got, s64, tol)
+
+
+@kernel_runs
+@pytest.mark.parametrize("group", [2, 4])
+def test_grouped_selection_matches_the_torch_path(group):
+    """``indexer_topk`` with scoring groups, in workspace chunks of whole groups and with a
+    split top-k: the torch path's selection."""
+    cfg = tiny_cfg(16, 4600)
+    step = make_step(cfg, "fp8", [4500, 130, 37], [4, 3, 1], block_size=64, seed=11)
+    q, w = queries(cfg, step.num_tokens, seed=12)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    want = torch_path(cfg, step, q, w)
+    for kw in (dict(), dict(workspace_bytes=4 * step.max_visible(4)), dict(split=2)):
+        got = run_kernels(cfg, step, q, w, group=group, **kw)
+        assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
+
+
 @pytest.mark.parametrize("kw", [dict(block=8), dict(block=512), dict(block=48), dict(stages=5),
                                 dict(stages=-1), dict(stages=True), dict(programs_per_sm=0),
-                                dict(programs_per_sm=2.0)])
+                                dict(programs_per_sm=2.0), dict(group=3), dict(group=True),
+                                dict(group=16), dict(num_warps=3),
+                                dict(group=2, stages=2)])
 def test_score_overrides_are_checked(kw):
     name = next(iter(kw))
-    with pytest.raises(ValueError, match=f"indexer_scores: {name} must be"):
+    message = ("indexer_scores: stages=2 pipelines" if len(kw) > 1
+               else f"indexer_scores: {name} must be")
+    with pytest.raises(ValueError, match=message):
         indexer_scores(torch.zeros(1, 1, 32, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
                        torch.zeros(1, 16, 32, dtype=BF16), "bf16", 16,
                        torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
@@ -597,6 +646,19 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
         cuda.select_prefill = real
     assert len(calls) == 1
     assert torch.equal(got, DeepseekV4Attention._indexer_select(layer, big, qb, wb))
+    # a verify step: its sequences' 1 + 3 queries scored four a program, the same selection
+    verify = make_step(cfg, "fp8", [60, 150], [4, 4], seed=13)
+    qv, wv = queries(cfg, 8, seed=14)
+    s64, tol = scores_f64(cfg, verify, qv, wv, verify.max_visible(4))
+    groups = []
+    real_scores = cuda.indexer_topk
+    cuda.indexer_topk = lambda *a, **k: groups.append(k["group"]) or real_scores(*a, **k)
+    try:
+        got = layer._indexer_select(verify, qv, wv)
+    finally:
+        cuda.indexer_topk = real_scores
+    assert groups == [4]
+    assert_matches_torch_path(got, torch_path(cfg, verify, qv, wv), s64, tol, 8, ordered=False)
 
 
 def test_formats_the_kernels_read():
@@ -717,6 +779,13 @@ def test_cuda_layer_decode_selects_like_the_reference():
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     got = layer._indexer_select(step, q, w)  # the top-k without its final sort
     assert_matches_torch_path(got, want, s64, tol, cfg.index_topk, ordered=False)
+
+
+def test_the_score_group_rule():
+    from dsv4.kernels.indexer_topk import SCORE_GROUPS, choose_score_group
+
+    assert [choose_score_group(n) for n in range(0, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4, 4]
+    assert max(SCORE_GROUPS) == 4  # 8 queries a program spill (SCORE_GROUPS' note)
 
 
 def test_the_score_grid_rule():

@@ -66,6 +66,7 @@ from dsv4.kernels.sparse_mqa import _n_sm
 
 __all__ = ["KERNEL_MAX_TOKENS", "VERIFY_MAX_TOKENS", "check_key_store", "index_kernel_format",
            "indexer_scores", "indexer_topk", "topk_entries", "choose_merge_block", "choose_scan",
+           "choose_score_group",
            "choose_digit_bits", "choose_score_programs", "choose_split"]
 
 FMTS = ("bf16", "fp8", "fp4")
@@ -85,6 +86,13 @@ WIDE_SCORE_PROGRAMS_PER_SM = 8
 (:func:`choose_score_programs`)."""
 WIDE_SCORE_MIN_TILES = 16
 """Tiles a program must keep for the wider grid (fewer: its query loads cost more)."""
+SCORE_GROUPS = (1, 2, 4)
+"""Queries a scoring program may take (``indexer_scores``' ``group``): 8 spills at 8 and 16
+warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``)."""
+GROUP_WARPS = 8
+"""Warps of a scoring program of several queries (their stacked heads and the MMA's result
+are 2-4x one query's: 115 / 202 registers at 2 / 4 queries, no stack; 4 warps spill at 4).
+Not yet tuned on a GPU."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -183,6 +191,14 @@ def choose_score_programs(n_tiles: int, rows: int, n_sm: int,
         return tiles_at(programs_per_sm)
     wide = tiles_at(WIDE_SCORE_PROGRAMS_PER_SM)
     return wide if wide >= WIDE_SCORE_MIN_TILES else tiles_at(SCORE_PROGRAMS_PER_SM)
+
+
+def choose_score_group(tokens_per_seq: int) -> int:
+    """Queries a scoring program takes (``indexer_scores``' ``group``) in a step whose longest
+    sequence brings ``tokens_per_seq`` tokens: the largest of ``SCORE_GROUPS`` not above it, so
+    a verify step's 1 + k queries of a sequence share its key tiles (decode steps: 1, the
+    one-query program)."""
+    return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
 
 
 def choose_merge_block(candidates: int) -> int:
@@ -284,54 +300,129 @@ if triton_available():
         s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         return tl.where(j < visible, s, float("-inf"))
 
-    @triton.jit(do_not_specialize=["width", "tiles"])
+    @triton.jit
+    def _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
+                      tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
+                      weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
+                      D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr):
+        """:func:`_score_kernel`'s program (g, p) for QG queries t0 = g * QG .. t0 + QG - 1:
+        the queries of the lead's sequence (t0's slot; a verify step's 1 + k tokens sit next to
+        each other) share each tile's keys - one block-table read, one load and one
+        dequantisation - and one MMA of their stacked heads [QG * HP, D] against them; a query
+        of another sequence in the group (groups need not align with sequences) scores the
+        tile on its own after. The same scores as one query a program, up to the summation
+        order of the wider product."""
+        t0 = tl.program_id(0) * QG
+        ti = t0 + tl.arange(0, QG)
+        t_ok = ti < T
+        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == 0:
+                tl.store(z_ptr + ti, tl.zeros([QG], tl.int32), mask=t_ok)
+        lead = tl.load(slot_ptr + t0)
+        share = t_ok & (tl.load(slot_ptr + ti, mask=t_ok, other=-1) == lead)
+        vis = tl.where(t_ok, ((tl.load(pos_ptr + ti, mask=t_ok, other=0) + 1) // 4), 0)
+        vis = vis.to(tl.int32)
+        vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
+        cols = tl.arange(0, D)
+        heads = tl.arange(0, HP)
+        h_ok = heads < H
+        # the group's heads stacked: row r is head r % HP of query t0 + r // HP
+        r = tl.arange(0, QG * HP)
+        r_tok = t0 + r // HP
+        r_ok = (r_tok < T) & (r % HP < H)
+        qs = tl.load(q_ptr + r_tok.to(tl.int64)[:, None] * sqt + (r % HP)[:, None] * sqh
+                     + cols[None, :], mask=r_ok[:, None], other=0.0).to(DT)
+        ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
+        ws = ws.to(tl.float32) * weight_scale
+        rows = s_ptr + ti.to(tl.int64)[:, None] * sst
+        for i in range(0, tiles):
+            jb = tl.program_id(1) * tiles + i
+            j = jb * BN + tl.arange(0, BN)
+            if jb * BN < vis_lead:
+                k = _load_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab, j, vis_lead,
+                                     max_logical, blk_stride, B, D, FMT, BN, DT)
+                logits = tl.dot(qs, tl.trans(k), input_precision=PREC)  # [QG * HP, BN]
+                weighted = tl.maximum(logits, 0.0) * ws[:, None]
+                s = tl.sum(tl.reshape(weighted, (QG, HP, BN)), axis=1)
+                s = tl.where(j[None, :] < vis[:, None], s, float("-inf"))
+            else:
+                s = tl.full([QG, BN], float("-inf"), tl.float32)
+            tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
+            for u in tl.static_range(QG):
+                t = t0 + u
+                if t < T:
+                    slot = tl.load(slot_ptr + t)
+                    if slot != lead:  # another sequence's query: its own keys
+                        visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
+                        if jb * BN < visible:
+                            q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh
+                                        + cols[None, :], mask=h_ok[:, None], other=0.0).to(DT)
+                            w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok,
+                                        other=0.0)
+                            su = _tile_scores(q, w.to(tl.float32) * weight_scale, keys_ptr,
+                                              tab_ptr, slot.to(tl.int64), stab, j, visible,
+                                              max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
+                        else:
+                            su = tl.full([BN], float("-inf"), tl.float32)
+                        tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+
+    @triton.jit(do_not_specialize=["width", "tiles", "T"])
     def _score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
-                      weight_scale, z_ptr, H: tl.constexpr, HP: tl.constexpr,
+                      weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
                       D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
                       PREC: tl.constexpr, ZERO: tl.constexpr = False,
-                      PIPE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      PIPE: tl.constexpr = 0, QG: tl.constexpr = 1,
+                      PDL: tl.constexpr = False):
         """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1; with
         ZERO, program (t, 0) also sets ``z[t]`` to 0 (the split top-k's arrival count). PIPE
         > 0: the tiles holding visible entries in a loop of their own, software-pipelined over
-        PIPE stages (no branch inside it), then the rest written -inf (the same scores)."""
+        PIPE stages (no branch inside it), then the rest written -inf (the same scores).
+        QG > 1: program (g, p) scores queries g * QG .. g * QG + QG - 1 (of ``T``) together
+        (:func:`_group_scores`)."""
         wait_for_prior_kernel(PDL)
-        t = tl.program_id(0)
-        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
-            if tl.program_id(1) == 0:
-                tl.store(z_ptr + t, 0)
-        visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        heads = tl.arange(0, HP)
-        h_ok = heads < H
-        cols = tl.arange(0, D)
-        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
-                    mask=h_ok[:, None], other=0.0).to(DT)
-        w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
-        w = w.to(tl.float32) * weight_scale
-        if PIPE > 0:
-            first = tl.program_id(1) * tiles
-            # tiles of this program that hold a visible entry: 0 .. n_vis - 1
-            n_vis = tl.minimum(tl.maximum((visible + BN - 1) // BN - first, 0), tiles)
-            for i in tl.range(0, n_vis, num_stages=PIPE):
-                j = (first + i) * BN + tl.arange(0, BN)
-                s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
-                                 blk_stride, B, D, FMT, BN, DT, PREC)
-                tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
-            for i in range(n_vis, tiles):
-                j = (first + i) * BN + tl.arange(0, BN)
-                tl.store(s_ptr + t.to(tl.int64) * sst + j, tl.full([BN], float("-inf"),
-                                                                   tl.float32), mask=j < width)
+        if QG > 1:
+            _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
+                          tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
+                          weight_scale, z_ptr, T, H, HP, D, BN, FMT, DT, PREC, ZERO, QG)
         else:
-            for i in range(0, tiles):
-                jb = tl.program_id(1) * tiles + i
-                j = jb * BN + tl.arange(0, BN)
-                if jb * BN < visible:
-                    s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible,
-                                     max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
-                else:
-                    s = tl.full([BN], float("-inf"), tl.float32)
-                tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+            t = tl.program_id(0)
+            if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
+                if tl.program_id(1) == 0:
+                    tl.store(z_ptr + t, 0)
+            visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            heads = tl.arange(0, HP)
+            h_ok = heads < H
+            cols = tl.arange(0, D)
+            q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
+                        mask=h_ok[:, None], other=0.0).to(DT)
+            w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
+            w = w.to(tl.float32) * weight_scale
+            if PIPE > 0:
+                first = tl.program_id(1) * tiles
+                # tiles of this program that hold a visible entry: 0 .. n_vis - 1
+                n_vis = tl.minimum(tl.maximum((visible + BN - 1) // BN - first, 0), tiles)
+                for i in tl.range(0, n_vis, num_stages=PIPE):
+                    j = (first + i) * BN + tl.arange(0, BN)
+                    s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
+                                     blk_stride, B, D, FMT, BN, DT, PREC)
+                    tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
+                for i in range(n_vis, tiles):
+                    j = (first + i) * BN + tl.arange(0, BN)
+                    tl.store(s_ptr + t.to(tl.int64) * sst + j, tl.full([BN], float("-inf"),
+                                                                       tl.float32), mask=j < width)
+            else:
+                for i in range(0, tiles):
+                    jb = tl.program_id(1) * tiles + i
+                    j = jb * BN + tl.arange(0, BN)
+                    if jb * BN < visible:
+                        s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible,
+                                         max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
+                    else:
+                        s = tl.full([BN], float("-inf"), tl.float32)
+                    tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
         let_next_kernel_launch(PDL)
 
     @triton.jit
@@ -600,7 +691,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                    out: torch.Tensor | None = None,
                    zero: torch.Tensor | None = None, block: int | None = None,
                    stages: int | None = None,
-                   programs_per_sm: int | None = None) -> torch.Tensor:
+                   programs_per_sm: int | None = None, group: int | None = None,
+                   num_warps: int | None = None) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
@@ -609,7 +701,10 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     scores at another speed (``benchmarks/score_probe.py``): ``block`` entries per tile (16 ..
     256, a power of two; default ``SCORE_BLOCK``), ``stages`` (0: the one loop with a branch
     per tile, the default; 1 .. 4: the visible tiles' own loop, software-pipelined over that
-    many stages) and ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``)."""
+    many stages), ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``), ``group`` (queries a
+    program, one of ``SCORE_GROUPS``, sharing each key tile where they are of one sequence: a
+    verify step's 1 + k tokens; default 1; not with ``stages``) and ``num_warps`` (default 4,
+    with a group of more than one query ``GROUP_WARPS``)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -624,6 +719,15 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                                         or programs_per_sm < 1):
         raise ValueError(f"indexer_scores: programs_per_sm must be an int >= 1, got "
                          f"{programs_per_sm!r}")
+    if group is not None and (isinstance(group, bool) or group not in SCORE_GROUPS):
+        raise ValueError(f"indexer_scores: group must be one of {SCORE_GROUPS}, got {group!r}")
+    if group is not None and group > 1 and stages:
+        raise ValueError(f"indexer_scores: stages={stages} pipelines one query a program; "
+                         f"group={group} has no pipelined loop")
+    if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8,
+                                                                                   16)):
+        raise ValueError(f"indexer_scores: num_warps must be 1, 2, 4, 8 or 16, got "
+                         f"{num_warps!r}")
     _check_available(q.device)
     t, h, d = q.shape
     s = out if out is not None else torch.empty(t, width, device=q.device,
@@ -646,15 +750,17 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     bn = block or SCORE_BLOCK
     n_tiles = -(-width // bn)
     n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
-    tiles = choose_score_programs(n_tiles, t, n_sm, programs_per_sm)
-    launch(_score_kernel, (t, -(-n_tiles // tiles)),
+    qg = group or 1
+    programs = -(-t // qg)
+    tiles = choose_score_programs(n_tiles, programs, n_sm, programs_per_sm)
+    launch(_score_kernel, (programs, -(-n_tiles // tiles)),
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
-        rows_per_block, float(weight_scale), zero if zero is not None else s,
+        rows_per_block, float(weight_scale), zero if zero is not None else s, t,
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=bn,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
         PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, PIPE=stages or 0,
-        num_warps=4, **pdl_args(q.device))
+        QG=qg, num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS), **pdl_args(q.device))
     return s
 
 
@@ -733,17 +839,19 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
                  rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
                  workspace_bytes: int = 256 << 20, sort: bool = True,
-                 split: int | None = None) -> torch.Tensor:
+                 split: int | None = None, group: int | None = None) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
     ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
-    arrival counts, so the step stays two launches. ``sort`` as in :func:`topk_entries`."""
+    arrival counts, so the step stays two launches. ``sort`` as in :func:`topk_entries`;
+    ``group`` as in :func:`indexer_scores` (the query chunks then hold whole groups)."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
         return out
-    chunk = max(1, min(t, workspace_bytes // max(1, 4 * width)))
+    qg = group or 1
+    chunk = min(t, max(qg, workspace_bytes // max(1, 4 * width) // qg * qg))
     if split is None:
         n_sm = _n_sm(q.device.index or 0) if q.device.type == "cuda" else 1
         split = choose_split(width, topk, chunk, n_sm)
@@ -754,6 +862,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         arr = arrivals[:b - a] if arrivals is not None else None
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
                            tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
-                           zero=arr)
+                           zero=arr, group=group)
         topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
     return out

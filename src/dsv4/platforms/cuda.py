@@ -81,6 +81,7 @@ from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import (
     KERNEL_MAX_TOKENS,
     VERIFY_MAX_TOKENS,
+    choose_score_group,
     index_kernel_format,
     indexer_topk,
 )
@@ -505,13 +506,15 @@ class CudaAttention(DeepseekV4Attention):
             # prefill: query tiles of one sequence share the keys
             return select_prefill(step, idx_q, idx_weights, self.indexer,
                                   self.cfg.attention_workspace_bytes)
-        # decode and verify steps (any batch; a sequence's few queries share little): the
-        # entries by ascending index (no sort: the attention reads any order)
+        # decode and verify steps (any batch; a verify step's few queries of a sequence share
+        # its key tiles in one scoring program): the entries by ascending index (no sort: the
+        # attention reads any order)
         store = step.pool.stores["idx_keys"]
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
                             self.indexer.topk, self.indexer.weight_scale,
-                            workspace_bytes=self.cfg.attention_workspace_bytes, sort=False)
+                            workspace_bytes=self.cfg.attention_workspace_bytes, sort=False,
+                            group=choose_score_group(max(step.counts)))
 
     # ---- stage 5: attention and the output path ---------------------------------------
     @override
