@@ -7,7 +7,7 @@ warps (``num_warps``).
 
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR --tokens-per-seq 1,4 \
-        --widths 4096,16384 --seqs 1,16 --variants default,group 2,group 4
+        --widths 4096,16384 --seqs 1,16 --variants "default,group 2,group 4"
 
 For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible) of an fp8
 index key store (Flash's indexer: 64 heads x 128, 64 rows a block, blocks in shuffled order),
@@ -42,9 +42,9 @@ VARIANTS = {
     "2 / SM": dict(programs_per_sm=2), "8 / SM": dict(programs_per_sm=8),
     "stages 2, 2 / SM": dict(stages=2, programs_per_sm=2),
     "stages 2, 8 / SM": dict(stages=2, programs_per_sm=8),
-    "group 2": dict(group=2), "group 2, 4 warps": dict(group=2, num_warps=4),
-    "group 4": dict(group=4), "group 4, 16 warps": dict(group=4, num_warps=16),
-    "group 4, block 32": dict(group=4, block=32),
+    "group 2": dict(group=2), "group 2 (4 warps)": dict(group=2, num_warps=4),
+    "group 4": dict(group=4), "group 4 (16 warps)": dict(group=4, num_warps=16),
+    "group 4 (block 32)": dict(group=4, block=32),
 }
 """Name -> indexer_scores keywords. 128-entry tiles are left out: 255 registers and 112-1904
 bytes of stack at 4 warps (sm_90 compile, ``aot_sm90_regs.py steps``)."""
@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"comma-separated integers ({ex})") from None
     if min(widths + seq_counts + per_seq) < 1:
         raise SystemExit("score_probe: --widths, --seqs and --tokens-per-seq must be >= 1")
-    keep_variants(VARIANTS, args.variants)
     impls = {}
     if args.baseline is not None:
         VARIANTS["baseline"] = {}
         impls["baseline"] = load_baseline(args.baseline, "baseline_indexer_topk").indexer_scores
+    keep_variants(VARIANTS, args.variants)
     if not torch.cuda.is_available():
         raise SystemExit("score_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="another commit's indexer_topk.py: its topk_entries as `baseline`")
     args = ap.parse_args(argv)
-    keep_variants(VARIANTS, args.variants)
     if args.baseline is not None:
         VARIANTS["baseline"] = {}
         IMPLS["baseline"] = load_baseline(args.baseline, "baseline_indexer_topk").topk_entries
+    keep_variants(VARIANTS, args.variants)
     if not torch.cuda.is_available():
         raise SystemExit("topk_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

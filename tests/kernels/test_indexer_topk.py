@@ -697,13 +697,26 @@ def test_flash_and_pro_shapes(preset, fmt):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sixty_four_queries_of_sixteen_sequences(fmt):
+    """A verify step's shape (16 sequences of 1 + 3 tokens), scored one query a program and
+    four: valid selections, and the grouped scores those of one query a program."""
     cfg = DSV4Config.preset("flash")
     lengths = [1000 * (i + 1) + 3 * i for i in range(16)]
     step = make_step(cfg, fmt, lengths, [4] * 16, block_size=64, seed=3, device="cuda")
     q, w = queries(cfg, 64, seed=4, device="cuda")
-    got = run_kernels(cfg, step, q, w)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
-    assert_valid_selection(got, s64, tol, cfg.index_topk)
+    for group in (1, 2, 4):
+        assert_valid_selection(run_kernels(cfg, step, q, w, group=group), s64, tol,
+                               cfg.index_topk)
+    store = step.pool.stores["idx_keys"]
+    args = (q, w, store.data, index_kernel_format(store.fmt), store.block_size,
+            store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
+            cfg.index_weight_scale)
+    one = indexer_scores(*args)
+    vis = torch.isfinite(one)
+    for group in (2, 4):
+        got = indexer_scores(*args, group=group)
+        assert torch.equal(torch.isfinite(got), vis)
+        torch.testing.assert_close(got[vis], one[vis], rtol=1e-5, atol=1e-5)
 
 
 @needs_gpu
