@@ -17,6 +17,10 @@ pattern; values to 1e-5, a wider tile may sum in another order; a variant that d
 reported and not timed); then each is timed as 10 calls captured in a CUDA graph, replayed
 (median of 7), beside the floor of the key bytes read once per sequence (at the copy bandwidth
 the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
+
+The replays find the keys of the last one in the L2 (16 sequences of 16K entries: 34 MB of the
+H100's 50): variants that save load latency (``group``) gain less here than in a layer's step,
+where the keys come from memory (``dsv4.kernels.indexer_topk.choose_score_group``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ width, topk, weight_scale)`` -> entry indices [T, topk] int64 (-1 pads), the con
 :meth:`dsv4.layers.indexer.Indexer.select_paged`, which is the oracle (and the path off CUDA
 without Triton's interpreter):
 
-1. **Scores** (``_score_kernel``, one program per query and run of tiles of ``SCORE_BLOCK``
-   entries, a few programs per SM over all queries: ``choose_score_programs``):
+1. **Scores** (``_score_kernel``, one program per query - or per group of a verify step's
+   queries of one sequence, which share each key tile: ``choose_score_group`` - and run of
+   tiles of ``SCORE_BLOCK`` entries, a few programs per SM over all queries:
+   ``choose_score_programs``):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
    table of the query's sequence), dequantised in registers, and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
@@ -92,7 +94,8 @@ warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py ste
 GROUP_WARPS = 8
 """Warps of a scoring program of several queries (their stacked heads and the MMA's result
 are 2-4x one query's: 115 / 202 registers at 2 / 4 queries, no stack; 4 warps spill at 4).
-Not yet tuned on a GPU."""
+16 warps at 4 queries: within 4 % of 8 either way in the probe (H100, 2026-12-06,
+``score-groups/``); not measured in the layer."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -197,7 +200,12 @@ def choose_score_group(tokens_per_seq: int) -> int:
     """Queries a scoring program takes (``indexer_scores``' ``group``) in a step whose longest
     sequence brings ``tokens_per_seq`` tokens: the largest of ``SCORE_GROUPS`` not above it, so
     a verify step's 1 + k queries of a sequence share its key tiles (decode steps: 1, the
-    one-query program)."""
+    one-query program). H100, 2026-12-06 (``benchmarks/results/2026-12-06-h100/
+    score-groups/``), Flash C4 at 64K, 16 sequences, profiled in the layer's step graph: the
+    score launch 139.9 -> 133.3 us at 1 + 3 tokens, 302.6 -> 250.9 at 1 + 7; the step
+    427.5 -> 421.5 and 689.8 -> 636.6 (Pro 541.8 -> 531.6, 942.7 -> 896.7). The score probe,
+    whose keys stay warm in the L2 between its replays, has groups 2-16 % slower: a grouped
+    program saves load latency, which the layer's cold keys have and the probe's do not."""
     return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
 
 
