@@ -58,6 +58,9 @@ CASES = [
      "dsv4 generate", "--model README.md: is a file, not a model folder"),
     ("verify-unknown-option", ["verify", "--nope"], "dsv4 verify",
      "unrecognized arguments: --nope"),
+    ("transformers-decode-cap-on-cpu", ["bench", "transformers-decode", "--out", "o",
+                                        "--device", "cpu", "--tiny", "--memory-limit-gib", "4"],
+     "dsv4 bench transformers-decode", "--memory-limit-gib 4: a positive cap on a CUDA device"),
 ]
 if NO_CUDA:
     CASES += [

@@ -11,8 +11,12 @@ For each batch size and context length, the context is prefilled in chunks (``--
 default: as large as keeps transformers' eager score tensor under ~4 GiB) and then ``--steps``
 greedy decode steps are timed (after ``--warmup`` untimed ones); tokens/s = batch x steps / time;
 the peak of allocated device memory of each cell (prefill and decode) is recorded, and a side
-that runs out of memory is a row saying so. dsv4 decodes through the bridge's decode runners
-(each layer's decode step a CUDA graph per batch bucket on a GPU).
+that runs out of memory is a row saying so, and in which phase. ``--memory-limit-gib`` caps
+what this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``): a
+smaller card, where the side whose cache grows faster runs out at a context that a 10-minute
+run can prefill (transformers' cache of the 4-layer cut grows by about 5 KB a token, dsv4's by
+about 0.2). Each cell prints a line as it ends. dsv4 decodes through the bridge's decode
+runners (each layer's decode step a CUDA graph per batch bucket on a GPU).
 Writes ``transformers_decode.json``, ``transformers_decode.md`` and (with matplotlib)
 ``transformers_decode.png`` under ``--out``.
 
@@ -144,22 +148,37 @@ def greedy(model: Any, ids: torch.Tensor, steps: int, cache: Any, chunk: int) ->
     return torch.cat(out, dim=1).tolist()
 
 
+class PhaseOutOfMemory(Exception):
+    """A side ran out of device memory in ``phase`` ("prefill" or "decode")."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"out of device memory during {phase}")
+        self.phase = phase
+
+
 @torch.no_grad()
 def time_decode(model: Any, batch: int, context: int, steps: int, warmup: int, cache: Any,
                 chunk: int, device: str, seed: int) -> float:
-    """Seconds per decode step at ``context`` cached tokens."""
+    """Seconds per decode step at ``context`` cached tokens (PhaseOutOfMemory when the device
+    runs out of memory)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
-    tok = _prefill(model, ids, cache, chunk)
-    for _ in range(warmup):
-        tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(
-            -1, keepdim=True)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(
-            -1, keepdim=True)
-    _sync(device)
+    try:
+        tok = _prefill(model, ids, cache, chunk)
+    except torch.OutOfMemoryError:
+        raise PhaseOutOfMemory("prefill") from None
+    try:
+        for _ in range(warmup):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(
+                -1, keepdim=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(
+                -1, keepdim=True)
+        _sync(device)
+    except torch.OutOfMemoryError:
+        raise PhaseOutOfMemory("decode") from None
     return (time.perf_counter() - t0) / steps
 
 
@@ -173,6 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4.integrations.transformers import use_dsv4_attention
 
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.memory_limit_gib:
+        dev = torch.device(args.device)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, args.memory_limit_gib * 2**30 / total), dev)
     kwargs = tiny_kwargs() if args.tiny else flash_cut_kwargs(args.layers, args.experts,
                                                               args.vocab)
     model = build_model(kwargs, args.device, dtype, args.seed)
@@ -190,12 +214,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).to(args.device)
     ref_tokens = greedy(model, prompt, args.check_steps, _hf_cache(model),
                         chunk_for(1, prompt_len))
-    timings: dict[tuple[str, int, int], tuple[float | None, int | None]] = {}
+    timings: dict[tuple[str, int, int], Measured] = {}
     for b in batches:
         for c in contexts:
             timings[("transformers", b, c)] = measured(lambda b=b, c=c: time_decode(
                 model, b, c, args.steps, args.warmup, _hf_cache(model), chunk_for(b, c),
                 args.device, args.seed), args.device)
+            _progress("transformers", b, c, timings[("transformers", b, c)])
     handle = use_dsv4_attention(model, platform=args.platform, max_seq_len=need)
     try:
         got_tokens = greedy(model, prompt, args.check_steps, handle.new_cache(need),
@@ -212,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 timings[("dsv4", b, c)] = measured(lambda b=b, c=c: time_decode(
                     model, b, c, args.steps, args.warmup, handle.new_cache(need),
                     chunk_for(b, c), args.device, args.seed), args.device)
+                _progress("dsv4", b, c, timings[("dsv4", b, c)])
     finally:
         handle.restore()
     rows = []
@@ -219,11 +245,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for c in contexts:
             row: dict[str, Any] = {"batch": b, "context": c}
             for side in ("transformers", "dsv4"):
-                t, peak = timings[(side, b, c)]
+                t, peak, oom = timings[(side, b, c)]
                 row[f"{side}_tok_s"] = None if t is None else b / t
                 row[f"{side}_ms_step"] = None if t is None else 1e3 * t
                 row[f"{side}_peak_gib"] = None if peak is None else peak / 2**30
                 row[f"{side}_oom"] = t is None
+                row[f"{side}_oom_phase"] = oom
             t_hf, t_ds = timings[("transformers", b, c)][0], timings[("dsv4", b, c)][0]
             row["speedup"] = None if t_hf is None or t_ds is None else t_hf / t_ds
             rows.append(row)
@@ -232,6 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": "tiny" if args.tiny else f"flash-cut-{args.layers}-layers",
             "layer_types": list(cfg.layer_types), "routed_experts": cfg.n_routed_experts,
             "dtype": args.dtype, "device": device_name, "platform": args.platform,
+            "memory_limit_gib": args.memory_limit_gib or None,
             "steps": args.steps, "warmup": args.warmup, "check": check, "rows": rows}
 
 
@@ -240,20 +268,34 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def measured(fn: Any, device: str) -> tuple[float | None, int | None]:
-    """(``fn()``'s seconds per step, the peak of allocated device memory during it in bytes);
-    (None, the peak) when it ran out of device memory; the peak is None on the CPU."""
+Measured = tuple[float | None, int | None, str | None]
+"""(seconds per step or None, peak allocated device bytes or None on the CPU, the phase that
+ran out of device memory or None)."""
+
+
+def measured(fn: Any, device: str) -> Measured:
+    """(``fn()``'s seconds per step, the peak of allocated device memory during it in bytes,
+    None); (None, the peak, the phase) when it ran out of device memory (PhaseOutOfMemory);
+    the peak is None on the CPU."""
     cuda = device.startswith("cuda")
     _free(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    phase = None
     try:
         t: float | None = fn()
-    except torch.OutOfMemoryError:
-        t = None
+    except PhaseOutOfMemory as e:
+        t, phase = None, e.phase
     peak = torch.cuda.max_memory_allocated() if cuda else None
     _free(device)
-    return t, peak
+    return t, peak, phase
+
+
+def _progress(side: str, batch: int, context: int, m: Measured) -> None:
+    t, peak, phase = m
+    what = f"out of memory in {phase}" if phase else f"{1e3 * (t or 0.0):.2f} ms/step"
+    mem = "" if peak is None else f", peak {peak / 2**30:.2f} GiB"
+    print(f"{side}: batch {batch}, context {context}: {what}{mem}", flush=True)
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -262,7 +304,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         f"model {result['model']} ({', '.join(result['layer_types'])}; "
         f"{result['routed_experts']} routed experts), {result['dtype']}, {result['device']}, "
-        f"{result['steps']} timed steps after {result['warmup']} warm-up steps.",
+        f"{result['steps']} timed steps after {result['warmup']} warm-up steps"
+        + (f"; device memory capped at {result['memory_limit_gib']:g} GiB "
+           "(`--memory-limit-gib`)." if result.get("memory_limit_gib") else "."),
         f"Greedy check before timing: {result['check']['agree']} / {result['check']['steps']} "
         "tokens agree.",
         "",
@@ -271,18 +315,18 @@ def to_markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def cell(v: Any, fmt: str, oom: bool) -> str:
-        return "out of memory" if oom else ("-" if v is None else format(v, fmt))
+    def cell(v: Any, fmt: str, oom: str | None) -> str:
+        return (f"out of memory ({oom})" if oom else "-" if v is None else format(v, fmt))
 
     for r in result["rows"]:
-        hf, ds = r["transformers_oom"], r["dsv4_oom"]
+        hf, ds = r["transformers_oom_phase"], r["dsv4_oom_phase"]
         lines.append(
             f"| {r['batch']} | {r['context']} | {cell(r['transformers_tok_s'], '.1f', hf)} | "
             f"{cell(r['dsv4_tok_s'], '.1f', ds)} | {cell(r['transformers_ms_step'], '.2f', hf)} | "
             f"{cell(r['dsv4_ms_step'], '.2f', ds)} | "
             f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f') + 'x'} | "
-            f"{cell(r['transformers_peak_gib'], '.2f', False)} | "
-            f"{cell(r['dsv4_peak_gib'], '.2f', False)} |")
+            f"{cell(r['transformers_peak_gib'], '.2f', None)} | "
+            f"{cell(r['dsv4_peak_gib'], '.2f', None)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -340,6 +384,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
     ap.add_argument("--warmup", type=int, default=4,
                     help="untimed decode steps before them (default 4)")
+    ap.add_argument("--memory-limit-gib", type=float, default=0.0,
+                    help="cap this process's GPU allocations at this many GiB (default 0: no "
+                    "cap), as on a smaller card")
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="tokens per prefill forward (default 0: automatic)")
     ap.add_argument("--check-steps", type=int, default=8,
@@ -365,6 +412,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("no CUDA GPU here: give --device cpu (with --tiny for a CPU smoke run) "
                          "or run on a GPU")
     args.device = resolve_device(args.device)
+    if args.memory_limit_gib < 0 or (args.memory_limit_gib
+                                     and torch.device(args.device).type != "cuda"):
+        raise UsageError(f"--memory-limit-gib {args.memory_limit_gib:g}: a positive cap on a "
+                         "CUDA device (0: none)")
     if args.platform is None:
         args.platform = "cuda" if torch.device(args.device).type == "cuda" else "reference"
     from dsv4.platforms import get_platform
