@@ -142,7 +142,10 @@ kernels)
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
     step model-decode/pro/log.txt 200 "${MODEL[@]}" --models pro --out "$OUT/model-decode/pro"
-    step transformers-decode/log.txt 150 python3 -m dsv4 bench transformers-decode \
-        --out "$OUT/transformers-decode" --batches 1,16 --contexts 4096,32768,262144
+    # capped at 24 GiB (a smaller card): transformers' cache of the 4-layer cut (~5 KB a token)
+    # outgrows it at 16 x 128K, which a few minutes prefill; dsv4's (~0.2 KB a token) does not
+    step transformers-decode/log.txt 400 python3 -m dsv4 bench transformers-decode \
+        --out "$OUT/transformers-decode" --batches 1,16 --contexts 4096,32768,131072 \
+        --memory-limit-gib 24
     ;;
 esac
