@@ -35,3 +35,24 @@ def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, msg):
         main([*argv, "--out", str(tmp_path / "r")])
     assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_table_splits_the_runner_step():
+    """A GPU row's columns: the runner against its graph alone, the graph against the cold-L2
+    sum, and the residual adds taken out of it."""
+    from dsv4.bench.model_decode import markdown
+
+    step = {"us_per_step": 880.0, "us_per_layer": 110.0, "tokens_per_s": 1136.0}
+    row = {"model": "flash", "layers": 8, "context": 512, "M": 1, "runner": step,
+           "sum_of_single_layer_graphs_cold_l2_us": 709.0,
+           "runner_vs_sum_of_cold_l2_single_layers": 880 / 709,
+           "runner_replay": {"us_per_step": 816.0, "us_per_layer": 102.0},
+           "runner_vs_replay": 880 / 816, "replay_vs_sum_of_cold_l2_single_layers": 816 / 709,
+           "residual_adds_us": 21.5,
+           "replay_less_adds_vs_sum_of_cold_l2_single_layers": (816 - 21.5) / 709}
+    head, _, line = markdown([row])
+    assert head.endswith("| residual adds us | (replay - adds) / cold-L2 sum |")
+    assert line.endswith("| 816 (102) | 1.08x | 1.15x | 21.5 | 1.12x |")
+    # a dry-run row (no graphs): dashes there
+    dry = {k: v for k, v in row.items() if "replay" not in k and "adds" not in k}
+    assert markdown([dry])[2].endswith("| - | - | - | - | - |")

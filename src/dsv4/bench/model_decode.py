@@ -25,8 +25,9 @@ same rows timed with the L2 flushed before each replay (``--cold-l2`` of ``decod
 summed beside them. The runner's last graph is also replayed alone, back to back
 (``runner replay``): the step's GPU time without its host work, so ``runner / replay`` says how
 much of the runner's step the host adds and ``replay / cold-L2 sum`` how much the stacked graph
-costs beyond its layers. Before timing, the runner's step is checked against the eager plan's
-on the same caches (one step, taken back with ``truncate``).
+costs beyond its layers; of that, the stack's own code between its layers (the residual adds,
+captured alone: ``residual adds``) is no layer's. Before timing, the runner's step is checked
+against the eager plan's on the same caches (one step, taken back with ``truncate``).
 
     dsv4 bench model-decode --out DIR [--models flash,pro] [--layers N] [--ms 1,16,64]
         [--contexts 512,16384,65536]
@@ -60,7 +61,7 @@ from dsv4.config import PRESET_NAMES, DSV4Config
 from dsv4.passes import process_weights_after_loading
 from dsv4.platforms import build_attention
 from dsv4.platforms.cuda import CudaAttention
-from dsv4.runner import DEFAULT_BUCKETS, DecodeRunner, captured_step
+from dsv4.runner import DEFAULT_BUCKETS, DecodeRunner, capture_graph, captured_step
 from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
@@ -125,6 +126,29 @@ def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: 
         warm = replay_times(graph, reps, None)
         cold = replay_times(graph, reps, scrub)
     return statistics.median(warm), statistics.median(cold)
+
+
+def residual_adds_us(x: torch.Tensor, n_layers: int, reps: int) -> float:
+    """us per replay of the stack step's own code between its layers (:func:`stack_step`'s
+    ``x + layer(...)``, ``n_layers`` adds of x's shape) captured alone as a graph: the part of
+    the runner's replay that no single-layer row holds."""
+    y = x.clone()
+
+    def adds() -> torch.Tensor:
+        z = x
+        for _ in range(n_layers):
+            z = z + y
+        return z
+
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        adds()
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture_graph(graph):
+        adds()
+    return statistics.median(replay_times(graph, reps, None))
 
 
 def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: int,
@@ -220,6 +244,10 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         if "runner_replay" in row:
             row["replay_vs_sum_of_cold_l2_single_layers"] = (
                 row["runner_replay"]["us_per_step"] / total_cold)
+            adds = residual_adds_us(x, len(layers), reps)
+            row["residual_adds_us"] = adds
+            row["replay_less_adds_vs_sum_of_cold_l2_single_layers"] = (
+                (row["runner_replay"]["us_per_step"] - adds) / total_cold)
         row["eager_plan_vs_runner"] = (row["eager_plan"]["us_per_step"]
                                         / row["runner"]["us_per_step"])
     for seq in seqs:
@@ -233,7 +261,7 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         "runner tokens/s", "sum of 1-layer graphs us", "runner / sum", "layer_graphs / sum",
         "eager_layers / sum", "eager_plan / runner", "sum of cold-L2 1-layer graphs us",
         "runner / cold-L2 sum", "runner replay us/step (us/layer)", "runner / replay",
-        "replay / cold-L2 sum"]
+        "replay / cold-L2 sum", "residual adds us", "(replay - adds) / cold-L2 sum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ctx = f"{r['context'] // 1024}K" if r["context"] >= 1024 else str(r["context"])
@@ -258,6 +286,10 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         for key in ("runner_vs_replay", "replay_vs_sum_of_cold_l2_single_layers"):
             v = r.get(key)
             cells.append("-" if v is None else f"{v:.2f}x")
+        v = r.get("residual_adds_us")
+        cells.append("-" if v is None else f"{v:.1f}")
+        v = r.get("replay_less_adds_vs_sum_of_cold_l2_single_layers")
+        cells.append("-" if v is None else f"{v:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
