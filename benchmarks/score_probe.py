@@ -18,9 +18,12 @@ reported and not timed); then each is timed as 10 calls captured in a CUDA graph
 (median of 7), beside the floor of the key bytes read once per sequence (at the copy bandwidth
 the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
 
-The replays find the keys of the last one in the L2 (16 sequences of 16K entries: 34 MB of the
-H100's 50): variants that save load latency (``group``) gain less here than in a layer's step,
-where the keys come from memory (``dsv4.kernels.indexer_topk.choose_score_group``).
+The keys come from memory as in a layer's step: the 10 captured calls cycle through copies of
+the key store until they span at least ``ROTATE_BYTES`` (``--rotate`` overrides; 1: the same
+store each call). Without that, the replays found the keys in the L2 (16 sequences of 16K
+entries: 34 MB of the H100's 50), and variants that save load latency (``group``) lost there
+while they won in the layer (H100, 2026-12-06, ``score-groups/``;
+``dsv4.kernels.indexer_topk.choose_score_group``).
 """
 
 from __future__ import annotations
@@ -49,10 +52,14 @@ VARIANTS = {
     "group 2": dict(group=2), "group 2 (4 warps)": dict(group=2, num_warps=4),
     "group 4": dict(group=4), "group 4 (16 warps)": dict(group=4, num_warps=16),
     "group 4 (block 32)": dict(group=4, block=32),
+    "8 warps": dict(num_warps=8), "block 128 (8 warps)": dict(block=128, num_warps=8),
 }
 """Name -> indexer_scores keywords. 128-entry tiles are left out: 255 registers and 112-1904
 bytes of stack at 4 warps (sm_90 compile, ``aot_sm90_regs.py steps``)."""
 HEADS, DIM, ROWS = 64, 128, 64
+ROTATE_BYTES = 128 << 20
+"""Key bytes the timed calls cycle through (above the L2 of an H100 or H200), at most 10
+copies."""
 ROW_BYTES = DIM + 4 * (DIM // 128)  # e4m3 values, then one float32 scale per 128
 
 
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="1,16,64", help="comma-separated sequence counts")
     ap.add_argument("--tokens-per-seq", default="1",
                     help="comma-separated queries per sequence (verify steps: 1 + k)")
+    ap.add_argument("--rotate", type=int, default=0,
+                    help="copies of the key store the timed calls cycle through (default 0: "
+                         "enough to span ROTATE_BYTES; 1: warm in the L2)")
     args = ap.parse_args(argv)
     try:
         widths, seq_counts, per_seq = ([int(v) for v in a.split(",")] for a in (
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"comma-separated integers ({ex})") from None
     if min(widths + seq_counts + per_seq) < 1:
         raise SystemExit("score_probe: --widths, --seqs and --tokens-per-seq must be >= 1")
+    if args.rotate < 0:
+        raise SystemExit("score_probe: --rotate must be >= 0")
     impls = {}
     if args.baseline is not None:
         VARIANTS["baseline"] = {}
@@ -112,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for width, n_seq, qn in itertools.product(widths, seq_counts, per_seq):
         t = n_seq * qn
-        keys, table = _store(n_seq, width, seed=width + n_seq)
+        store_bytes = n_seq * width * ROW_BYTES
+        rotate = args.rotate or max(1, min(10, -(-ROTATE_BYTES // store_bytes)))
+        stores = [_store(n_seq, width, seed=width + n_seq + 1000 * i) for i in range(rotate)]
+        keys, table = stores[0]
         g = torch.Generator().manual_seed(t)
         q = torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
         w = torch.randn(t, HEADS, generator=g).to("cuda", torch.bfloat16)
@@ -121,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         call_args = (q, w, keys, "fp8", ROWS, table, slot, pos, width, scale)
         ref = indexer_scores(*call_args)
         vis = torch.isfinite(ref)
-        floor_us = n_seq * width * ROW_BYTES / bw * 1e6
-        row = {"width": width, "T": t, "seqs": n_seq, "per_seq": qn,
+        floor_us = store_bytes / bw * 1e6
+        row = {"width": width, "T": t, "seqs": n_seq, "per_seq": qn, "rotate": rotate,
                "floor_us": round(floor_us, 2)}
+        rotations = [(q, w, k, "fp8", ROWS, tab, slot, pos, width, scale) for k, tab in stores]
         for name, kw in VARIANTS.items():
             fn = impls.get(name, indexer_scores)
             got = fn(*call_args, **kw)
@@ -131,17 +147,18 @@ def main(argv: list[str] | None = None) -> int:
                     and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
                 row[name] = "differs"
                 continue
-            row[name] = round(_time(lambda o=got, kw=kw, a=call_args, fn=fn: fn(
-                *a, out=o, **kw)), 2)
+            calls = itertools.cycle(rotations)
+            row[name] = round(_time(lambda o=got, kw=kw, fn=fn, calls=calls: fn(
+                *next(calls), out=o, **kw)), 2)
         rows.append(row)
         print(row, flush=True)
-        del keys, table
+        del keys, table, stores, rotations
     write_results(args.out, "score_probe",
                   {"copy_bandwidth_TBps": round(bw / 1e12, 3), "rows": rows},
                   f"Indexer score launch, us per call (CUDA graph of 10 calls; fp8 keys, 64 heads "
                   f"x 128; floor: the key bytes at {bw / 1e12:.2f} TB/s)",
                   [("entries", "width"), ("sequences", "seqs"), ("queries each", "per_seq"),
-                   ("floor", "floor_us")], list(VARIANTS))
+                   ("stores cycled", "rotate"), ("floor", "floor_us")], list(VARIANTS))
     return 0
 
 
