@@ -276,14 +276,21 @@ def test_score_overrides_give_the_same_scores(fmt, kw):
     cfg = tiny_cfg(8)
     step = make_step(cfg, fmt, [90, 0, 333, 1000], [1, 2, 1, 1], seed=2)
     q, w = queries(cfg, step.num_tokens, seed=5)
-    width = step.max_visible(4) + 37
+    args = score_args(cfg, step, q, w, step.max_visible(4) + 37)
+    assert_same_scores(indexer_scores(*args, **kw), indexer_scores(*args))
+
+
+def score_args(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor,
+               width: int) -> tuple:
+    """``indexer_scores``' positional arguments for the step's index key store."""
     store = step.pool.stores["idx_keys"]
-    args = (q, w, store.data, index_kernel_format(store.fmt), store.block_size, store.table_dev,
+    return (q, w, store.data, index_kernel_format(store.fmt), store.block_size, store.table_dev,
             step.tok_slot, step.pos, width, cfg.index_weight_scale)
-    want = indexer_scores(*args)
-    got = indexer_scores(*args, **kw)
-    # the same -inf (invisible) pattern; the values up to the summation order of a wider
-    # matrix product (the interpreter's numpy product too rounds by its shape)
+
+
+def assert_same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same -inf (invisible) pattern; the values up to the summation order of a wider
+    matrix product (the interpreter's numpy product too rounds by its shape)."""
     vis = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), vis)
     torch.testing.assert_close(got[vis], want[vis], rtol=1e-5, atol=1e-6)
@@ -304,16 +311,11 @@ def test_score_groups_give_the_same_scores(fmt, group, shape):
     step = make_step(cfg, fmt, lengths, counts, seed=7)
     q, w = queries(cfg, step.num_tokens, seed=8)
     width = step.max_visible(4) + 37
-    store = step.pool.stores["idx_keys"]
-    args = (q, w, store.data, index_kernel_format(store.fmt), store.block_size, store.table_dev,
-            step.tok_slot, step.pos, width, cfg.index_weight_scale)
-    want = indexer_scores(*args)
+    args = score_args(cfg, step, q, w, width)
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
     got = indexer_scores(*args, group=group, zero=zero)
     assert not zero.any()
-    vis = torch.isfinite(want)
-    assert torch.equal(torch.isfinite(got), vis)
-    torch.testing.assert_close(got[vis], want[vis], rtol=1e-5, atol=1e-6)
+    assert_same_scores(got, indexer_scores(*args))
     s64, tol = scores_f64(cfg, step, q, w, width)
     assert_scores_match(got, s64, tol)
 
