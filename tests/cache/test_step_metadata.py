@@ -100,6 +100,7 @@ def test_a_padded_verify_step_keeps_the_real_parts_at_fixed_sizes(ratio, data):
     real = build_metadata(starts, slots, counts, specs)
     padded = build_metadata(starts, slots, counts, specs, pad_to=(b, q), pad_slot=9)
     assert padded.tokens == b * q and padded.seq_ids[sum(counts):].eq(-1).all()
+    assert (padded.query_bucket, real.query_bucket) == (q, None)  # the layout's, not counts'
     rp = torch.split(real.buffer, [int(torch.tensor(s).prod()) for s in real.shapes])
     pp = torch.split(padded.buffer, [int(torch.tensor(s).prod()) for s in padded.shapes])
     for k, (name, spec) in enumerate(specs):

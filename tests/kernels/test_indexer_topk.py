@@ -661,6 +661,18 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
         cuda.indexer_topk = real_scores
     assert groups == [4]
     assert_matches_torch_path(got, torch_path(cfg, verify, qv, wv), s64, tol, 8, ordered=False)
+    # the same step's counts unpadded and padded to a layout of 4 tokens a sequence (a runner's
+    # bucket): the layout decides the group, so every step of a bucket scores as its graph
+    cuda.indexer_topk = lambda *a, **k: groups.append(k["group"]) or real_scores(*a, **k)
+    try:
+        for bucket in (None, 4):
+            padded = dataclasses.replace(
+                verify, counts=[3, 2],
+                meta=dataclasses.replace(verify.meta, query_bucket=bucket))
+            layer._indexer_select(padded, qv, wv)
+    finally:
+        cuda.indexer_topk = real_scores
+    assert groups == [4, 2, 4]
 
 
 def test_formats_the_kernels_read():

@@ -83,6 +83,8 @@ class HostMetadata:
     """[T] index into the step's sequences of each token (-1: a padded token)."""
     tokens: int
     visible_caps: dict[int, int] | None
+    query_bucket: int | None = None
+    """Padded steps: the tokens each sequence's slots hold (Q; else None)."""
 
 
 def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs: RingSpecs,
@@ -101,7 +103,7 @@ def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs
         else:
             host, shapes, jobs, seq_ids = _padded(
                 _step_metadata(starts, slots, counts, list(specs)), specs, b, q, pad_slot)
-        return HostMetadata(host, shapes, jobs, seq_ids, b * q, dict(visible_caps or {}))
+        return HostMetadata(host, shapes, jobs, seq_ids, b * q, dict(visible_caps or {}), q)
     build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
     host, shapes, jobs, seq_ids = build(starts, slots, counts, list(specs))
     return HostMetadata(host, shapes, jobs, seq_ids, sum(counts), None)
@@ -121,6 +123,9 @@ class StepMetadata:
     jobs: dict[str, EntryJobs]
     visible_caps: dict[int, int] | None
     """Padded steps: the fixed width of visible entries per ratio (else None: the step's own)."""
+    query_bucket: int | None = None
+    """Padded steps: the tokens per sequence of the fixed layout, Q (else None): what a kernel
+    choice that must not change between a bucket's steps depends on, not the step's counts."""
 
     @classmethod
     def split(cls, host: HostMetadata, dev: torch.Tensor,
@@ -132,7 +137,7 @@ class StepMetadata:
         jobs = {name: EntryJobs(e, *views[2 + 6 * k: 8 + 6 * k])
                 for k, (name, e, _k) in enumerate(host.jobs)}
         return cls(views[0], views[1], host.buffer[:host.tokens], host.seq_ids, jobs,
-                   host.visible_caps)
+                   host.visible_caps, host.query_bucket)
 
 
 def metadata_views(shapes: list[tuple[int, ...]], dev: torch.Tensor) -> list[torch.Tensor]:

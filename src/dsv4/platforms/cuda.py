@@ -507,14 +507,16 @@ class CudaAttention(DeepseekV4Attention):
             return select_prefill(step, idx_q, idx_weights, self.indexer,
                                   self.cfg.attention_workspace_bytes)
         # decode and verify steps (any batch; a verify step's few queries of a sequence share
-        # its key tiles in one scoring program): the entries by ascending index (no sort: the
-        # attention reads any order)
+        # its key tiles in one scoring program - grouped by the padded layout's tokens per
+        # sequence where there is one, so that every step of a captured bucket scores as its
+        # graph does): the entries by ascending index (no sort: the attention reads any order)
         store = step.pool.stores["idx_keys"]
+        per_seq = step.meta.query_bucket or max(step.counts)
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
                             self.indexer.topk, self.indexer.weight_scale,
                             workspace_bytes=self.cfg.attention_workspace_bytes, sort=False,
-                            group=choose_score_group(max(step.counts)))
+                            group=choose_score_group(per_seq))
 
     # ---- stage 5: attention and the output path ---------------------------------------
     @override
