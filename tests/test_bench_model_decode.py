@@ -29,6 +29,7 @@ def test_dry_run_writes_rows_for_every_mode(tmp_path):
     (["--steps", "0"], "--steps"),
     (["--dry-run", "--contexts", "5000"], "--contexts 5000: with --dry-run"),
     (["--models", "huge"], "model preset ['huge']"),
+    (["--dry-run", "--profile"], "--profile times kernels in CUDA graphs"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:

@@ -33,7 +33,9 @@ against the eager plan's on the same caches (one step, taken back with ``truncat
         [--contexts 512,16384,65536]
 
 ``--dry-run`` runs the tiny preset on the CPU (eager and padded runner steps; the times mean
-nothing) to check the plumbing without a GPU.
+nothing) to check the plumbing without a GPU. ``--profile`` also writes the kernel tables of one
+replay of the runner's graph and of each layer type's single-layer graph
+(``model_decode_profile.md``): where the graph's time beyond its layers goes.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from dsv4.bench.args import (
     pyplot,
     require_cuda,
 )
-from dsv4.bench.decode_step import l2_scrub_buffer, replay_times
+from dsv4.bench.decode_step import l2_scrub_buffer, replay_table, replay_times
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, DSV4Config
@@ -66,7 +68,8 @@ from dsv4.testing.random_weights import random_layer_weights
 from dsv4.usage import OneLineArgumentParser, UsageError, check_at_least
 
 MODES = ("eager_layers", "layer_graphs", "eager_plan", "runner")
-RESULTS = ("model_decode.json", "model_decode.md", "model_decode.png")
+RESULTS = ("model_decode.json", "model_decode.md", "model_decode.png",
+           "model_decode_profile.md")
 TYPE_NAMES = {0: "SWA", 4: "C4", 128: "C128"}
 
 
@@ -118,14 +121,17 @@ def time_steps(step: Any, steps: int, device: torch.device) -> float:
 
 
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int,
-                          scrub: torch.Tensor) -> tuple[float, float]:
+                          scrub: torch.Tensor, profile_title: str | None = None
+                          ) -> tuple[float, float, str | None]:
     """us per replay of one layer's decode step captured by hand (the decode-step bench's row),
     one capture timed twice: replays back to back, and each alone after ``scrub`` flushed the
-    L2 (as ``--cold-l2`` times them); the caches are left as they were."""
+    L2 (as ``--cold-l2`` times them); the caches are left as they were. With
+    ``profile_title``, also the profiler's kernel table of one replay (else None)."""
     with captured_step(layer, caches, x) as (graph, _):
         warm = replay_times(graph, reps, None)
         cold = replay_times(graph, reps, scrub)
-    return statistics.median(warm), statistics.median(cold)
+        table = None if profile_title is None else replay_table(graph, profile_title)
+    return statistics.median(warm), statistics.median(cold), table
 
 
 def residual_adds_us(x: torch.Tensor, n_layers: int, reps: int) -> float:
@@ -152,7 +158,10 @@ def residual_adds_us(x: torch.Tensor, n_layers: int, reps: int) -> float:
 
 
 def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: int,
-             steps: int, reps: int, device: torch.device, graphs: bool) -> dict[str, Any]:
+             steps: int, reps: int, device: torch.device, graphs: bool,
+             profiles: list[str] | None = None) -> dict[str, Any]:
+    """One (model, M, context) row; ``profiles`` (a GPU run): appends the kernel tables of one
+    replay of the runner's graph and of each layer type's single-layer graph."""
     pools = [layer.new_cache_pool(m, context + 5 * steps * reps + 64) for layer in layers]
     seqs = [[p.add_sequence() for p in pools] for _ in range(m)]
     for k in range(len(layers)):
@@ -216,6 +225,10 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         row["runner_replay"] = {"us_per_step": us, "us_per_layer": us / len(layers),
                                 "tokens_per_s": m / us * 1e6}
         row["runner_vs_replay"] = row["runner"]["us_per_step"] / us
+        if profiles is not None:
+            profiles.append(replay_table(
+                runner.last_graph, f"{model}, {len(layers)} layers, ctx={context}, M={m}: the "
+                "runner's graph"))
     for layer in layers:  # the shipped plan again; the layers' own graphs dropped
         if isinstance(layer, CudaAttention):
             layer.use_cuda_graphs(True)
@@ -228,8 +241,12 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
             name = TYPE_NAMES[layer.compress_ratio]
             counts[name] = counts.get(name, 0) + 1
             if name not in singles:
-                singles[name], cold[name] = single_layer_graph_us(
-                    layer, [s[k] for s in seqs], x, reps, scrub)
+                title = (None if profiles is None else
+                         f"{model} {name}, ctx={context}, M={m}: its single-layer graph")
+                singles[name], cold[name], table = single_layer_graph_us(
+                    layer, [s[k] for s in seqs], x, reps, scrub, title)
+                if table is not None and profiles is not None:
+                    profiles.append(table)
         del scrub
         total = sum(singles[n] * c for n, c in counts.items())
         total_cold = sum(cold[n] * c for n, c in counts.items())
@@ -336,6 +353,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     help="consecutive steps per timing (default 10)")
     ap.add_argument("--reps", type=int, default=3,
                     help="timings per mode, median taken (default 3)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write model_decode_profile.md: the kernel tables of one replay "
+                    "of the runner's graph and of each layer type's single-layer graph (GPU)")
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny preset on the CPU, eager and padded runner steps (checks the "
                     "plumbing; the times mean nothing)")
@@ -350,6 +370,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             check_at_least(name, getattr(args, name.lstrip("-")), 1)
         if args.layers is not None:
             check_at_least("--layers", args.layers, 1)
+        if args.profile and args.dry_run:
+            raise UsageError("--profile times kernels in CUDA graphs: a GPU run, not --dry-run")
         check_out(args.out, RESULTS, args.overwrite)
     contexts = args.contexts or ([40, 300] if args.dry_run else [512, 16384, 65536])
     if args.dry_run:
@@ -365,6 +387,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     rows: list[dict[str, Any]] = []
+    profiles: list[str] | None = [] if args.profile else None
     for model in models:
         cfg = serving_config(DSV4Config.preset(model))
         if args.dry_run:
@@ -375,8 +398,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for context in contexts:
             for m in args.ms:
                 row = run_case(model, cfg, layers, m, context, args.steps, args.reps, device,
-                               graphs=not args.dry_run)
+                               graphs=not args.dry_run, profiles=profiles)
                 rows.append(row)
+                if profiles:  # kept as it grows: a run cut short keeps what it measured
+                    (args.out / "model_decode_profile.md").write_text("\n".join(profiles))
                 print(markdown([row])[-1], flush=True)
         del layers
         if device.type == "cuda":
