@@ -94,8 +94,8 @@ warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py ste
 GROUP_WARPS = 8
 """Warps of a scoring program of several queries (their stacked heads and the MMA's result
 are 2-4x one query's: 115 / 202 registers at 2 / 4 queries, no stack; 4 warps spill at 4).
-16 warps at 4 queries: within 4 % of 8 either way in the probe (H100, 2026-12-06,
-``score-groups/``); not measured in the layer."""
+16 warps at 4 queries: within 4 % of 8 either way in the probe with warm keys (H100,
+2026-12-06, ``score-groups/``); not measured in the layer."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -203,9 +203,10 @@ def choose_score_group(tokens_per_seq: int) -> int:
     one-query program). H100, 2026-12-06 (``benchmarks/results/2026-12-06-h100/
     score-groups/``), Flash C4 at 64K, 16 sequences, profiled in the layer's step graph: the
     score launch 139.9 -> 133.3 us at 1 + 3 tokens, 302.6 -> 250.9 at 1 + 7; the step
-    427.5 -> 421.5 and 689.8 -> 636.6 (Pro 541.8 -> 531.6, 942.7 -> 896.7). The score probe,
-    whose keys stay warm in the L2 between its replays, has groups 2-16 % slower: a grouped
-    program saves load latency, which the layer's cold keys have and the probe's do not."""
+    427.5 -> 421.5 and 689.8 -> 636.6 (Pro 541.8 -> 531.6, 942.7 -> 896.7). The score probe
+    of the same day, whose keys stayed warm in the L2 between its replays (it now reads them
+    from memory), had groups 2-16 % slower: a grouped program saves load latency, which the
+    layer's cold keys have and warm ones do not."""
     return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
 
 
