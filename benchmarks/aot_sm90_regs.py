@@ -391,16 +391,45 @@ def stages() -> bool:
                    dict(num_warps=8 if bq >= 2048 else 4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", rsrc_ptr="*i64", csrc_ptr="*i64", s_src="i32",
              ent_ptr="*i64", w_ptr="*bf16", freq_ptr="*fp32", out_ptr="*bf16", s_out="i32",
-             eps="fp32")
-    for name, r, coff, d, sim in (("C4 main fp8", 4, 2, 512, ce.SIM_KV_FP8),
-                                  ("C128 main fp8", 128, 1, 512, ce.SIM_KV_FP8),
-                                  ("indexer fp8", 4, 2, 128, ce.SIM_INDEX_FP8),
-                                  ("indexer fp4", 4, 2, 128, ce.SIM_INDEX_FP4)):
-        ok &= _try(f"compress_entries {name}", ce._compress_entries_kernel, t,
-                   dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
-                        LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5, LIBDEVICE=True),
-                   dict(num_warps=4 if d <= 128 else 8))
+             eps="fp32", v_ptr="*i16", slot_ptr="*i64", st_ptr="*u8", tab_ptr="*i32",
+             st_tab="i32", n_seqs="i32", max_logical="i32", B="i32", BLK="i32")
+    for name, r, coff, d, sim, store in (
+            ("C4 main fp8", 4, 2, 512, ce.SIM_KV_FP8, "fp8_ds_mla"),
+            ("C128 main fp8", 128, 1, 512, ce.SIM_KV_FP8, "fp8_ds_mla"),
+            ("indexer fp8", 4, 2, 128, ce.SIM_INDEX_FP8, "fp8"),
+            ("indexer fp4", 4, 2, 128, ce.SIM_INDEX_FP4, "fp4")):
+        for stores in (False, True):  # the entries alone, and stored in the same launch
+            ok &= _try(f"compress_entries {name} store={store if stores else None}",
+                       ce._compress_entries_kernel, t,
+                       dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
+                            LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5, LIBDEVICE=True,
+                            **entry_store_constants(store, d, stores)),
+                       dict(num_warps=4 if d <= 128 else 8))
     return ok
+
+
+def entry_store_constants(fmt_name: str, d: int, stores: bool) -> dict:
+    """The compress kernel's store constants (``STORE`` ... ``IN_BF16``) for entries of ``d``
+    bf16 values stored in format ``fmt_name`` (``fp8_ds_mla``: 64 rope dims), or none stored."""
+    import torch
+
+    from dsv4.cache.formats import index_format, kv_format
+    from dsv4.cache.store import PagedStore
+    from dsv4.kernels import store_rows as sr
+
+    if not stores:
+        return dict(STORE=False, OUT_F32=False, FMT=0, DP=1, NOPE=1, NT=1, TP=1, S_ROPE=0,
+                    RP=1, SB=0, PADP=1, IN_BF16=False)
+    fmt = (kv_format(fmt_name, d, 64, torch.bfloat16) if fmt_name == "fp8_ds_mla"
+           else index_format(fmt_name, d, torch.bfloat16))
+    store = PagedStore("entries", fmt, 64, 1, 1, 1, torch.device("cpu"))
+    code = sr._format_code(store)
+    assert isinstance(code, int)
+    consts = sr._launch_constants(store, code, torch.bfloat16)
+    for name in ("num_warps", "D"):
+        consts.pop(name)
+    rope = consts.pop("ROPE")
+    return {**consts, "S_ROPE": rope, "STORE": True, "OUT_F32": False}
 
 
 def pdl() -> bool:

@@ -1,6 +1,7 @@
-"""The one-launch compressed entries kernel against ``Compressor.compress_jobs``: under Triton's
-CPU interpreter (TRITON_INTERPRET=1) on the tiny preset, on a GPU with Flash / Pro shapes, the
-cuda platform's ``_compress_entries`` and CUDA-graph capture on a GPU only."""
+"""The one-launch compressed entries kernel against ``Compressor.compress_jobs``, and with its
+store against ``store_rows``: under Triton's CPU interpreter (TRITON_INTERPRET=1) on the tiny
+preset, on a GPU with Flash / Pro shapes; the cuda platform's cache-write stage and CUDA-graph
+capture on a GPU only."""
 
 from __future__ import annotations
 
@@ -280,10 +281,9 @@ def test_graph_replay_equals_eager(ratio):
 @needs_gpu
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
-    """The cuda layer's ``_compress_entries`` runs the kernel (bf16) and agrees with the base
-    path; its forward agrees with the reference layer's."""
+    """The cuda layer makes and stores each compressor's entries in one launch (the kernel
+    with its store), and its forward agrees with the reference layer's."""
     import dsv4.platforms.cuda as cuda_platform
-    from dsv4 import DeepseekV4Attention
     from dsv4.platforms.cuda import CudaAttention
     from dsv4.testing.random_weights import random_layer_weights
 
@@ -297,19 +297,11 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
     launches = []
 
     def counted(*args, **kw):
-        launches.append(1)
+        launches.append(kw.get("store") is not None)
         return kernel(*args, **kw)
 
     kernel = cuda_platform.compress_entries
     monkeypatch.setattr(cuda_platform, "compress_entries", counted)
-    seen = []
-
-    def checked(comp, step, name, rows):
-        out = CudaAttention._compress_entries(layer, comp, step, name, rows)
-        seen.append((out, DeepseekV4Attention._compress_entries(layer, comp, step, name, rows)))
-        return out
-
-    monkeypatch.setattr(layer, "_compress_entries", checked)
     x = random_x(300, cfg.hidden_size, seed=5).to("cuda", BF16)
     outs = []
     for m in (layer, ref):
@@ -317,9 +309,7 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
         ys = [m(x[:260], torch.arange(260), c)]
         ys += [m(x[i:i + 1], torch.tensor([i]), c) for i in range(260, 300)]
         outs.append(torch.cat(ys))
-    assert seen and len(launches) == len(seen)
-    for got, want in seen:
-        compare(got, want, cfg.simulate_quant)
+    assert launches and all(launches)
     assert rel_err(outs[0], outs[1]) < 1e-2
 
 
@@ -339,12 +329,32 @@ def test_kernel_compiles_for_hopper(case):
     comp, _ = make_compressor(DSV4Config.preset("flash"), ratio, idx, "cpu")
     consts = launch_constants(comp, sim, numerics)
     warps = consts.pop("num_warps")
+    aot = _aot_script()
+    consts.update(aot.entry_store_constants(
+        "fp8_ds_mla" if not idx else (numerics or "fp8").replace("hadamard_", ""), comp.dim,
+        True))
     sig = {"ring_ptr": "*fp32", "rows_ptr": "*fp32", "rsrc_ptr": "*i64", "csrc_ptr": "*i64",
            "s_src": "i32", "ent_ptr": "*i64", "w_ptr": "*bf16", "freq_ptr": "*fp32",
-           "out_ptr": "*bf16", "s_out": "i32", "eps": "fp32", **dict.fromkeys(consts, "constexpr")}
+           "out_ptr": "*bf16", "s_out": "i32", "eps": "fp32", "v_ptr": "*i16",
+           "slot_ptr": "*i64", "st_ptr": "*u8", "tab_ptr": "*i32", "st_tab": "i32",
+           "n_seqs": "i32", "max_logical": "i32", "B": "i32", "BLK": "i32",
+           **dict.fromkeys(consts, "constexpr")}
     src = ASTSource(fn=ce._compress_entries_kernel, signature=sig, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"]
+
+
+def _aot_script():
+    """benchmarks/aot_sm90_regs.py as a module (its store constants for the compress kernel)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "aot_sm90_regs.py"
+    spec = importlib.util.spec_from_file_location("aot_sm90_regs", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @kernel_runs
@@ -445,3 +455,49 @@ def test_keep_ring_rows_kernel_copies_the_kept_rows(width, k):
         keep_ring_rows(ring, rows, dst, src[:0] if k else src[:, None])
     with pytest.raises(ValueError, match="float32"):
         keep_ring_rows(ring.double(), rows, dst, src)
+
+
+@kernel_runs
+@pytest.mark.parametrize(("ratio", "for_indexer", "fmt"), [
+    (4, False, "fp8_ds_mla"), (128, False, "fp8_ds_mla"), (4, False, "bf16"),
+    (4, True, "fp8"), (4, True, "fp4")])
+def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, fmt):
+    """``compress_entries(..., store=, slots=)``: the same entries, and the store's bytes those
+    of ``store_rows`` of them (every stored format the two compressors write; rows across
+    blocks and slots, one of them the first entry without its previous block)."""
+    from dsv4.cache.formats import index_format, kv_format
+    from dsv4.cache.store import PagedStore
+    from dsv4.kernels.store_rows import store_rows
+
+    cfg = DSV4Config.preset("tiny")
+    comp, rotary = make_compressor(cfg, ratio, for_indexer, DEV)
+    jobs = random_jobs(comp, seqs=3, tokens=40, per_kind=2, seed=11, device=DEV)
+    e = jobs.entries.shape[0]
+    row_fmt = (index_format(fmt, comp.dim, BF16) if for_indexer
+               else kv_format(fmt, comp.dim, comp.rope_dim, BF16))
+    stores = []
+    for _ in range(2):
+        store = PagedStore(comp_store_name(for_indexer), row_fmt, 4, 16, 3, 8,
+                           torch.device(DEV))
+        for slot in range(3):
+            store.grow(slot, 4 * 4)
+        store.sync()
+        stores.append(store)
+    for s in stores:  # the same random bytes in both, so that every byte can be compared
+        s.data.copy_(torch.randint(0, 256, s.data.shape, generator=torch.Generator()
+                                   .manual_seed(3)).to(s.data.dtype))
+    slots = torch.arange(e, device=DEV) % 3
+    entries = torch.arange(e, device=DEV) // 3 + 2 * (torch.arange(e, device=DEV) % 2)
+    args = (comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, entries, rotary, BF16,
+            cfg.simulate_quant, cfg.index_numerics)
+    want = compress_entries(*args)
+    store_rows(stores[0], slots, entries, want)
+    got = compress_entries(*args, store=stores[1], slots=slots)
+    assert torch.equal(got, want)
+    assert torch.equal(stores[1].data, stores[0].data)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        compress_entries(*args, store=stores[1], slots=slots[:-1])
+
+
+def comp_store_name(for_indexer: bool) -> str:
+    return "idx_keys" if for_indexer else "compressed"

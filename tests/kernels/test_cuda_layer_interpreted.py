@@ -62,9 +62,9 @@ def _record_calls(monkeypatch, module, *names: str) -> list[str]:
     for name in names:
         real = getattr(module, name)
 
-        def spy(*args, _real=real, _name=name):
-            calls.append(_name)
-            return _real(*args)
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name + ("+store" if kw.get("store") is not None else ""))
+            return _real(*args, **kw)
 
         monkeypatch.setattr(module, name, spy)
     return calls
@@ -173,10 +173,10 @@ def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
     assert len(calls) == 5 * steps
 
 
-def test_a_compressor_the_kernels_do_not_take_runs_the_base_stage(cpu_cuda_layer, monkeypatch):
-    """Where a kernel refuses one compressor's raw rows, the cache-write stage runs the base
-    path for the step (its fine points, the platform's ``_store_rows`` and
-    ``_compress_entries`` kernels among them): the same outputs and stores."""
+def test_raw_rows_the_kernels_do_not_take_run_the_base_point(cpu_cuda_layer, monkeypatch):
+    """Where a kernel refuses a compressor's raw rows, the cache-write stage takes them from the
+    base's ``_raw_rows`` and makes and stores the entries in the same launches as before:
+    the same outputs and stores."""
     import dsv4.platforms.cuda as cuda
 
     cfg = DSV4Config.preset("tiny")
@@ -185,7 +185,7 @@ def test_a_compressor_the_kernels_do_not_take_runs_the_base_stage(cpu_cuda_layer
     calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "compress_entries")
     y2, st2 = _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
     assert "raw_rows_pair" not in calls and "raw_rows" not in calls
-    assert calls.count("compress_entries") > 0
+    assert calls.count("compress_entries+store") > 0 and "compress_entries" not in calls
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name

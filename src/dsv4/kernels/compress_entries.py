@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.cache.store import PagedStore
 from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
+from dsv4.kernels.store_rows import store_row_target
 from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
@@ -113,8 +115,10 @@ if triton_available():
         FP8_MAX,
         pow2,
         round_minifloat,
+        rounded,
         scale_exponent,
     )
+    from dsv4.kernels.store_rows import store_row
 
     @triton.jit
     def _exp(x, LIBDEVICE: tl.constexpr):
@@ -187,12 +191,22 @@ if triton_available():
     @triton.jit
     def _compress_entries_kernel(
         ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr, out_ptr, s_out,
-        eps,
+        eps, v_ptr, slot_ptr, st_ptr, tab_ptr, st_tab, n_seqs, max_logical, B, BLK,
         R: tl.constexpr, COFF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
         BC: tl.constexpr, SIM: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
         LIBDEVICE: tl.constexpr,
+        STORE: tl.constexpr = False, OUT_F32: tl.constexpr = False, FMT: tl.constexpr = 0,
+        DP: tl.constexpr = 1, NOPE: tl.constexpr = 1, NT: tl.constexpr = 1,
+        TP: tl.constexpr = 1, S_ROPE: tl.constexpr = 0, RP: tl.constexpr = 1,
+        SB: tl.constexpr = 0, PADP: tl.constexpr = 1, IN_BF16: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):
+        """One program an entry (module docstring). STORE: the program then also writes its
+        entry into the paged store (``st_ptr`` ...: :func:`dsv4.kernels.store_rows.store_row`
+        with FMT ... IN_BF16, the store's ROPE as S_ROPE) as row ``ent[e]`` of slot
+        ``slot[e]``, reading back the values it wrote through ``v_ptr`` (``out``, or its int16
+        view for bf16); OUT_F32 (the interpreter's fp32 ``out``): those values rounded to bf16
+        first, as the host's cast of ``out`` rounds them."""
         wait_for_prior_kernel(PDL)
         e = tl.program_id(0).to(tl.int64)
         ch = tl.arange(0, D)
@@ -227,7 +241,14 @@ if triton_available():
         u = pooled * inv_rms * tl.load(w_ptr + ch).to(tl.float32)
         u = _rope_interleaved(u, tl.load(ent_ptr + e) * R, freq_ptr, D, ROPE, LIBDEVICE)
         u = _simulate(u, D, ROPE, SIM, LOG2D, HSCALE, LIBDEVICE)
+        if STORE and OUT_F32:
+            u = rounded(u, tl.bfloat16)
         tl.store(out_ptr + e * s_out + ch, u.to(out_ptr.dtype.element_ty))
+        if STORE:
+            tl.debug_barrier()  # the row's values, written by every thread, read back by all
+            store_row(st_ptr, v_ptr + e * s_out, tl.load(slot_ptr + e).to(tl.int64),
+                      tl.load(ent_ptr + e).to(tl.int64), tab_ptr, st_tab, n_seqs, max_logical,
+                      B, BLK, FMT, D, DP, NOPE, NT, TP, S_ROPE, RP, SB, PADP, IN_BF16)
         let_next_kernel_launch(PDL)
 
 
@@ -416,12 +437,27 @@ def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) 
 def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
                      ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
                      rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
-                     index_numerics: str | None) -> torch.Tensor:
+                     index_numerics: str | None, store: PagedStore | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """:meth:`Compressor.compress_jobs` (same arguments) in one launch; entries [E, comp.dim] in
-    ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason."""
+    ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason.
+
+    With ``store`` (and ``slots`` [E]): the same launch also writes entry ``e`` into the paged
+    store as row ``entries[e]`` of the sequence in ``slots[e]``, byte for byte what
+    :func:`dsv4.kernels.store_rows.store_rows` of the returned entries writes (one launch for
+    both; ValueError where :func:`~dsv4.kernels.store_rows.store_row_target` gives a reason)."""
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
+    target = None
+    if store is not None:
+        target = store_row_target(store, out_dtype, rows.device)
+        if isinstance(target, str):
+            raise ValueError(f"compress_entries kernel, {store.name} store: {target}")
+        if (not isinstance(slots, torch.Tensor) or slots.shape != entries.shape
+                or slots.device != rows.device or slots.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"compress_entries kernel: slots must be int64 [E={entries.shape[0]}]"
+                             f" on {rows.device} beside a store")
     d, width, n = comp.dim, comp.raw_width, comp.coff * comp.ratio
     if ring.dtype != torch.float32 or ring.shape[-1] != width or not ring.is_contiguous():
         raise ValueError(f"ring must be contiguous float32 [..., {width}], got {ring.dtype} "
@@ -440,11 +476,26 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         return out.to(out_dtype)
     rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
+    if target is None:
+        stored: tuple[object, ...] = (out, out, out, out, 0, 0, 0, 0, 0)  # unused
+        consts: dict[str, object] = {}
+    else:
+        assert slots is not None and not isinstance(target, str)
+        (st, table, st_tab, n_seqs, max_logical, b, blk), consts = target
+        in_bf16 = out.dtype == torch.bfloat16
+        consts = dict(consts)
+        s_rope = consts.pop("ROPE")
+        assert consts.pop("D") == comp.dim
+        consts.update(S_ROPE=s_rope, IN_BF16=in_bf16, STORE=True,
+                      OUT_F32=out.dtype == torch.float32)
+        stored = (out.view(torch.int16) if in_bf16 else out, slots.contiguous(), st, table,
+                  st_tab, n_seqs, max_logical, b, blk)
     launch(_compress_entries_kernel, (e,),
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
+        *stored,
         **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),
-        **pdl_args(ring.device),
+        **consts, **pdl_args(ring.device),
     )
     return out.to(out_dtype)
 

@@ -55,7 +55,7 @@ from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 
-__all__ = ["store_rows", "store_rows_problem"]
+__all__ = ["store_row_problem", "store_row_target", "store_rows", "store_rows_problem"]
 
 FMT_DENSE_BF16, FMT_DENSE_F32, FMT_FP8_DS_MLA, FMT_INDEX_FP8, FMT_INDEX_FP4 = 0, 1, 2, 3, 4
 VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,6 +90,12 @@ def _problem(store: PagedStore, values: object) -> tuple[type[Exception], str]:
         return TypeError, f"store must be a PagedStore, got {type(store).__name__}"
     if not isinstance(values, torch.Tensor):
         return TypeError, f"values must be a tensor, got {type(values).__name__}"
+    return _values_problem(store, values.dtype, tuple(values.shape), values.device)
+
+
+def _values_problem(store: PagedStore, dtype: torch.dtype, shape: tuple[int, ...],
+                    device: torch.device) -> tuple[type[Exception], str]:
+    """:func:`_problem` for values of this dtype, shape and device."""
     if not triton_available():
         return RuntimeError, "Triton is not installed"
     dev = store.data.device
@@ -98,14 +104,14 @@ def _problem(store: PagedStore, values: object) -> tuple[type[Exception], str]:
     code = _format_code(store)
     if isinstance(code, str):
         return TypeError, code
-    if values.dtype not in VALUE_DTYPES:
-        return TypeError, (f"values dtype {values.dtype} (the kernel takes bf16, float16 or "
+    if dtype not in VALUE_DTYPES:
+        return TypeError, (f"values dtype {dtype} (the kernel takes bf16, float16 or "
                            "float32 values)")
-    if values.device != dev:
-        return ValueError, f"values are on {values.device}, the {store.name} store on {dev}"
+    if device != dev:
+        return ValueError, f"values are on {device}, the {store.name} store on {dev}"
     d = store.fmt.dim
-    if values.dim() != 2 or values.shape[1] != d:
-        return ValueError, f"values must be [N, {d}], got {tuple(values.shape)}"
+    if len(shape) != 2 or shape[1] != d:
+        return ValueError, f"values must be [N, {d}], got {shape}"
     data, b = store.data, store.block_size
     tab = store.table_dev
     if tab.dtype != torch.int32 or tab.device != dev or tab.dim() != 2 or tab.stride(1) != 1:
@@ -129,6 +135,39 @@ def store_rows_problem(store: PagedStore, values: torch.Tensor) -> str:
     """'' when :func:`store_rows` can write ``values`` into ``store``, else a short reason
     (format, dtype, dim, device...). Host-side checks only (no device sync)."""
     return _problem(store, values)[1]
+
+
+def store_row_problem(store: PagedStore, dtype: torch.dtype, device: torch.device) -> str:
+    """'' when a kernel can encode rows of ``dtype`` values on ``device`` into ``store`` with
+    :func:`store_row` (:func:`store_row_target`), else a short reason. Host-side only."""
+    return _values_problem(store, dtype, (0, store.fmt.dim), device)[1]
+
+
+def store_row_target(store: PagedStore, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[tuple[object, ...], dict[str, object]] | str:
+    """What a kernel that encodes rows of ``dtype`` values (on ``device``) into ``store``
+    passes to :func:`store_row`: (the store's runtime arguments - its data as the kernel
+    addresses it, the device block table, its row stride, the slots it holds, the logical
+    blocks a row holds, the rows a block holds, the block stride -, the encode's compile-time
+    constants without ``num_warps``), or why it cannot (a short reason)."""
+    why = store_row_problem(store, dtype, device)
+    if why:
+        return why
+    code = _format_code(store)
+    assert isinstance(code, int)
+    data = store.data
+    if code == FMT_DENSE_BF16:
+        st, blk = data.view(torch.int16), store.block_size * store.fmt.dim
+    elif code == FMT_DENSE_F32:
+        st, blk = data, store.block_size * store.fmt.dim
+    else:  # the packed bytes as [blocks, block_bytes] (the stride includes the padding)
+        nb, bb = data.shape[0], store.block_bytes
+        st, blk = torch.as_strided(data, (nb, bb), (bb, 1), data.storage_offset()), bb
+    table = store.table_dev
+    consts = _launch_constants(store, code, dtype)
+    consts.pop("num_warps")
+    return ((st, table, table.stride(0), table.shape[0], store.max_logical, store.block_size,
+             blk), consts)
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -226,15 +265,25 @@ if triton_available():
         SB: tl.constexpr, PADP: tl.constexpr, IN_BF16: tl.constexpr,
         PDL: tl.constexpr = False,
     ):
-        """One program per (slot, row, values) triple. ``st_ptr``: the store (FMT 0 its int16
-        view, FMT 1 float32, else its bytes); ``BLK`` the block stride in those elements.
-        FMT 2 (fp8_ds_mla): NT tiles of 64 nope values (TP = next power of two), ROPE rope
-        values (RP), SB scale bytes per row (pad bytes: SB - NT, PADP a power of two above).
-        FMT 3 / 4 (index fp8 / fp4): NT blocks of 128 / 32 values (TP)."""
+        """One program per (slot, row, values) triple: :func:`store_row`."""
         wait_for_prior_kernel(PDL)
         i = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + i).to(tl.int64)
-        row = tl.load(row_ptr + i).to(tl.int64)
+        store_row(st_ptr, v_ptr + i * sv, tl.load(slot_ptr + i).to(tl.int64),
+                  tl.load(row_ptr + i).to(tl.int64), tab_ptr, st_tab, n_seqs, max_logical, B,
+                  BLK, FMT, D, DP, NOPE, NT, TP, ROPE, RP, SB, PADP, IN_BF16)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def store_row(st_ptr, vrow, slot, row, tab_ptr, st_tab, n_seqs, max_logical, B, BLK,
+                  FMT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NOPE: tl.constexpr,
+                  NT: tl.constexpr, TP: tl.constexpr, ROPE: tl.constexpr, RP: tl.constexpr,
+                  SB: tl.constexpr, PADP: tl.constexpr, IN_BF16: tl.constexpr):
+        """Encode the values at ``vrow`` as row ``row`` of the sequence in ``slot`` (int64
+        scalars) of the store at ``st_ptr`` (FMT 0 its int16 view, FMT 1 float32, else its
+        bytes); ``BLK`` the block stride in those elements. FMT 2 (fp8_ds_mla): NT tiles of 64
+        nope values (TP = next power of two), ROPE rope values (RP), SB scale bytes per row (pad
+        bytes: SB - NT, PADP a power of two above). FMT 3 / 4 (index fp8 / fp4): NT blocks of
+        128 / 32 values (TP). IN_BF16: ``vrow`` points at the bf16 values' int16 view."""
         logical = tl.minimum(tl.maximum(row, 0) // B, max_logical - 1)
         slot_ok = (slot >= 0) & (slot < n_seqs)
         phys = tl.load(tab_ptr + tl.where(slot_ok, slot, 0) * st_tab + logical, mask=slot_ok,
@@ -242,7 +291,6 @@ if triton_available():
         valid = (row >= 0) & (phys >= 0)
         off = tl.maximum(row, 0) % B
         blk = st_ptr + tl.maximum(phys, 0) * BLK
-        vrow = v_ptr + i * sv
         if FMT == 0:  # dense bf16
             c = tl.arange(0, DP)
             cm = c < D
@@ -295,7 +343,6 @@ if triton_available():
                      byte.to(tl.uint8), mask=tm[:, None] & valid)
             tl.store(blk + B * (D // 2) + off * NT + t, (k + 127).to(tl.uint8),
                      mask=tm & valid)
-        let_next_kernel_launch(PDL)
 
 
 def _check_index(x: object, what: str, n: int, device: torch.device) -> torch.Tensor:
@@ -311,7 +358,7 @@ def _check_index(x: object, what: str, n: int, device: torch.device) -> torch.Te
     return x
 
 
-def _launch_constants(store: PagedStore, code: int, values: torch.Tensor) -> dict[str, object]:
+def _launch_constants(store: PagedStore, code: int, dtype: torch.dtype) -> dict[str, object]:
     fmt = store.fmt
     d = fmt.dim
     nope, nt, rope, sb = d, 1, 0, 0
@@ -326,7 +373,7 @@ def _launch_constants(store: PagedStore, code: int, values: torch.Tensor) -> dic
         assert d == nt * MXFP4_BLOCK
     return {"FMT": code, "D": d, "DP": _pow2_at_least(d), "NOPE": nope, "NT": nt,
             "TP": _pow2_at_least(nt), "ROPE": rope, "RP": _pow2_at_least(rope), "SB": sb,
-            "PADP": _pow2_at_least(sb - nt), "IN_BF16": values.dtype == torch.bfloat16,
+            "PADP": _pow2_at_least(sb - nt), "IN_BF16": dtype == torch.bfloat16,
             "num_warps": 4 if d > 256 else 2}
 
 
@@ -356,17 +403,10 @@ def store_rows(store: PagedStore, slots: torch.Tensor, rows: torch.Tensor,
     if values.stride(1) != 1:
         values = values.contiguous()
     v = values.view(torch.int16) if values.dtype == torch.bfloat16 else values
-    data = store.data
-    if code == FMT_DENSE_BF16:
-        st, blk = data.view(torch.int16), store.block_size * store.fmt.dim
-    elif code == FMT_DENSE_F32:
-        st, blk = data, store.block_size * store.fmt.dim
-    else:  # the packed bytes as [blocks, block_bytes] (the stride includes the padding)
-        nb, bb = data.shape[0], store.block_bytes
-        st, blk = torch.as_strided(data, (nb, bb), (bb, 1), data.storage_offset()), bb
-    table = store.table_dev
+    target = store_row_target(store, values.dtype, values.device)
+    assert not isinstance(target, str)
+    (st, table, st_tab, n_seqs, max_logical, b, blk), consts = target
     launch(_store_rows_kernel, (n,),
-        st, v, v.stride(0), slots, rows, table, table.stride(0), table.shape[0],
-        store.max_logical, store.block_size, blk,
-        **_launch_constants(store, code, values), **pdl_args(st.device),
+        st, v, v.stride(0), slots, rows, table, st_tab, n_seqs, max_logical, b, blk,
+        **consts, num_warps=4 if store.fmt.dim > 256 else 2, **pdl_args(dev),
     )

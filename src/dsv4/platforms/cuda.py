@@ -18,8 +18,8 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   (+ fp8 simulation) one more (:mod:`dsv4.platforms.cuda_elementwise`).
 * Stage 3: the cache writes are one launch per store (block-table lookup and the format's
   encode in the kernel, the same bytes: :mod:`dsv4.kernels.store_rows`); a C4 layer's two
-  compressors' raw rows are one launch, and each compressor's entries one
-  (:mod:`dsv4.kernels.compress_entries`).
+  compressors' raw rows are one launch, and each compressor's entries one, which also stores
+  them (:mod:`dsv4.kernels.compress_entries`).
 * Stage 4: the indexer's query is one launch after its GEMM; its selection (bf16 queries, an
   index key format the kernels read) runs in Triton over the paged ``idx_keys`` store -
   decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, or at most ``VERIFY_MAX_TOKENS`` per
@@ -91,8 +91,7 @@ from dsv4.kernels.paged_rows import (
     visible_entry_rows,
     window_flat_rows,
 )
-from dsv4.kernels.store_rows import store_rows, store_rows_problem
-from dsv4.layers.compressor import Compressor
+from dsv4.kernels.store_rows import store_row_problem, store_rows, store_rows_problem
 from dsv4.layers.linear import Linear
 from dsv4.platforms.cuda_attention import (
     BackendChoice,
@@ -391,12 +390,41 @@ class CudaAttention(DeepseekV4Attention):
     @override
     def _write_cache(self, step: CacheStep, kv: torch.Tensor, kv_score: torch.Tensor | None,
                      idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score)
-        if raw is None:
+        if not self._step_kernels_enabled:
             return super()._write_cache(step, kv, kv_score, idx_kv_score)
+        raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score)
+        if raw is None:  # a kernel refused a compressor's raw rows: the base's point for them
+            raw = {name: self._raw_rows(comp, score, step.pos)
+                   for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score)}
         self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
-        self._store_entries(step, raw)
+        self._entries_in_kernels(step, raw)
         return raw
+
+    def _entries_in_kernels(self, step: CacheStep, raw: dict[str, torch.Tensor]) -> None:
+        """Every entry the step completes (the base's ``_store_entries``), each compressor's
+        made and stored in one launch (:func:`compress_entries` with its store) where the
+        kernels take both; made by the kernel and stored through :meth:`_store_rows` where only
+        the compress kernel does; else the base's points. A padded step's entry jobs run every
+        step, so this is one launch a compressor a step instead of two."""
+        comps = self._compressors()
+        sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
+        for name, rows in raw.items():
+            job = step.jobs[name]
+            if not job.count:
+                continue
+            comp = comps[name]
+            if kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None:
+                values = self._compress_entries(comp, step, name, rows)
+            else:
+                store = step.pool.stores[name]
+                fused = not store_row_problem(store, self.dtype, rows.device)
+                values = compress_entries(comp, step.ring(name), rows, job.ring_src,
+                                          job.call_src, job.entries, self.rotary, self.dtype,
+                                          sim, numerics, store=store if fused else None,
+                                          slots=job.slots if fused else None)
+                if fused:
+                    continue
+            self._store_rows(step, name, job.slots, job.entries, values)
 
     def _raw_rows_in_kernels(self, step: CacheStep, kv_score: torch.Tensor | None,
                              idx_kv_score: torch.Tensor | None
@@ -425,17 +453,6 @@ class CudaAttention(DeepseekV4Attention):
             store_rows(store, slots, rows, values)
         else:
             super()._store_rows(step, name, slots, rows, values)
-
-    @override
-    def _compress_entries(self, comp: Compressor, step: CacheStep, name: str,
-                          rows: torch.Tensor) -> torch.Tensor:
-        sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
-        if (not self._step_kernels_enabled
-                or kernel_unsupported(comp, rows, self.dtype, sim, numerics) is not None):
-            return super()._compress_entries(comp, step, name, rows)
-        job = step.jobs[name]
-        return compress_entries(comp, step.ring(name), rows, job.ring_src, job.call_src,
-                                job.entries, self.rotary, self.dtype, sim, numerics)
 
     # ---- stage 4: selection -----------------------------------------------------------
     @override
