@@ -153,6 +153,15 @@ def store_row_target(store: PagedStore, dtype: torch.dtype, device: torch.device
     why = store_row_problem(store, dtype, device)
     if why:
         return why
+    args, consts = _row_target(store, dtype)
+    consts.pop("num_warps")
+    return args, consts
+
+
+def _row_target(store: PagedStore, dtype: torch.dtype
+                ) -> tuple[tuple[object, ...], dict[str, object]]:
+    """:func:`store_row_target` of a store the checks passed, the constants with the store
+    kernel's ``num_warps``."""
     code = _format_code(store)
     assert isinstance(code, int)
     data = store.data
@@ -164,10 +173,8 @@ def store_row_target(store: PagedStore, dtype: torch.dtype, device: torch.device
         nb, bb = data.shape[0], store.block_bytes
         st, blk = torch.as_strided(data, (nb, bb), (bb, 1), data.storage_offset()), bb
     table = store.table_dev
-    consts = _launch_constants(store, code, dtype)
-    consts.pop("num_warps")
     return ((st, table, table.stride(0), table.shape[0], store.max_logical, store.block_size,
-             blk), consts)
+             blk), _launch_constants(store, code, dtype))
 
 
 # ---------------------------------------------------------------------------------- kernel
@@ -398,15 +405,11 @@ def store_rows(store: PagedStore, slots: torch.Tensor, rows: torch.Tensor,
     rows = _check_index(rows, "rows", n, dev)
     if n == 0:
         return
-    code = _format_code(store)
-    assert isinstance(code, int)
     if values.stride(1) != 1:
         values = values.contiguous()
     v = values.view(torch.int16) if values.dtype == torch.bfloat16 else values
-    target = store_row_target(store, values.dtype, values.device)
-    assert not isinstance(target, str)
-    (st, table, st_tab, n_seqs, max_logical, b, blk), consts = target
+    (st, table, st_tab, n_seqs, max_logical, b, blk), consts = _row_target(store, values.dtype)
     launch(_store_rows_kernel, (n,),
         st, v, v.stride(0), slots, rows, table, st_tab, n_seqs, max_logical, b, blk,
-        **consts, num_warps=4 if store.fmt.dim > 256 else 2, **pdl_args(dev),
+        **consts, **pdl_args(dev),
     )
