@@ -62,6 +62,9 @@ AOT_PDL = False
 def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
     if "PDL" in fn.arg_names and "PDL" not in consts:
         consts = {**consts, "PDL": AOT_PDL}
+    # constexprs left out take the kernel's defaults (a launch that does not pass them)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+              **consts}
     if "USE_PDL" in consts and AOT_PDL:
         consts = {**consts, "USE_PDL": True}
     sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
@@ -295,7 +298,7 @@ def steps() -> bool:
             ok &= _try(f"indexer score {fmt} zero={zero}", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=zero, PIPE=0, QG=1),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=zero, PIPE=0),
                        dict(num_warps=4))
         # score_probe.py's variants (128-entry tiles at 4 warps: 255 registers and 112-1904
         # bytes of stack, not probed)
@@ -303,14 +306,14 @@ def steps() -> bool:
             ok &= _try(f"indexer score {fmt} block={bn} stages={pipe}", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=bn, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe, QG=1),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe),
                        dict(num_warps=4))
         # score_probe.py's 8-warp variants (one query a program; bf16 keys spill at 128)
         for bn in (64, 128) if fmt != "bf16" else (64,):
             ok &= _try(f"indexer score {fmt} block={bn} warps=8", it._score_kernel,
                        {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=bn, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=0, QG=1),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=0),
                        dict(num_warps=8))
         # scoring groups (a verify step's queries of one sequence a program), their warps
         for qg, warps in ((2, 8), (4, 8), (4, 16)):
@@ -403,33 +406,25 @@ def stages() -> bool:
                        ce._compress_entries_kernel, t,
                        dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
                             LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5, LIBDEVICE=True,
-                            **entry_store_constants(store, d, stores)),
+                            **(entry_store_constants(store, d) if stores else {})),
                        dict(num_warps=4 if d <= 128 else 8))
     return ok
 
 
-def entry_store_constants(fmt_name: str, d: int, stores: bool) -> dict:
-    """The compress kernel's store constants (``STORE`` ... ``IN_BF16``) for entries of ``d``
-    bf16 values stored in format ``fmt_name`` (``fp8_ds_mla``: 64 rope dims), or none stored."""
+def entry_store_constants(fmt_name: str, d: int) -> dict:
+    """The compress kernel's constants for entries of ``d`` bf16 values stored in format
+    ``fmt_name`` (``fp8_ds_mla``: 64 rope dims), as ``compress_entries`` passes them."""
     import torch
 
     from dsv4.cache.formats import index_format, kv_format
     from dsv4.cache.store import PagedStore
     from dsv4.kernels import store_rows as sr
 
-    if not stores:
-        return dict(STORE=False, OUT_F32=False, FMT=0, DP=1, NOPE=1, NT=1, TP=1, S_ROPE=0,
-                    RP=1, SB=0, PADP=1, IN_BF16=False)
     fmt = (kv_format(fmt_name, d, 64, torch.bfloat16) if fmt_name == "fp8_ds_mla"
            else index_format(fmt_name, d, torch.bfloat16))
     store = PagedStore("entries", fmt, 64, 1, 1, 1, torch.device("cpu"))
-    code = sr._format_code(store)
-    assert isinstance(code, int)
-    consts = sr._launch_constants(store, code, torch.bfloat16)
-    for name in ("num_warps", "D"):
-        consts.pop(name)
-    rope = consts.pop("ROPE")
-    return {**consts, "S_ROPE": rope, "STORE": True, "OUT_F32": False}
+    # the store's constants without the device check (no GPU here)
+    return ce.store_constants(sr._row_target(store, torch.bfloat16)[1], torch.bfloat16)
 
 
 def pdl() -> bool:

@@ -331,8 +331,7 @@ def test_kernel_compiles_for_hopper(case):
     warps = consts.pop("num_warps")
     aot = _aot_script()
     consts.update(aot.entry_store_constants(
-        "fp8_ds_mla" if not idx else (numerics or "fp8").replace("hadamard_", ""), comp.dim,
-        True))
+        "fp8_ds_mla" if not idx else (numerics or "fp8").replace("hadamard_", ""), comp.dim))
     sig = {"ring_ptr": "*fp32", "rows_ptr": "*fp32", "rsrc_ptr": "*i64", "csrc_ptr": "*i64",
            "s_src": "i32", "ent_ptr": "*i64", "w_ptr": "*bf16", "freq_ptr": "*fp32",
            "out_ptr": "*bf16", "s_out": "i32", "eps": "fp32", "v_ptr": "*i16",
@@ -497,6 +496,11 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
     assert torch.equal(stores[1].data, stores[0].data)
     with pytest.raises(ValueError, match="slots must be int64"):
         compress_entries(*args, store=stores[1], slots=slots[:-1])
+    other = PagedStore("other", index_format("fp8", 2 * comp.dim, BF16) if for_indexer
+                       else kv_format("bf16", 2 * comp.dim, comp.rope_dim, BF16), 4, 16, 3, 8,
+                       torch.device(DEV))
+    with pytest.raises(ValueError, match=f"holds rows of {2 * comp.dim} values"):
+        compress_entries(*args, store=other, slots=slots)
 
 
 def comp_store_name(for_indexer: bool) -> str:

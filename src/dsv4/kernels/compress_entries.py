@@ -50,7 +50,7 @@ from dsv4.layers.rotary import RotaryEmbedding
 
 __all__ = ["compress_entries", "keep_ring_rows", "keep_ring_rows_pair", "keep_ring_rows_problem",
            "kernel_unsupported", "launch_constants", "raw_rows", "raw_rows_pair",
-           "raw_rows_problem", "sim_mode"]
+           "raw_rows_problem", "sim_mode", "store_constants"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -454,6 +454,9 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         target = store_row_target(store, out_dtype, rows.device)
         if isinstance(target, str):
             raise ValueError(f"compress_entries kernel, {store.name} store: {target}")
+        if store.fmt.dim != comp.dim:
+            raise ValueError(f"compress_entries kernel: the {store.name} store holds rows of "
+                             f"{store.fmt.dim} values, the compressor's entries have {comp.dim}")
         if (not isinstance(slots, torch.Tensor) or slots.shape != entries.shape
                 or slots.device != rows.device or slots.dtype not in (torch.int64, torch.int32)):
             raise ValueError(f"compress_entries kernel: slots must be int64 [E={entries.shape[0]}]"
@@ -481,15 +484,10 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         consts: dict[str, object] = {}
     else:
         assert slots is not None and not isinstance(target, str)
-        (st, table, st_tab, n_seqs, max_logical, b, blk), consts = target
-        in_bf16 = out.dtype == torch.bfloat16
-        consts = dict(consts)
-        s_rope = consts.pop("ROPE")
-        assert consts.pop("D") == comp.dim
-        consts.update(S_ROPE=s_rope, IN_BF16=in_bf16, STORE=True,
-                      OUT_F32=out.dtype == torch.float32)
-        stored = (out.view(torch.int16) if in_bf16 else out, slots.contiguous(), st, table,
-                  st_tab, n_seqs, max_logical, b, blk)
+        (st, table, st_tab, n_seqs, max_logical, b, blk), store_consts = target
+        consts = store_constants(store_consts, out.dtype)
+        stored = (out.view(torch.int16) if consts["IN_BF16"] else out, slots.contiguous(), st,
+                  table, st_tab, n_seqs, max_logical, b, blk)
     launch(_compress_entries_kernel, (e,),
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
@@ -498,6 +496,17 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         **consts, **pdl_args(ring.device),
     )
     return out.to(out_dtype)
+
+
+def store_constants(store_consts: dict[str, object], out_dtype: torch.dtype
+                    ) -> dict[str, object]:
+    """The kernel's constants for storing its entries: ``store_row``'s (those of
+    :func:`~dsv4.kernels.store_rows.store_row_target`) under the kernel's names (the store's
+    ``ROPE`` as ``S_ROPE``; ``D`` is the kernel's own), for entries written as ``out_dtype``
+    (bf16, or the interpreter's float32: then rounded to bf16 first)."""
+    consts = {k: v for k, v in store_consts.items() if k not in ("D", "ROPE", "num_warps")}
+    return {**consts, "S_ROPE": store_consts["ROPE"], "IN_BF16": out_dtype == torch.bfloat16,
+            "STORE": True, "OUT_F32": out_dtype == torch.float32}
 
 
 def launch_constants(comp: Compressor, simulate_quant: bool, index_numerics: str | None,
