@@ -310,6 +310,18 @@ if triton_available():
         return tl.where(j < visible, s, float("-inf"))
 
     @triton.jit
+    def _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale, H: tl.constexpr,
+                     HP: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
+        """Query ``t``'s heads [HP, D] in DT and their weights [HP] times the weight scale
+        (fp32); rows from H on zero."""
+        heads = tl.arange(0, HP)
+        h_ok = heads < H
+        q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh
+                    + tl.arange(0, D)[None, :], mask=h_ok[:, None], other=0.0).to(DT)
+        w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
+        return q, w.to(tl.float32) * weight_scale
+
+    @triton.jit
     def _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
@@ -334,8 +346,6 @@ if triton_available():
         vis = vis.to(tl.int32)
         vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
         cols = tl.arange(0, D)
-        heads = tl.arange(0, HP)
-        h_ok = heads < H
         # the group's heads stacked: row r is head r % HP of query t0 + r // HP
         r = tl.arange(0, QG * HP)
         r_tok = t0 + r // HP
@@ -365,13 +375,11 @@ if triton_available():
                     if slot != lead:  # another sequence's query: its own keys
                         visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
                         if jb * BN < visible:
-                            q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh
-                                        + cols[None, :], mask=h_ok[:, None], other=0.0).to(DT)
-                            w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok,
-                                        other=0.0)
-                            su = _tile_scores(q, w.to(tl.float32) * weight_scale, keys_ptr,
-                                              tab_ptr, slot.to(tl.int64), stab, j, visible,
-                                              max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
+                            q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale,
+                                                H, HP, D, DT)
+                            su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64), stab,
+                                              j, visible, max_logical, blk_stride, B, D, FMT,
+                                              BN, DT, PREC)
                         else:
                             su = tl.full([BN], float("-inf"), tl.float32)
                         tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
@@ -402,13 +410,7 @@ if triton_available():
                     tl.store(z_ptr + t, 0)
             visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
             slot = tl.load(slot_ptr + t).to(tl.int64)
-            heads = tl.arange(0, HP)
-            h_ok = heads < H
-            cols = tl.arange(0, D)
-            q = tl.load(q_ptr + t.to(tl.int64) * sqt + heads[:, None] * sqh + cols[None, :],
-                        mask=h_ok[:, None], other=0.0).to(DT)
-            w = tl.load(w_ptr + t.to(tl.int64) * swt + heads, mask=h_ok, other=0.0)
-            w = w.to(tl.float32) * weight_scale
+            q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale, H, HP, D, DT)
             if PIPE > 0:
                 first = tl.program_id(1) * tiles
                 # tiles of this program that hold a visible entry: 0 .. n_vis - 1
