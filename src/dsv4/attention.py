@@ -555,10 +555,15 @@ class DeepseekV4Attention(nn.Module):
         Must keep: the stored bytes (:meth:`_store_rows`), the entries'
         values (:meth:`_compress_entries`), the raw rows' values (:meth:`_raw_rows`)."""
         self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
-        raw = {name: self._raw_rows(comp, score, step.pos)
-               for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score)}
+        raw = self._all_raw_rows(step, kv_score, idx_kv_score)
         self._store_entries(step, raw)
         return raw
+
+    def _all_raw_rows(self, step: CacheStep, kv_score: torch.Tensor | None,
+                      idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Each compressor's raw rows (:meth:`_raw_rows`) by the store its entries go to."""
+        return {name: self._raw_rows(comp, score, step.pos)
+                for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score)}
 
     def _store_entries(self, step: CacheStep, raw: dict[str, torch.Tensor]) -> None:
         """Every entry the step completes, from each compressor's raw rows ``raw`` (by store

@@ -394,8 +394,7 @@ class CudaAttention(DeepseekV4Attention):
             return super()._write_cache(step, kv, kv_score, idx_kv_score)
         raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score)
         if raw is None:  # a kernel refused a compressor's raw rows: the base's point for them
-            raw = {name: self._raw_rows(comp, score, step.pos)
-                   for comp, name, score in self._compressor_jobs(kv_score, idx_kv_score)}
+            raw = self._all_raw_rows(step, kv_score, idx_kv_score)
         self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
         self._entries_in_kernels(step, raw)
         return raw
