@@ -34,34 +34,11 @@ from dsv4.cache.plan import StepPlan
 from dsv4.kernels.launch import _INTERPRET, triton_available
 from dsv4.passes import process_weights_after_loading
 from dsv4.runner import DecodeRunner
+from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
 from dsv4.testing.random_weights import random_layer_weights
 
 HISTORY = 513
 """Positions before the step: position 513 completes no entry ((513 + 1) % 4 != 0)."""
-
-
-class _NoEvent:
-    """torch.cuda.Event on the CPU build (the layer records events it never waits on there)."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def record(self, *args: object) -> None:
-        pass
-
-
-def _cpu_stand_ins() -> None:
-    """What the CPU build of PyTorch lacks for the cuda platform's layer (as the interpreted
-    layer test does)."""
-    import dsv4.kernels.fused_input_proj as fip
-    import dsv4.kernels.indexer_topk as itk
-    import dsv4.kernels.sparse_mqa as smq
-    import dsv4.platforms.cuda as cuda
-
-    torch.cuda.Event = _NoEvent  # type: ignore[misc, assignment]
-    cuda.mm_fp32_out = lambda x, w: x.float() @ w.float().t()  # type: ignore[assignment]
-    for mod in (fip, itk, smq):
-        mod._n_sm = lambda *_: 132  # type: ignore[attr-defined]
 
 
 def count_launches() -> tuple[collections.Counter[str], Callable[[], None]]:
@@ -87,20 +64,19 @@ def count_launches() -> tuple[collections.Counter[str], Callable[[], None]]:
 
 
 def build_layers(device: str) -> tuple[DSV4Config, list[Any]]:
+    """The tiny preset's SWA, C4 and C128 layers, their step kernels on, no layer graphs."""
     from dsv4.platforms.cuda import CudaAttention
 
     cfg = DSV4Config.preset("tiny")
+    if device == "cpu":
+        return cfg, [build_cpu_cuda_layer(cfg, ratio) for ratio in (0, 4, 128)]
     layers = []
     for ratio in (0, 4, 128):
         lid = cfg.layer_of_ratio(ratio)
-        layer = CudaAttention(cfg, lid, device=device, dtype=torch.bfloat16,
-                              **({"aux_streams": []} if device == "cpu" else {}))
+        layer = CudaAttention(cfg, lid, device=device, dtype=torch.bfloat16)
         layer.load_weights(random_layer_weights(cfg, lid).items())
         process_weights_after_loading(layer)
         layer.use_cuda_graphs(False)
-        if device == "cpu":
-            layer.aux_streams = None  # one stream: the CPU has none
-        layer.use_step_kernels(True)
         layers.append(layer)
     return cfg, layers
 
@@ -110,7 +86,8 @@ def main() -> int:
         raise SystemExit("step_launches needs Triton and a CUDA GPU, or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() and not _INTERPRET else "cpu"
     if device == "cpu":
-        _cpu_stand_ins()
+        for obj, name, value in cpu_stand_ins():
+            setattr(obj, name, value)
     cfg, layers = build_layers(device)
     pools = [layer.new_cache_pool(2, 1024) for layer in layers]
     seqs = [[p.add_sequence() for p in pools]]

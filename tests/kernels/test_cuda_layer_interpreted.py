@@ -14,45 +14,18 @@ import pytest
 import torch
 
 from dsv4 import DSV4Config
-from dsv4.passes import process_weights_after_loading
-from dsv4.testing.random_weights import random_layer_weights
+from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
 
 from conftest import HAS_CUDA, kernel_runs
 
 pytestmark = [kernel_runs, pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the real thing")]
 
 
-class _NoEvent:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def record(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def cpu_cuda_layer(monkeypatch):
-    import dsv4.kernels.fused_input_proj as fip
-    import dsv4.kernels.indexer_topk as itk
-    import dsv4.kernels.sparse_mqa as smq
-    import dsv4.platforms.cuda as cuda
-
-    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
-    monkeypatch.setattr(cuda, "mm_fp32_out", lambda x, w: x.float() @ w.float().t())
-    for mod in (fip, itk, smq):
-        monkeypatch.setattr(mod, "_n_sm", lambda *_: 132)
-
-    def build(cfg: DSV4Config, ratio: int, kernels: bool) -> cuda.CudaAttention:
-        lid = cfg.layer_of_ratio(ratio)
-        layer = cuda.CudaAttention(cfg, lid, device="cpu", dtype=torch.bfloat16, aux_streams=[])
-        layer.load_weights(random_layer_weights(cfg, lid).items())
-        process_weights_after_loading(layer)
-        layer.use_cuda_graphs(False)
-        layer.aux_streams = None  # one stream: the CPU has none
-        layer.use_step_kernels(kernels)
-        return layer
-
-    return build
+    for obj, name, value in cpu_stand_ins():
+        monkeypatch.setattr(obj, name, value)
+    return build_cpu_cuda_layer
 
 
 def _record_calls(monkeypatch, module, *names: str) -> list[str]:
