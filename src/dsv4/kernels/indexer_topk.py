@@ -41,6 +41,14 @@ r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
   2i low, 2i+1 high), then B rows of D/32 UE8M0 bytes (:class:`dsv4.cache.formats.
   IndexFp4Format`).
 
+The score MMA takes the key tile as its left operand, [BN entries, D] x [D, heads]
+(``SCORE_KEYS_ROWS``): on sm_90 the keys are dequantised straight into the wgmma's register
+operand (only their raw bytes pass through shared memory, for the layout change), the query's
+heads sit in shared memory once per program, and the sum over heads runs along each row of the
+accumulator, inside a warp. With the heads on the left ([heads, D] x [D, BN]) every tile's
+dequantised keys were written to shared memory as the right operand and the head sum crossed the
+program's warps through shared memory.
+
 Numerics: dequantised keys are exact in bf16 (e4m3 or e2m1 times a power of two), so on a GPU
 q [bf16] . K runs as a bf16 MMA with exact products and fp32 accumulation; the ReLU, the head
 weights and the sum over heads are fp32. Under the CPU interpreter the MMA runs on fp32 operands
