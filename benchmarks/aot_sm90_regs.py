@@ -395,7 +395,8 @@ def stages() -> bool:
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", rsrc_ptr="*i64", csrc_ptr="*i64", s_src="i32",
              ent_ptr="*i64", w_ptr="*bf16", freq_ptr="*fp32", out_ptr="*bf16", s_out="i32",
              eps="fp32", v_ptr="*i16", slot_ptr="*i64", st_ptr="*u8", tab_ptr="*i32",
-             st_tab="i32", n_seqs="i32", max_logical="i32", B="i32", BLK="i32")
+             st_tab="i32", n_seqs="i32", max_logical="i32", B="i32", BLK="i32",
+             skip_slot="i64")
     for name, r, coff, d, sim, store in (
             ("C4 main fp8", 4, 2, 512, ce.SIM_KV_FP8, "fp8_ds_mla"),
             ("C128 main fp8", 128, 1, 512, ce.SIM_KV_FP8, "fp8_ds_mla"),
@@ -406,7 +407,8 @@ def stages() -> bool:
                        ce._compress_entries_kernel, t,
                        dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
                             LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5, LIBDEVICE=True,
-                            **(entry_store_constants(store, d) if stores else {})),
+                            **(entry_store_constants(store, d) if stores else {}),
+                            SKIP=stores),
                        dict(num_warps=4 if d <= 128 else 8))
     return ok
 

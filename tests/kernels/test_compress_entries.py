@@ -331,12 +331,13 @@ def test_kernel_compiles_for_hopper(case):
     warps = consts.pop("num_warps")
     aot = _aot_script()
     consts.update(aot.entry_store_constants(
-        "fp8_ds_mla" if not idx else (numerics or "fp8").replace("hadamard_", ""), comp.dim))
+        "fp8_ds_mla" if not idx else (numerics or "fp8").replace("hadamard_", ""), comp.dim),
+        SKIP=True)  # as the layer launches it: unused jobs skipped
     sig = {"ring_ptr": "*fp32", "rows_ptr": "*fp32", "rsrc_ptr": "*i64", "csrc_ptr": "*i64",
            "s_src": "i32", "ent_ptr": "*i64", "w_ptr": "*bf16", "freq_ptr": "*fp32",
            "out_ptr": "*bf16", "s_out": "i32", "eps": "fp32", "v_ptr": "*i16",
            "slot_ptr": "*i64", "st_ptr": "*u8", "tab_ptr": "*i32", "st_tab": "i32",
-           "n_seqs": "i32", "max_logical": "i32", "B": "i32", "BLK": "i32",
+           "n_seqs": "i32", "max_logical": "i32", "B": "i32", "BLK": "i32", "skip_slot": "i64",
            **dict.fromkeys(consts, "constexpr")}
     src = ASTSource(fn=ce._compress_entries_kernel, signature=sig, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -475,7 +476,7 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
     row_fmt = (index_format(fmt, comp.dim, BF16) if for_indexer
                else kv_format(fmt, comp.dim, comp.rope_dim, BF16))
     stores = []
-    for _ in range(2):
+    for _ in range(4):
         store = PagedStore(comp_store_name(for_indexer), row_fmt, 4, 16, 3, 8,
                            torch.device(DEV))
         for slot in range(3):
@@ -494,6 +495,18 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
     got = compress_entries(*args, store=stores[1], slots=slots)
     assert torch.equal(got, want)
     assert torch.equal(stores[1].data, stores[0].data)
+    # skip_slot: the jobs of slot 1 (a padded step's unused jobs) write nothing, the others the
+    # same bytes and entries
+    kept = slots != 1
+    store_rows(stores[2], slots[kept], entries[kept], want[kept])
+    got = compress_entries(*args, store=stores[3], slots=slots, skip_slot=1)
+    assert torch.equal(got[kept], want[kept])
+    assert torch.equal(stores[3].data, stores[2].data)
+    assert not torch.equal(stores[3].data, stores[0].data)
+    with pytest.raises(ValueError, match="pass the store too"):
+        compress_entries(*args, skip_slot=1)
+    with pytest.raises(ValueError, match="skip_slot must be an int"):
+        compress_entries(*args, store=stores[3], slots=slots, skip_slot=True)
     with pytest.raises(ValueError, match="slots must be int64"):
         compress_entries(*args, store=stores[1], slots=slots[:-1])
     other = PagedStore("other", index_format("fp8", 2 * comp.dim, BF16) if for_indexer

@@ -199,16 +199,43 @@ if triton_available():
         DP: tl.constexpr = 1, NOPE: tl.constexpr = 1, NT: tl.constexpr = 1,
         TP: tl.constexpr = 1, S_ROPE: tl.constexpr = 0, RP: tl.constexpr = 1,
         SB: tl.constexpr = 0, PADP: tl.constexpr = 1, IN_BF16: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        skip_slot=-1, SKIP: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         """One program an entry (module docstring). STORE: the program then also writes its
         entry into the paged store (``st_ptr`` ...: :func:`dsv4.kernels.store_rows.store_row`
         with FMT ... IN_BF16, the store's ROPE as S_ROPE) as row ``ent[e]`` of slot
         ``slot[e]``, reading back the values it wrote through ``v_ptr`` (``out``, or its int16
         view for bf16); OUT_F32 (the interpreter's fp32 ``out``): those values rounded to bf16
-        first, as the host's cast of ``out`` rounds them."""
+        first, as the host's cast of ``out`` rounds them. SKIP (with STORE): a job of slot
+        ``skip_slot`` does nothing - neither its entry nor its ``out`` row is written."""
         wait_for_prior_kernel(PDL)
         e = tl.program_id(0).to(tl.int64)
+        if SKIP:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.load(slot_ptr + e) != skip_slot:
+                _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr,
+                            freq_ptr, out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr,
+                            st_tab, n_seqs, max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM,
+                            LOG2D, HSCALE, LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP,
+                            S_ROPE, RP, SB, PADP, IN_BF16)
+        else:
+            _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr,
+                        out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr, st_tab, n_seqs,
+                        max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM, LOG2D, HSCALE,
+                        LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP, S_ROPE, RP, SB, PADP,
+                        IN_BF16)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr,
+                    out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr, st_tab, n_seqs,
+                    max_logical, B, BLK, e, R: tl.constexpr, COFF: tl.constexpr,
+                    D: tl.constexpr, ROPE: tl.constexpr, BC: tl.constexpr, SIM: tl.constexpr,
+                    LOG2D: tl.constexpr, HSCALE: tl.constexpr, LIBDEVICE: tl.constexpr,
+                    STORE: tl.constexpr, OUT_F32: tl.constexpr, FMT: tl.constexpr,
+                    DP: tl.constexpr, NOPE: tl.constexpr, NT: tl.constexpr, TP: tl.constexpr,
+                    S_ROPE: tl.constexpr, RP: tl.constexpr, SB: tl.constexpr,
+                    PADP: tl.constexpr, IN_BF16: tl.constexpr):
+        """:func:`_compress_entries_kernel`'s work for job ``e``."""
         ch = tl.arange(0, D)
         width: tl.constexpr = 2 * COFF * D
         m = tl.full([D], -1e30, tl.float32)  # finite: a tile of missing candidates adds 0
@@ -249,7 +276,6 @@ if triton_available():
             store_row(st_ptr, v_ptr + e * s_out, tl.load(slot_ptr + e).to(tl.int64),
                       tl.load(ent_ptr + e).to(tl.int64), tab_ptr, st_tab, n_seqs, max_logical,
                       B, BLK, FMT, D, DP, NOPE, NT, TP, S_ROPE, RP, SB, PADP, IN_BF16)
-        let_next_kernel_launch(PDL)
 
 
     @triton.jit
@@ -438,14 +464,21 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
                      ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
                      rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
                      index_numerics: str | None, store: PagedStore | None = None,
-                     slots: torch.Tensor | None = None) -> torch.Tensor:
+                     slots: torch.Tensor | None = None, skip_slot: int | None = None
+                     ) -> torch.Tensor:
     """:meth:`Compressor.compress_jobs` (same arguments) in one launch; entries [E, comp.dim] in
     ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason.
 
     With ``store`` (and ``slots`` [E]): the same launch also writes entry ``e`` into the paged
     store as row ``entries[e]`` of the sequence in ``slots[e]``, byte for byte what
     :func:`dsv4.kernels.store_rows.store_rows` of the returned entries writes (one launch for
-    both; ValueError where :func:`~dsv4.kernels.store_rows.store_row_target` gives a reason)."""
+    both; ValueError where :func:`~dsv4.kernels.store_rows.store_row_target` gives a reason).
+    ``skip_slot`` (with ``store``): jobs of that slot do nothing - a padded step's unused jobs,
+    in the pool's padding slot, which no sequence reads; their rows of the result are left
+    unwritten (a padded step stores its entries in the launch and discards the result).
+    Without it such a job computes its entry in full: in a decode runner's graph each unused job
+    cost about 11 us (a C128 job pools 128 candidate rows), 98 of a Flash 8-layer step's 816
+    (H100, 2026-12-06)."""
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
@@ -457,6 +490,10 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         if store.fmt.dim != comp.dim:
             raise ValueError(f"compress_entries kernel: the {store.name} store holds rows of "
                              f"{store.fmt.dim} values, the compressor's entries have {comp.dim}")
+        if skip_slot is not None and (isinstance(skip_slot, bool)
+                                      or not isinstance(skip_slot, int)):
+            raise ValueError(f"compress_entries kernel: skip_slot must be an int slot, got "
+                             f"{skip_slot!r}")
         if (not isinstance(slots, torch.Tensor) or slots.shape != entries.shape
                 or slots.device != rows.device or slots.dtype not in (torch.int64, torch.int32)):
             raise ValueError(f"compress_entries kernel: slots must be int64 [E={entries.shape[0]}]"
@@ -480,6 +517,9 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
     if target is None:
+        if skip_slot is not None:
+            raise ValueError("compress_entries kernel: skip_slot skips a job's store; pass the "
+                             "store too")
         stored: tuple[object, ...] = (out, out, out, out, 0, 0, 0, 0, 0)  # unused
         consts: dict[str, object] = {}
     else:
@@ -488,6 +528,8 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         consts = store_constants(store_consts, out.dtype)
         stored = (out.view(torch.int16) if consts["IN_BF16"] else out, slots.contiguous(), st,
                   table, st_tab, n_seqs, max_logical, b, blk)
+        if skip_slot is not None:
+            consts.update(skip_slot=skip_slot, SKIP=True)
     launch(_compress_entries_kernel, (e,),
         ring, rows, ring_src, call_src, ring_src.stride(0), entries,
         comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),

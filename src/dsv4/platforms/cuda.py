@@ -404,7 +404,8 @@ class CudaAttention(DeepseekV4Attention):
         made and stored in one launch (:func:`compress_entries` with its store) where the
         kernels take both; made by the kernel and stored through :meth:`_store_rows` where only
         the compress kernel does; else the base's points. A padded step's entry jobs run every
-        step, so this is one launch a compressor a step instead of two."""
+        step, so this is one launch a compressor a step instead of two, and the unused ones (in
+        the pool's padding slot) return at once."""
         comps = self._compressors()
         sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
         for name, rows in raw.items():
@@ -420,7 +421,8 @@ class CudaAttention(DeepseekV4Attention):
                 values = compress_entries(comp, step.ring(name), rows, job.ring_src,
                                           job.call_src, job.entries, self.rotary, self.dtype,
                                           sim, numerics, store=store if fused else None,
-                                          slots=job.slots if fused else None)
+                                          slots=job.slots if fused else None,
+                                          skip_slot=step.pool.pad_slot if fused else None)
                 if fused:
                     continue
             self._store_rows(step, name, job.slots, job.entries, values)
