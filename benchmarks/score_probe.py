@@ -53,8 +53,6 @@ VARIANTS = {
     "group 4": dict(group=4), "group 4 (16 warps)": dict(group=4, num_warps=16),
     "group 4 (block 32)": dict(group=4, block=32),
     "8 warps": dict(num_warps=8), "block 128 (8 warps)": dict(block=128, num_warps=8),
-    "heads rows": dict(keys_rows=False), "heads rows group 2": dict(keys_rows=False, group=2),
-    "heads rows group 4": dict(keys_rows=False, group=4),
 }
 """Name -> indexer_scores keywords. 128-entry tiles are left out: 255 registers and 112-1904
 bytes of stack at 4 warps (sm_90 compile, ``aot_sm90_regs.py steps``)."""

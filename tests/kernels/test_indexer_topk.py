@@ -267,10 +267,8 @@ def test_fp8_scores_equal_those_of_the_same_keys_in_bf16(kw):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kw", [dict(stages=1), dict(stages=3), dict(block=128),
                                 dict(block=32, stages=2, programs_per_sm=1),
-                                dict(block=128, stages=2, programs_per_sm=16),
-                                dict(keys_rows=True), dict(keys_rows=True, stages=2, block=32)],
-                         ids=["pipe1", "pipe3", "bn128", "bn32-pipe2-1pps", "bn128-pipe2-16pps",
-                              "krows", "krows-pipe2-bn32"])
+                                dict(block=128, stages=2, programs_per_sm=16)],
+                         ids=["pipe1", "pipe3", "bn128", "bn32-pipe2-1pps", "bn128-pipe2-16pps"])
 def test_score_overrides_give_the_same_scores(fmt, kw):
     """The score launch's tile width, pipelined loop and programs per SM change its speed, not
     its scores: programs holding only invisible tiles, a tile cut by the visible end and one by
@@ -302,8 +300,7 @@ def assert_same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("group", [2, 4])
 @pytest.mark.parametrize("shape", ["verify", "ragged"])
-@pytest.mark.parametrize("keys_rows", [False, True])
-def test_score_groups_give_the_same_scores(fmt, group, shape, keys_rows):
+def test_score_groups_give_the_same_scores(fmt, group, shape):
     """Queries scored a group a program - a verify step's tokens sharing their sequence's key
     tiles - score as one query a program: groups aligned with the sequences ("verify": 4 + 4 +
     4 tokens) and groups cut across them ("ragged": 1 + 3 + 2 + 1 + 5 tokens, a sequence with
@@ -316,7 +313,7 @@ def test_score_groups_give_the_same_scores(fmt, group, shape, keys_rows):
     width = step.max_visible(4) + 37
     args = score_args(cfg, step, q, w, width)
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
-    got = indexer_scores(*args, group=group, zero=zero, keys_rows=keys_rows)
+    got = indexer_scores(*args, group=group, zero=zero)
     assert not zero.any()
     assert_same_scores(got, indexer_scores(*args))
     s64, tol = scores_f64(cfg, step, q, w, width)

@@ -41,13 +41,14 @@ r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
   2i low, 2i+1 high), then B rows of D/32 UE8M0 bytes (:class:`dsv4.cache.formats.
   IndexFp4Format`).
 
-The score MMA takes the key tile as its left operand, [BN entries, D] x [D, heads]
-(``SCORE_KEYS_ROWS``): on sm_90 the keys are dequantised straight into the wgmma's register
-operand (only their raw bytes pass through shared memory, for the layout change), the query's
-heads sit in shared memory once per program, and the sum over heads runs along each row of the
-accumulator, inside a warp. With the heads on the left ([heads, D] x [D, BN]) every tile's
-dequantised keys were written to shared memory as the right operand and the head sum crossed the
-program's warps through shared memory.
+The score MMA takes the key tile as its left operand, [BN entries, D] x [D, heads]: on sm_90 the
+keys are dequantised straight into the wgmma's register operand (only their raw bytes pass
+through shared memory, for the layout change), the query's heads sit in shared memory once per
+program, and the sum over heads runs along each row of the accumulator, inside a warp. With the
+heads on the left ([heads, D] x [D, BN], until d61917b) every tile's dequantised keys were
+written to shared memory as the right operand and the head sum crossed the program's warps
+through shared memory: 12-21 % slower in the probe, and a Flash C4 verify step at 64K, M = 16,
+1 + 3 tokens took 420.3 us against 386.7 (H100, 2026-12-06, ``score-keys-rows/``).
 
 Numerics: dequantised keys are exact in bf16 (e4m3 or e2m1 times a power of two), so on a GPU
 q [bf16] . K runs as a bf16 MMA with exact products and fp32 accumulation; the ReLU, the head
@@ -104,9 +105,6 @@ GROUP_WARPS = 8
 are 2-4x one query's: 115 / 202 registers at 2 / 4 queries, no stack; 4 warps spill at 4).
 16 warps at 4 queries: within 4 % of 8 either way in the probe with warm keys (H100,
 2026-12-06, ``score-groups/``); not measured in the layer."""
-SCORE_KEYS_ROWS = True
-"""The score MMA with the key tile on its M side ([entries, D] x [D, heads]; the head sum runs
-along each row) instead of the heads' ([heads, D] x [D, entries])."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -307,7 +305,7 @@ if triton_available():
     @triton.jit
     def _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical, blk_stride,
                      B, D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                     DT: tl.constexpr, PREC: tl.constexpr, KROWS: tl.constexpr = False):
+                     DT: tl.constexpr, PREC: tl.constexpr):
         """[BN] fp32 scores of entries ``j`` for one query (``q`` [HP, D], head weights ``w``
         [HP] times the weight scale): sum over heads of w * relu(q . K[j]); -inf from
         ``visible`` on. Every format's keys reach the MMA as the same dequantised values (fp8:
@@ -316,12 +314,9 @@ if triton_available():
         bit-equal under the interpreter but not on an H100, 2026-12-05, so it was withdrawn.)"""
         k = _load_index_keys(keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
                              blk_stride, B, D, FMT, BN, DT)
-        if KROWS:  # the keys on the MMA's M side: the head sum runs along each row
-            logits = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, HP] fp32
-            s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
-        else:
-            logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [HP, BN] fp32
-            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        # the keys on the MMA's M side (module docstring): the head sum runs along each row
+        logits = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, HP] fp32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
         return tl.where(j < visible, s, float("-inf"))
 
     @triton.jit
@@ -341,8 +336,7 @@ if triton_available():
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
                       D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
-                      PREC: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr,
-                      KROWS: tl.constexpr):
+                      PREC: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr):
         """:func:`_score_kernel`'s program (g, p) for QG queries t0 = g * QG .. t0 + QG - 1:
         the queries of the lead's sequence (t0's slot; a verify step's 1 + k tokens sit next to
         each other) share each tile's keys - one block-table read, one load and one
@@ -377,16 +371,10 @@ if triton_available():
             if jb * BN < vis_lead:
                 k = _load_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab, j, vis_lead,
                                      max_logical, blk_stride, B, D, FMT, BN, DT)
-                if KROWS:  # [BN, QG * HP]: the head sums along each row
-                    logits = tl.dot(k, tl.trans(qs), input_precision=PREC)
-                    weighted = tl.maximum(logits, 0.0) * ws[None, :]
-                    s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)
-                    s = tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
-                else:
-                    logits = tl.dot(qs, tl.trans(k), input_precision=PREC)  # [QG * HP, BN]
-                    weighted = tl.maximum(logits, 0.0) * ws[:, None]
-                    s = tl.sum(tl.reshape(weighted, (QG, HP, BN)), axis=1)
-                    s = tl.where(j[None, :] < vis[:, None], s, float("-inf"))
+                logits = tl.dot(k, tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
+                weighted = tl.maximum(logits, 0.0) * ws[None, :]
+                s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)  # along each row
+                s = tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
             else:
                 s = tl.full([QG, BN], float("-inf"), tl.float32)
             tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
@@ -401,7 +389,7 @@ if triton_available():
                                                 H, HP, D, DT)
                             su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64), stab,
                                               j, visible, max_logical, blk_stride, B, D, FMT,
-                                              BN, DT, PREC, KROWS)
+                                              BN, DT, PREC)
                         else:
                             su = tl.full([BN], float("-inf"), tl.float32)
                         tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
@@ -413,7 +401,7 @@ if triton_available():
                       D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
                       PREC: tl.constexpr, ZERO: tl.constexpr = False,
                       PIPE: tl.constexpr = 0, QG: tl.constexpr = 1,
-                      KROWS: tl.constexpr = False, PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False):
         """Program (t, p): query t's entries of tiles p * tiles .. p * tiles + tiles - 1; with
         ZERO, program (t, 0) also sets ``z[t]`` to 0 (the split top-k's arrival count). PIPE
         > 0: the tiles holding visible entries in a loop of their own, software-pipelined over
@@ -424,8 +412,7 @@ if triton_available():
         if QG > 1:
             _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                           tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
-                          weight_scale, z_ptr, T, H, HP, D, BN, FMT, DT, PREC, ZERO, QG,
-                          KROWS)
+                          weight_scale, z_ptr, T, H, HP, D, BN, FMT, DT, PREC, ZERO, QG)
         else:
             t = tl.program_id(0)
             if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
@@ -441,7 +428,7 @@ if triton_available():
                 for i in tl.range(0, n_vis, num_stages=PIPE):
                     j = (first + i) * BN + tl.arange(0, BN)
                     s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical,
-                                     blk_stride, B, D, FMT, BN, DT, PREC, KROWS)
+                                     blk_stride, B, D, FMT, BN, DT, PREC)
                     tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
                 for i in range(n_vis, tiles):
                     j = (first + i) * BN + tl.arange(0, BN)
@@ -453,8 +440,7 @@ if triton_available():
                     j = jb * BN + tl.arange(0, BN)
                     if jb * BN < visible:
                         s = _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible,
-                                         max_logical, blk_stride, B, D, FMT, BN, DT, PREC,
-                                         KROWS)
+                                         max_logical, blk_stride, B, D, FMT, BN, DT, PREC)
                     else:
                         s = tl.full([BN], float("-inf"), tl.float32)
                     tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
@@ -727,8 +713,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                    zero: torch.Tensor | None = None, block: int | None = None,
                    stages: int | None = None,
                    programs_per_sm: int | None = None, group: int | None = None,
-                   num_warps: int | None = None, keys_rows: bool | None = None
-                   ) -> torch.Tensor:
+                   num_warps: int | None = None) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
@@ -796,9 +781,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=bn,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
         PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, PIPE=stages or 0,
-        QG=qg, KROWS=SCORE_KEYS_ROWS if keys_rows is None else bool(keys_rows),
-        num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS),
-        **pdl_args(q.device))
+        QG=qg, num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS), **pdl_args(q.device))
     return s
 
 
