@@ -169,3 +169,21 @@ def test_many_slots_opening_a_block_in_one_step_sync_in_one_copy(monkeypatch):
     store.sync()
     assert copies == [(16, 1)]
     assert torch.equal(store.table_dev, store.table)
+
+
+def test_the_padding_block_starts_as_zeros():
+    """The padding slot's block (where a padded step's tokens and unused jobs land) starts as
+    zeros in every stored format: a padded step may leave its entry 0 unwritten, and what a
+    padded query reads there must be finite. The blocks handed to sequences stay uninitialised."""
+    from dsv4.cache.formats import index_format, kv_format
+
+    for fmt in (DenseFormat("bf16", 16, torch.bfloat16),
+                kv_format("fp8_ds_mla", 512, 64, torch.bfloat16),
+                index_format("fp4", 128, torch.bfloat16)):
+        # storage the allocator reuses: the blocks freed by a store filled with non-zeros
+        old = PagedStore("s", fmt, 4, 3, 3, 4, torch.device("cpu"), padding_slot=2)
+        old.data.fill_(0x7F if old.data.dtype == torch.uint8 else 7.0)
+        del old
+        store = PagedStore("s", fmt, 4, 3, 3, 4, torch.device("cpu"), padding_slot=2)
+        assert store.table[2, 0] == 3
+        assert not store.data[3].any()

@@ -13,7 +13,8 @@ CPU, which hid a fork's rows that waited for a later step's copy).
 
 The storage holds one block more than the allocator hands out: the padding block, the first
 (and only) block of the padding slot's table row (``padding_slot``). The padded tokens of a
-fixed-shape step write their rows there (position 0, entry 0), where no sequence reads.
+fixed-shape step write their rows there (position 0, entry 0), where no sequence reads; it
+starts as zeros, so whatever a padded query reads there is finite.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class PagedStore:
         self.table = torch.full((max_seqs, max_logical), -1, dtype=torch.int32)
         if padding_slot is not None:  # the padding block (module docstring), never released
             self.table[padding_slot, 0] = num_blocks
+            # zeros: a padded step's unused compressor jobs may leave entry 0 unwritten
+            # (``compress_entries(skip_slot=)``), and what a padded query reads must be finite
+            self.data[num_blocks].zero_()
         self.table_dev = self.table.clone() if device.type == "cpu" else self.table.to(device)
         self._blocks: list[list[int]] = [[] for _ in range(max_seqs)]
         """Physical block of each logical block per slot (-1: released), the host's truth."""
