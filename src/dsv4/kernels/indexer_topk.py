@@ -102,9 +102,9 @@ SCORE_GROUPS = (1, 2, 4)
 warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``)."""
 GROUP_WARPS = 8
 """Warps of a scoring program of several queries (their stacked heads and the MMA's result
-are 2-4x one query's: 115 / 202 registers at 2 / 4 queries, no stack; 4 warps spill at 4).
-16 warps at 4 queries: within 4 % of 8 either way in the probe with warm keys (H100,
-2026-12-06, ``score-groups/``); not measured in the layer."""
+are 2-4x one query's: with the keys on the MMA's M side 204 / 236 registers at 2 / 4
+queries, no stack; 4 warps spill at 4, and so do 16 warps at 4 - which, with the heads on the
+M side, had been within 4 % of 8 in the probe: H100, 2026-12-06, ``score-groups/``)."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
