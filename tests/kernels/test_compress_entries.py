@@ -483,7 +483,7 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
             store.grow(slot, 4 * 4)
         store.sync()
         stores.append(store)
-    for s in stores:  # the same random bytes in both, so that every byte can be compared
+    for s in stores:  # the same random bytes in all, so that every byte can be compared
         s.data.copy_(torch.randint(0, 256, s.data.shape, generator=torch.Generator()
                                    .manual_seed(3)).to(s.data.dtype))
     slots = torch.arange(e, device=DEV) % 3

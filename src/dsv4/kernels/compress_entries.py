@@ -210,14 +210,10 @@ if triton_available():
         ``skip_slot`` does nothing - neither its entry nor its ``out`` row is written."""
         wait_for_prior_kernel(PDL)
         e = tl.program_id(0).to(tl.int64)
-        if SKIP:  # noqa: SIM102 - a constexpr beside a runtime test
-            if tl.load(slot_ptr + e) != skip_slot:
-                _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr,
-                            freq_ptr, out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr,
-                            st_tab, n_seqs, max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM,
-                            LOG2D, HSCALE, LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP,
-                            S_ROPE, RP, SB, PADP, IN_BF16)
-        else:
+        run = True
+        if SKIP:
+            run = tl.load(slot_ptr + e) != skip_slot
+        if run:
             _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr,
                         out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr, st_tab, n_seqs,
                         max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM, LOG2D, HSCALE,
@@ -482,6 +478,13 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
+    if skip_slot is not None:
+        if store is None:
+            raise ValueError("compress_entries kernel: skip_slot skips a job's store; pass the "
+                             "store too")
+        if isinstance(skip_slot, bool) or not isinstance(skip_slot, int):
+            raise ValueError(f"compress_entries kernel: skip_slot must be an int slot, got "
+                             f"{skip_slot!r}")
     target = None
     if store is not None:
         target = store_row_target(store, out_dtype, rows.device)
@@ -490,10 +493,6 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
         if store.fmt.dim != comp.dim:
             raise ValueError(f"compress_entries kernel: the {store.name} store holds rows of "
                              f"{store.fmt.dim} values, the compressor's entries have {comp.dim}")
-        if skip_slot is not None and (isinstance(skip_slot, bool)
-                                      or not isinstance(skip_slot, int)):
-            raise ValueError(f"compress_entries kernel: skip_slot must be an int slot, got "
-                             f"{skip_slot!r}")
         if (not isinstance(slots, torch.Tensor) or slots.shape != entries.shape
                 or slots.device != rows.device or slots.dtype not in (torch.int64, torch.int32)):
             raise ValueError(f"compress_entries kernel: slots must be int64 [E={entries.shape[0]}]"
@@ -517,9 +516,6 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
     if target is None:
-        if skip_slot is not None:
-            raise ValueError("compress_entries kernel: skip_slot skips a job's store; pass the "
-                             "store too")
         stored: tuple[object, ...] = (out, out, out, out, 0, 0, 0, 0, 0)  # unused
         consts: dict[str, object] = {}
     else:
