@@ -96,7 +96,7 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
         mapfile -t IDS < <(grep -v '^#' "$LEFT")
         step gpu-tests/pytest_left.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${IDS[@]}"
     else
-        step verify/verify_cuda.txt 90 python3 -m dsv4 verify --platform cuda
+        step verify/verify_cuda.txt 150 python3 -m dsv4 verify --platform cuda
         step verify/eval_cuda.txt 60 python3 -m dsv4 eval --device cuda --platform cuda \
             --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
         step gpu-tests/pytest_all.txt "${SUITE_SECS:-420}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
