@@ -14,6 +14,7 @@ from dsv4.kernels.fp8_linear import (
     fp8_grouped_linear_reference,
     fp8_linear,
     fp8_linear_reference,
+    quantize_activations,
 )
 from dsv4.kernels.fused_input_proj import _INTERPRET
 from dsv4.layers.fp8 import dequantize_fp8_block
@@ -277,6 +278,45 @@ def test_act_fp8_rounds_exactly(cfg):
     want = float64_eval(xq, w, s)
     assert torch.equal(y.cpu().double(), want)
     assert not torch.equal(want, float64_eval(x, w, s))  # rounding happened
+
+
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_quantize_activations_is_the_official_rule(M):
+    """The pre-quantised activations (kernel or fallback): values times scales equal
+    fp8_block_sim at 128, the scales powers of two, the values e4m3 bytes."""
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    x = act_rows(M, 1024)
+    q, sx = quantize_activations(x.to(DEV))
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (M, 1024)
+    assert sx.dtype == F32 and tuple(sx.shape) == (M, 8)
+    assert torch.equal(torch.log2(sx.cpu()), torch.log2(sx.cpu()).round())
+    back = (q.cpu().float().view(M, 8, 128) * sx.cpu()[..., None]).view(M, 1024)
+    assert torch.equal(back, fp8_block_sim(x, 128).float())
+
+
+@kernel_runs
+@pytest.mark.parametrize("cfg", ACT_CONFIGS)
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_prequantised_activations_equal_the_in_kernel_quantisation(cfg, M):
+    """fp8_linear on quantize_activations' pair: the act_fp8 GEMM's output bit for bit (the
+    same e4m3 values and scales, the same MMAs in the same order)."""
+    w, s = make_weight(256, 1024, device=DEV)
+    x = act_rows(M, 1024).to(DEV)
+    q, sx = quantize_activations(x)
+    y = fp8_linear(q, w, s, out_dtype=F32, config=cfg, x_scales=sx)
+    assert torch.equal(y, fp8_linear(x, w, s, out_dtype=F32, config=cfg))
+
+
+def test_prequantised_activations_bad_input():
+    w, s = make_weight(128, 256)
+    q, sx = quantize_activations(act_rows(3, 256))
+    with pytest.raises(ValueError, match="x_scales must be float32 \\[3, 2\\]"):
+        fp8_linear(q, w, s, x_scales=sx[:, :1])
+    with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
+        fp8_linear(act_rows(3, 256), w, s, x_scales=sx)
+    with pytest.raises(ValueError, match="K a multiple of 128"):
+        quantize_activations(act_rows(3, 256)[:, :100])
 
 
 @kernel_runs

@@ -37,6 +37,7 @@ from dsv4.bench.args import (
     add_out_options,
     check_out,
     check_report_source,
+    int_list,
     pyplot,
     require_cuda,
 )
@@ -209,18 +210,19 @@ def _time_impl(base, name, fn, rot, ref, floor_b, copy_bw, time_graph, tol=2e-2)
 
 
 def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
-              variants: bool = True) -> None:
-    """``variants``: the tile probes around each choice too."""
+              variants: bool = True, ms: tuple[int, ...] = ()) -> None:
+    """``variants``: the tile probes around each choice too; ``ms``: these M only (default
+    ``GEMM_MS``, or its first with ``quick``)."""
     gen = torch.Generator(device=dev).manual_seed(1)
     for model, shapes in GEMMS.items():
         for name, N, K, G in shapes:
             _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                             time_graph, variants)
+                             time_graph, variants, ms)
             torch.cuda.empty_cache()
 
 
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
-                     time_graph, variants: bool = False) -> None:
+                     time_graph, variants: bool = False, ms: tuple[int, ...] = ()) -> None:
     from dsv4.kernels.fp8_linear import (
         Fp8GemmConfig,
         choose_fp8_config,
@@ -228,6 +230,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         fp8_grouped_linear_reference,
         fp8_linear,
         fp8_linear_reference,
+        quantize_activations,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
@@ -239,7 +242,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         w = (torch.randn(N, K, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
         e = torch.randint(115, 125, (N // 128, K // 128), device=dev, generator=gen)
         ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
-    for M in GEMM_MS[:1] if quick else GEMM_MS:
+    for M in ms or (GEMM_MS[:1] if quick else GEMM_MS):
         xshape = (M, G, K) if G > 1 else (M, K)
         xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
               for _ in range(rot)]
@@ -249,6 +252,11 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             if G > 1:
                 return fp8_grouped_linear(xs[i], w, s, config=cfg)
             return fp8_linear(xs[i], w, s, config=cfg)
+
+        def prequant(i: int, cfg: Fp8GemmConfig, xs=xs) -> torch.Tensor:
+            w, s = ws[i]
+            q, sx = quantize_activations(xs[i])
+            return fp8_linear(q, w, s, config=cfg, x_scales=sx)
 
         def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does
             w, s = ws[i]
@@ -297,6 +305,13 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                 act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
+            if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the
+                # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 64 tile
+                pre = [("act8_prequant", act8), ("act8_prequant_bf16tiles", c)]
+                if M > 16:
+                    pre.append(("act8_prequant_mlarge", choose_fp8_config(65, N, K)))
+                for tag, vc in pre:
+                    impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: prequant(i, vc), ref_q))
         for impl, fn, want in impls:
             out_rows.append(_time_impl(base, impl, fn, rot, want, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
@@ -386,6 +401,8 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--only", choices=["attention", "gemm"], default=None,
                     help="run one section only (default: both)")
     ap.add_argument("--no-variants", action="store_true", help="skip the tile-config probes")
+    ap.add_argument("--gemm-ms", type=int_list, default=(),
+                    help="the GEMMs' M values (default 1,16,64; --quick: 1)")
     ap.add_argument("--report-only", action="store_true",
                     help="remake summary.md (+ PNG) from OUT/results.json; no GPU needed")
     return ap
@@ -419,7 +436,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     variants = not args.no_variants
     if args.only in (None, "gemm"):
-        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, variants)
+        gemm_rows(dev, copy_bw, args.quick, res["rows"], time_graph, variants,
+                  tuple(args.gemm_ms))
         save()
     if args.only in (None, "attention"):
         attention_rows(dev, copy_bw, args.quick, res["rows"], time_graph, variants,

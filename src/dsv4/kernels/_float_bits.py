@@ -1,6 +1,7 @@
 """Float-bit helpers the Triton kernels share: powers of two and power-of-two scale exponents
 taken from the float32 bits (never a floating ``log2``, as :func:`dsv4.layers.fp8.ceil_log2`),
-UE8M0 scale bytes decoded from the bits, round-to-nearest-even to bf16 on the bits, and the
+UE8M0 scale bytes decoded from the bits, round-to-nearest-even to bf16 on the bits, e4m3 bytes
+from the bits (the paged stores and pre-quantised GEMM activations), and the
 fp8 / fp4 quantisers' constants as constexpr globals. Triton is imported guarded."""
 
 from __future__ import annotations
@@ -94,3 +95,35 @@ if _HAVE_TRITON:
         # interpreted: e4m3's grid as float32, subnormals included
         q = round_minifloat(y, 3, -6, False) if EMULATE else y.to(tl.float8e4nv)
         return q, pow2(k)
+
+    @triton.jit
+    def minifloat_code(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+        """The magnitude code (no sign bit) of float32 ``y`` rounded to a float format of MANT
+        mantissa bits and smallest normal 2^MIN_EXP, ties to even, subnormals included; no
+        saturation (clamp first). Integer arithmetic on the bits:
+        the 24-bit significand shifted right by 23 - MANT (normal) plus the subnormal distance,
+        rounded to nearest even; the exponent field added after (a carry into it is right)."""
+        a = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        ef = a >> 23
+        e = tl.maximum(ef, 1) - 127
+        m = (a & 0x7FFFFF) | tl.where(ef != 0, 0x800000, 0)
+        s = tl.minimum(23 - MANT + tl.maximum(MIN_EXP - e, 0), 30)  # >= 20; 30: all to 0
+        one = tl.zeros_like(s) + 1
+        q = m >> s
+        rem = m & ((one << s) - 1)
+        half = one << (s - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        q = q + up.to(tl.int32)
+        return q + (tl.maximum(e - MIN_EXP, 0) << MANT)
+
+    @triton.jit
+    def sign_bit(y):
+        """1 where float32 ``y`` has its sign bit set (-0.0 included), else 0 (int32)."""
+        return (y.to(tl.int32, bitcast=True) >> 31) & 1
+
+    @triton.jit
+    def e4m3_bytes(x, k):
+        """E4M3 bytes (int32) of x [T, C] scaled by 2^-k [T], clamped to +-448, RNE."""
+        y = x * pow2(-k)[:, None]
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        return minifloat_code(y, 3, -6) | (sign_bit(y) << 7)

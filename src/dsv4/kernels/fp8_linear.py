@@ -53,8 +53,8 @@ import torch
 from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.fused_input_proj import SplitKWorkspace
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
-from dsv4.layers.fp8 import e8m0_to_float
-from dsv4.layers.quant_sim import fp8_block_sim
+from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, e8m0_to_float, round_e4m3
+from dsv4.layers.quant_sim import fp8_block_sim, pow2_block_scale
 
 __all__ = [
     "Fp8GemmConfig",
@@ -64,6 +64,7 @@ __all__ = [
     "fp8_grouped_linear_reference",
     "fp8_linear",
     "fp8_linear_reference",
+    "quantize_activations",
 ]
 
 BLOCK = 128
@@ -193,7 +194,16 @@ if triton_available():
 
         patch_interpreter_index()
 
-    from dsv4.kernels._float_bits import act_quant_block, rounded, ue8m0
+    from dsv4.kernels._float_bits import (
+        FP8_FLOOR,
+        FP8_MAX,
+        act_quant_block,
+        e4m3_bytes,
+        pow2,
+        rounded,
+        scale_exponent,
+        ue8m0,
+    )
     from dsv4.kernels.fused_input_proj import _fence_gpu
 
     @triton.jit
@@ -215,10 +225,11 @@ if triton_available():
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
+        xs_ptr, sxs,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
-        DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr = False, INTERP: tl.constexpr = False,
-        PDL: tl.constexpr = False,
+        DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False,
+        INTERP: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
@@ -256,17 +267,32 @@ if triton_available():
             if ACT_FP8:
                 # fp8 x fp8 MMA (the weight tile as stored), each token's block product times
                 # its activation scale and the weight block's scale; interpreted: fp32 operands
-                # of the same values
+                # of the same values. X_FP8: x arrives quantised (e4m3 bytes, float32 scales
+                # [M, Kg / 128]), else each program quantises its tile here
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
                 if INTERP:
                     w = w.to(tl.float32)
+                if X_FP8:
+                    sx = tl.load(xs_ptr + offs_m * sxs + kb, mask=m_mask, other=0.0)
                 if SWAP:
-                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                    xq, sx = act_quant_block(xt, 0, INTERP)
+                    if X_FP8:
+                        xq = tl.load(x_ptrs, mask=m_mask[None, :], other=0)
+                        xq = xq.to(tl.float8e4nv, bitcast=True)
+                        if INTERP:
+                            xq = xq.to(tl.float32)
+                    else:
+                        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                        xq, sx = act_quant_block(xt, 0, INTERP)
                     acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
                 else:
-                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
-                    xq, sx = act_quant_block(xt, 1, INTERP)
+                    if X_FP8:
+                        xq = tl.load(x_ptrs, mask=m_mask[:, None], other=0)
+                        xq = xq.to(tl.float8e4nv, bitcast=True)
+                        if INTERP:
+                            xq = xq.to(tl.float32)
+                    else:
+                        xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+                        xq, sx = act_quant_block(xt, 1, INTERP)
                     acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
             else:
                 # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
@@ -329,6 +355,25 @@ if triton_available():
         let_next_kernel_launch(PDL)
 
 
+    @triton.jit
+    def _act_quant_kernel(x_ptr, sxm, q_ptr, s_ptr, M, K, BM: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        """Rows ``BM`` tokens x one 128-wide K block of x quantised as :func:`act_quant_block`
+        does it in the GEMM: e4m3 bytes into ``q`` [M, K], the scale 2^k into ``s`` [M, K/128]."""
+        wait_for_prior_kernel(PDL)
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        kb = tl.program_id(1)
+        offs_k = kb * 128 + tl.arange(0, 128)
+        mask = offs_m < M
+        xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask[:, None],
+                     other=0.0).to(tl.float32)
+        k = scale_exponent(tl.max(tl.abs(xt), axis=1), FP8_FLOOR, FP8_MAX)
+        tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :],
+                 e4m3_bytes(xt, k).to(tl.uint8), mask=mask[:, None])
+        tl.store(s_ptr + offs_m * (K // 128) + kb, pow2(k), mask=mask)
+        let_next_kernel_launch(PDL)
+
+
 # ---------------------------------------------------------------------------------- launch
 
 
@@ -348,11 +393,15 @@ _WORKSPACES: dict[str, SplitKWorkspace] = {}
 
 
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
-            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None) -> None:
-    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous)."""
+            config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None,
+            x_scales: torch.Tensor | None = None) -> None:
+    """x3 [M, G, Kg] (last dim contiguous), y3 [M, G, R] (last dim contiguous); with
+    ``x_scales`` [M, Kg / 128] float32, x3 holds e4m3 values (a uint8 view) and the launch runs
+    the act_fp8 numerics on them."""
     M, G, Kg = x3.shape
     R = y3.shape[2]
-    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device))
+    cfg = config or choose_fp8_config(M, G * R, Kg, sm_count(x3.device),
+                                      act_fp8=x_scales is not None)
     bn = cfg.block_n
     if not (bn in (16, 32, 64, 128) and R % bn == 0):
         raise ValueError(f"block_n={bn} must be 16/32/64/128 and divide R={R}")
@@ -369,12 +418,14 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc_f32 = scale.dtype == torch.float32
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
+    xs = x_scales if x_scales is not None else sc  # unused without X_FP8
     launch(_fp8_gemm_kernel, grid,
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
-        ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G,
+        ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G, xs, xs.stride(0),
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_FP8=cfg.act_fp8, INTERP=_INTERPRET,
+        DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_FP8=cfg.act_fp8 or x_scales is not None,
+        X_FP8=x_scales is not None, INTERP=_INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 
@@ -392,38 +443,86 @@ def _use_kernel(x: torch.Tensor) -> bool:
     return use
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16 quantised per token and 128-wide K block as an ``act_fp8`` GEMM quantises
+    it (docs/spec.md §6.3): (e4m3 values [M, K], float32 scales 2^k [M, K / 128]), one launch
+    on CUDA. ``fp8_linear(values, w, s, x_scales=scales)`` then gives, bit for bit, what
+    ``fp8_linear(x, w, s, config=<act_fp8>)`` gives, without each of its programs quantising
+    its own copy of x's tile."""
+    if x.dim() != 2 or x.shape[1] % BLOCK or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [M, K] with K a multiple of {BLOCK}, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    M, K = x.shape
+    if not (triton_available() and (x.device.type == "cuda" or _INTERPRET)) or M == 0:
+        v = x.float().view(M, K // BLOCK, BLOCK)
+        sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+        q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+        return q.view(M, K).to(torch.float8_e4m3fn), sigma.view(M, K // BLOCK)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty(M, K, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(M, K // BLOCK, device=x.device, dtype=torch.float32)
+    bm = 16
+    launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), q.view(torch.uint8), s,
+           M, K, BM=bm, num_warps=4, **pdl_args(x.device))
+    return q, s
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
                out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                config: Fp8GemmConfig | None = None,
-               workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+               workspace: SplitKWorkspace | None = None,
+               x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight * scale)^T, without materialising the dequantised weight.
 
     ``x`` bf16 [M, K] (rows may be strided, columns contiguous); ``weight`` float8_e4m3fn [N, K]
     contiguous; ``scale`` [N/128, K/128] (e8m0 / uint8 bytes / float32). ``out`` (optional)
     [M, N] bf16 or float32 with contiguous columns. A split-K launch uses ``workspace`` (default:
     one per device, shared: do not run two launches concurrently on different streams; grow it
-    with one eager call before CUDA-graph capture).
+    with one eager call before CUDA-graph capture). ``x_scales``: x is already quantised
+    (:func:`quantize_activations`' pair: e4m3 ``x`` [M, K] contiguous, float32 ``x_scales``
+    [M, K / 128]); the GEMM runs the ``act_fp8`` numerics on it (``config`` defaults to the
+    ``act_fp8`` table's tiles; its ``act_fp8`` flag is implied).
     """
     _check_weight(weight, scale)
     N, K = weight.shape
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"x must be [M, {K}], got {tuple(x.shape)}")
     M = x.shape[0]
+    if x_scales is not None:
+        _check_quantized(x, x_scales)
     y = out if out is not None else torch.empty(M, N, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, N) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {N}] bf16/float32, got {tuple(y.shape)} {y.dtype}")
-    use = _use_kernel(x)
+    use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
+    if x_scales is None:
+        use = _use_kernel(x)
     if M == 0:
         return y
     if not use:
-        y.copy_(fp8_linear_reference(_act_sim(x, config), weight, scale, y.dtype))
+        xs = (_act_sim(x, config) if x_scales is None else
+              (x.float().view(M, -1, BLOCK) * x_scales[..., None]).view(M, K))
+        y.copy_(fp8_linear_reference(xs, weight, scale, y.dtype))
         return y
+    if x_scales is not None:
+        x = x.view(torch.uint8)
     x = x if x.stride(1) == 1 else x.contiguous()
     if y.stride(1) != 1:
         raise ValueError("out must have contiguous columns")
     _launch(x.unsqueeze(1), weight.contiguous(), scale.contiguous(), y.unsqueeze(1), config,
-            workspace)
+            workspace, x_scales)
     return y
+
+
+def _check_quantized(x: torch.Tensor, x_scales: torch.Tensor) -> None:
+    M, K = x.shape
+    if x.dtype != torch.float8_e4m3fn or x.stride(1) != 1:
+        raise ValueError(f"with x_scales, x must be float8_e4m3fn with contiguous columns, got "
+                         f"{x.dtype} strides {x.stride()}")
+    if (x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (M, K // BLOCK)
+            or x_scales.stride(1) != 1 or x_scales.device != x.device):
+        raise ValueError(f"x_scales must be float32 [{M}, {K // BLOCK}] with contiguous columns "
+                         f"on {x.device}, got {x_scales.dtype} {tuple(x_scales.shape)} on "
+                         f"{x_scales.device}")
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,

@@ -195,9 +195,12 @@ if triton_available():
         FP4_MAX,
         FP8_FLOOR,
         FP8_MAX,
+        e4m3_bytes,
+        minifloat_code,
         pow2,
         rounded,
         scale_exponent,
+        sign_bit,
     )
 
     @triton.jit
@@ -226,43 +229,11 @@ if triton_available():
         return tl.minimum(tl.maximum(scale_exponent(amax, FLOOR, QMAX), -127), 127)
 
     @triton.jit
-    def _minifloat(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-        """The magnitude code (no sign bit) of float32 ``y`` rounded to a float format of MANT
-        mantissa bits and smallest normal 2^MIN_EXP, ties to even, subnormals included; no
-        saturation (clamp first). Integer arithmetic on the bits:
-        the 24-bit significand shifted right by 23 - MANT (normal) plus the subnormal distance,
-        rounded to nearest even; the exponent field added after (a carry into it is right)."""
-        a = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        ef = a >> 23
-        e = tl.maximum(ef, 1) - 127
-        m = (a & 0x7FFFFF) | tl.where(ef != 0, 0x800000, 0)
-        s = tl.minimum(23 - MANT + tl.maximum(MIN_EXP - e, 0), 30)  # >= 20; 30: all to 0
-        one = tl.zeros_like(s) + 1
-        q = m >> s
-        rem = m & ((one << s) - 1)
-        half = one << (s - 1)
-        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-        q = q + up.to(tl.int32)
-        return q + (tl.maximum(e - MIN_EXP, 0) << MANT)
-
-    @triton.jit
-    def _sign(y):
-        """1 where float32 ``y`` has its sign bit set (-0.0 included), else 0 (int32)."""
-        return (y.to(tl.int32, bitcast=True) >> 31) & 1
-
-    @triton.jit
-    def _e4m3_bytes(x, k):
-        """E4M3 bytes (int32) of x [T, C] scaled by 2^-k [T], clamped to +-448, RNE."""
-        y = x * pow2(-k)[:, None]
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-        return _minifloat(y, 3, -6) | (_sign(y) << 7)
-
-    @triton.jit
     def _e2m1_nibbles(x, k):
         """E2M1 nibbles (int32) of x [T, C] scaled by 2^-k [T], clamped to +-6, RNE."""
         y = x * pow2(-k)[:, None]
         y = tl.minimum(tl.maximum(y, -FP4_MAX), FP4_MAX)
-        return _minifloat(y, 1, 0) | (_sign(y) << 3)
+        return minifloat_code(y, 1, 0) | (sign_bit(y) << 3)
 
     @triton.jit
     def _store_rows_kernel(
@@ -314,7 +285,7 @@ if triton_available():
             x = _load_f32(vrow, idx, tm[:, None], IN_BF16)
             k = _scale_exp(tl.max(tl.abs(x), 1), FP8_FLOOR, FP8_MAX)
             base = blk + off * (NOPE + 2 * ROPE)
-            tl.store(base + idx, _e4m3_bytes(x, k).to(tl.uint8), mask=tm[:, None] & valid)
+            tl.store(base + idx, e4m3_bytes(x, k).to(tl.uint8), mask=tm[:, None] & valid)
             j = tl.arange(0, 2 * RP)  # rope byte j: byte j % 2 of rope value j // 2
             jm = j < 2 * ROPE
             hb = _bf16_bits(vrow + NOPE, j // 2, jm, IN_BF16)
@@ -330,7 +301,7 @@ if triton_available():
             idx = t[:, None] * 128 + tl.arange(0, 128)[None, :]
             x = _load_f32(vrow, idx, tm[:, None], IN_BF16)
             k = _scale_exp(tl.max(tl.abs(x), 1), FP8_FLOOR, FP8_MAX)
-            tl.store(blk + off * D + idx, _e4m3_bytes(x, k).to(tl.uint8),
+            tl.store(blk + off * D + idx, e4m3_bytes(x, k).to(tl.uint8),
                      mask=tm[:, None] & valid)
             sbits = (k + 127) << 23  # the float32 2^k, little-endian bytes
             b4 = tl.arange(0, 4)
