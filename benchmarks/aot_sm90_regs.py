@@ -98,16 +98,19 @@ def compile_one(fn, types: dict, consts: dict, opts: dict) -> str:
 GEMM_TYPES = dict(x_ptr="*bf16", sxm="i32", sxg="i32", w_ptr="*fp8e4nv", sc_ptr="*u8",
                   stride_sc="i32", y_ptr="*bf16", sym="i32", syg="i32", ws_ptr="*fp32",
                   cnt_ptr="*i32", M="i32", R="i32", Kg="i32", m_ws="i32", n_tiles="i32",
-                  m_tiles="i32", G="i32")
+                  m_tiles="i32", G="i32", xs_ptr="*fp32", sxs="i32")
 """The fp8 GEMM kernel's runtime arguments."""
 
 
-def _gemm_config(label: str, c, act: bool) -> bool:
+def _gemm_config(label: str, c, act: bool, x_fp8: bool = False) -> bool:
     """Compile the fp8 GEMM at config ``c``: fp8 x fp8 MMAs under ``act`` (x quantised in the
-    loop), else bf16 MMAs on the widened weight."""
+    loop, or with ``x_fp8`` read as e4m3 bytes quantised before), else bf16 MMAs on the
+    widened weight."""
     consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap, SCALE_F32=False,
-                  FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_FP8=act, INTERP=False)
-    return _try(f"{label} {c}", fl._fp8_gemm_kernel, GEMM_TYPES, consts,
+                  FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_FP8=act, X_FP8=x_fp8,
+                  INTERP=False)
+    types = {**GEMM_TYPES, "x_ptr": "*u8"} if x_fp8 else GEMM_TYPES
+    return _try(f"{label} {c}", fl._fp8_gemm_kernel, types, consts,
                 dict(num_warps=c.num_warps, num_stages=c.num_stages))
 
 
@@ -123,6 +126,8 @@ def gemm() -> None:
                 if key not in seen:
                     seen.add(key)
                     _gemm_config(f"fp8_gemm M={M} act_fp8={act}", c, act)
+                    if act:  # the same tiles on activations quantised before the launch
+                        _gemm_config(f"fp8_gemm M={M} x_fp8", c, True, x_fp8=True)
 
 
 def dequant() -> None:
