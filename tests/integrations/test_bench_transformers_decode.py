@@ -36,3 +36,15 @@ def test_transformers_decode_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert all(r["dsv4_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in result["rows"])
     md = (tmp_path / "transformers_decode.md").read_text()
     assert "| 2 | 40 |" in md
+
+
+def test_a_check_prompt_longer_than_the_contexts_is_cut_to_fit(tmp_path: Path) -> None:
+    """The default check prompt (300 tokens) with 20-token contexts: the prompt is cut so that
+    it and the checked tokens fit the caches (it once overflowed dsv4's, after transformers'
+    cells had run)."""
+    rc = main(["bench", "transformers-decode", "--out", str(tmp_path), "--tiny", "--device",
+               "cpu", "--platform", "reference", "--dtype", "float32", "--batches", "1",
+               "--contexts", "20", "--steps", "2", "--warmup", "1", "--check-steps", "4"])
+    assert rc == 0
+    result = json.loads((tmp_path / "transformers_decode.json").read_text())
+    assert result["check"]["agree"] == 4

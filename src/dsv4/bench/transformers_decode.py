@@ -8,7 +8,9 @@ platform)``. Before any timing, greedy decoding from the same prompt must give t
 for ``--check-steps`` steps (``--no-strict`` records a disagreement and goes on).
 
 For each batch size and context length, the context is prefilled in chunks (``--prefill-chunk``,
-default: as large as keeps transformers' eager score tensor under ~4 GiB) and then ``--steps``
+default: transformers' as large as keeps its eager score tensor under ~4 GiB; dsv4's at least
+:data:`DSV4_PREFILL_TOKENS` tokens a forward over the batch, its layers bounding their own
+memory - the decode steps timed after either prefill are the same) and then ``--steps``
 greedy decode steps are timed (after ``--warmup`` untimed ones); tokens/s = batch x steps / time;
 the peak of allocated device memory of each cell (prefill and decode) is recorded, and a side
 that runs out of memory is a row saying so, and in which phase. ``--memory-limit-gib`` caps
@@ -117,6 +119,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+DSV4_PREFILL_TOKENS = 8192
+"""Tokens per prefill forward (over the batch) that dsv4's side takes at least: its layers run
+a forward in steps of at most ``max_step_tokens`` (8192 by default) with no score tensor over
+the context, so its prefill need not shrink with the context as transformers' must (at batch
+16 and 128K tokens, 16-token chunks: 8192 forwards)."""
+
+
 def auto_chunk(batch: int, context: int, heads: int, window: int) -> int:
     """Largest power-of-two prefill chunk whose eager score tensor (fp32, every compressed entry
     of the context concatenated, as transformers does) stays under ~4 GiB."""
@@ -202,15 +211,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(kwargs, args.device, dtype, args.seed)
     cfg = model.config
     batches, contexts = list(args.batches), list(args.contexts)
-    need = max(contexts) + args.warmup + args.steps + 1
+    # the caches hold the longest timed cell, and the greedy check's prompt and tokens
+    need = max(max(contexts) + args.warmup + args.steps + 1, args.check_steps + 1)
 
     def chunk_for(b: int, c: int) -> int:
         return args.prefill_chunk or auto_chunk(b, c, cfg.num_attention_heads,
                                                 cfg.sliding_window)
 
+    def dsv4_chunk_for(b: int, c: int) -> int:
+        return args.prefill_chunk or max(chunk_for(b, c), DSV4_PREFILL_TOKENS // b)
+
     # correctness first: the same greedy tokens from the same prompt
     g = torch.Generator().manual_seed(args.seed + 2)
-    prompt_len = min(args.check_prompt, need)
+    prompt_len = min(args.check_prompt, need - args.check_steps)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).to(args.device)
     ref_tokens = greedy(model, prompt, args.check_steps, _hf_cache(model),
                         chunk_for(1, prompt_len))
@@ -236,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in contexts:
                 timings[("dsv4", b, c)] = measured(lambda b=b, c=c: time_decode(
                     model, b, c, args.steps, args.warmup, handle.new_cache(need),
-                    chunk_for(b, c), args.device, args.seed), args.device)
+                    dsv4_chunk_for(b, c), args.device, args.seed), args.device)
                 _progress("dsv4", b, c, timings[("dsv4", b, c)])
     finally:
         handle.restore()
@@ -388,7 +401,8 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     help="cap this process's GPU allocations at this many GiB (default 0: no "
                     "cap), as on a smaller card")
     ap.add_argument("--prefill-chunk", type=int, default=0,
-                    help="tokens per prefill forward (default 0: automatic)")
+                    help="tokens of each sequence per prefill forward, both sides (default 0: "
+                    "automatic, see the module docstring)")
     ap.add_argument("--check-steps", type=int, default=8,
                     help="greedy tokens that must agree before timing (default 8)")
     ap.add_argument("--check-prompt", type=int, default=300,
