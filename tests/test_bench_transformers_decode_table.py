@@ -64,3 +64,20 @@ def test_the_table_names_the_phase_and_the_cap() -> None:
     assert ("| 16 | 65536 | out of memory (prefill) | 900.0 | out of memory (prefill) | 17.80 "
             "| - | 19.90 | 6.10 |") in md
     assert "capped" not in to_markdown({**result, "memory_limit_gib": None})
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 3), ("cuda:1", 1)])
+def test_the_memory_cap_names_a_device_index(monkeypatch: pytest.MonkeyPatch, device: str,
+                                             index: int) -> None:
+    """``--memory-limit-gib`` on ``--device cuda`` (no index) caps the current device: PyTorch's
+    cap refuses a device without an index (a GPU run once ended there)."""
+    from dsv4.bench import transformers_decode as td
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"total_memory": 80 << 30})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d: calls.append((f, d)))
+    td.cap_device_memory(device, 20)
+    assert calls == [(0.25, torch.device("cuda", index))]

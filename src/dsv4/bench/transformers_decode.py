@@ -197,15 +197,22 @@ def _hf_cache(model: Any) -> Any:
     return DynamicCache(config=model.config)
 
 
+def cap_device_memory(device: str, gib: float) -> None:
+    """Cap what this process may allocate on the CUDA ``device`` ("cuda" or "cuda:N") at
+    ``gib`` GiB, as on a smaller card."""
+    dev = torch.device(device)
+    if dev.index is None:  # "cuda": the current device (PyTorch's cap needs an index)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), dev)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4.integrations.transformers import use_dsv4_attention
 
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     if args.memory_limit_gib:
-        dev = torch.device(args.device)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, args.memory_limit_gib * 2**30 / total), dev)
+        cap_device_memory(args.device, args.memory_limit_gib)
     kwargs = tiny_kwargs() if args.tiny else flash_cut_kwargs(args.layers, args.experts,
                                                               args.vocab)
     model = build_model(kwargs, args.device, dtype, args.seed)
