@@ -187,6 +187,24 @@ def test_fp8_linear_plan_and_results_match_the_base_path(tiny, make_layer):
     assert "indexer.wq_b" not in plan_fp8_linears(make_layer(tiny, 0), True).eligible
 
 
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_act_quant_gemms_quantise_long_calls_once(tiny, make_layer, tokens):
+    """Under act_quant, calls of PREQUANT_MIN_TOKENS or more quantise x in a launch of their
+    own: the same output as the GEMM that quantises x itself, bit for bit (kernel or
+    fallback); shorter calls quantise in the GEMM."""
+    from dsv4.platforms import cuda_linears
+
+    layer = make_layer(tiny, 4)
+    x = random_x(tokens, tiny.hidden_size).to(BF16).to(layer.wq_b.weight.device)
+    with mock.patch.object(cuda_linears, "quantize_activations",
+                           wraps=cuda_linears.quantize_activations) as spy:
+        got = fp8_gemm(layer.fused_wqa_wkv, x, act_quant=True)
+    assert spy.call_count == (tokens >= cuda_linears.PREQUANT_MIN_TOKENS)
+    with mock.patch.object(cuda_linears, "PREQUANT_MIN_TOKENS", 10**6):
+        assert torch.equal(got, fp8_gemm(layer.fused_wqa_wkv, x, act_quant=True))
+    assert rel_err(got, layer.fused_wqa_wkv(x)) < 5e-2  # quantised x against bf16 x
+
+
 def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):
     f32 = plan_fp8_linears(make_layer(tiny, 0, dtype=torch.float32), True)
     assert not f32.eligible and all("float32" in why for why in f32.skipped.values())

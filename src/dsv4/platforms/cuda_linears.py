@@ -39,6 +39,7 @@ from dsv4.kernels.fp8_linear import (
     fp8_dequantize,
     fp8_grouped_linear,
     fp8_linear,
+    quantize_activations,
     sm_count,
 )
 from dsv4.layers.linear import Linear, grouped_linear
@@ -52,6 +53,20 @@ FP8_GEMM_MAX_TOKENS = 128
 """Calls of at most this many tokens use the weight-streaming kernels (measured at M = 1, 16, 64
 in benchmarks/results/2026-12-03-h200/gemm-probes/: 4-17x faster than dequantise + GEMM there);
 longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM."""
+
+PREQUANT_MIN_TOKENS = 33
+"""Under ``act_quant``, calls of at least this many tokens (and at most
+:data:`FP8_GEMM_MAX_TOKENS`) quantise x once in its own launch
+(:func:`dsv4.kernels.fp8_linear.quantize_activations`; the same output bit for bit) instead
+of in every program of the GEMM, which re-quantises each token's blocks once per weight-row
+tile. H100, 2026-12-06 (``benchmarks/results/2026-12-06-h100/gemm-prequant/``, quantising
+launch included), us at M = 64 against M = 16's in-kernel quantisation: Flash ``wo_b`` 29.0
+-> 25.5, Pro ``wo_b`` 65.8 -> 61.3, Pro ``wq_b`` 46.9 -> 44.9, Flash ``wq_b`` 17.7 -> 17.4;
+the indexer's ``wq_b`` 11.1 -> 12.1 (Flash), 13.1 -> 13.6 (Pro); at M = 16 it lost on every
+shape (Flash ``wq_b`` 14.3 -> 15.9). In the layer (``decode-step-verify/512-prequant/``), a
+verify step of 16 sequences x (1 + 3) tokens at context 512: Pro 263.4 -> 250.4 us, Flash
+169.7 -> 169.3 (three more launches); decode steps of 16 sequences unchanged. 17 .. 32 tokens
+not measured."""
 
 BLOCK = 128
 LINEARS = ("fused_wqa_wkv", "wq_b", "wo_a", "wo_b", "indexer.wq_b")
@@ -122,10 +137,15 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Ten
     cuBLAS."""
     assert lin.scale is not None
     n, k = lin.weight.shape
-    if x.shape[0] <= FP8_GEMM_MAX_TOKENS:
-        cfg = (choose_fp8_config(x.shape[0], n, k, sm_count(x.device), act_fp8=True)
-               if act_quant else None)
-        return fp8_linear(x, lin.weight, lin.scale, config=cfg)
+    m = x.shape[0]
+    if m <= FP8_GEMM_MAX_TOKENS:
+        if not act_quant:
+            return fp8_linear(x, lin.weight, lin.scale)
+        cfg = choose_fp8_config(m, n, k, sm_count(x.device), act_fp8=True)
+        if m < PREQUANT_MIN_TOKENS:
+            return fp8_linear(x, lin.weight, lin.scale, config=cfg)
+        xq, sx = quantize_activations(x)
+        return fp8_linear(xq, lin.weight, lin.scale, config=cfg, x_scales=sx)
     if act_quant:
         x = fp8_block_sim(x, BLOCK)
     return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
