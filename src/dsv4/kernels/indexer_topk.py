@@ -215,7 +215,10 @@ def choose_score_group(tokens_per_seq: int) -> int:
     427.5 -> 421.5 and 689.8 -> 636.6 (Pro 541.8 -> 531.6, 942.7 -> 896.7). The score probe
     of the same day, whose keys stayed warm in the L2 between its replays (it now reads them
     from memory), had groups 2-16 % slower: a grouped program saves load latency, which the
-    layer's cold keys have and warm ones do not."""
+    layer's cold keys have and warm ones do not. With the keys on the score MMA's M side the
+    probe still favours one query a program (84.4 against 97.6 us at 16 x 4 queries), the layer
+    still groups: Flash C4 at 64K, M = 16, one call (``score-groups-keys-rows/``), 385.8 against
+    403.3 us at 1 + 3 tokens, 566.7 against 593.5 at 1 + 7."""
     return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
 
 
