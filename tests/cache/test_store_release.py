@@ -10,6 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from dsv4.cache.blocks import CacheCapacityError
 from dsv4.cache.formats import DenseFormat
 from dsv4.cache.store import PagedStore
 
@@ -187,3 +188,29 @@ def test_the_padding_block_starts_as_zeros():
         store = PagedStore("s", fmt, 4, 3, 3, 4, torch.device("cpu"), padding_slot=2)
         assert store.table[2, 0] == 3
         assert not store.data[3].any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.lists(st.integers(0, B * 8), min_size=SLOTS, max_size=SLOTS),
+       grow=st.lists(st.integers(0, B * 12), min_size=SLOTS, max_size=SLOTS),
+       order=st.permutations(list(range(SLOTS))))
+def test_grow_each_takes_the_blocks_separate_grows_take(start, grow, order):
+    """``grow_each`` (a step's sequences in one call: one allocation, one table write) leaves
+    the tables, the blocks held and the free list as separate ``grow`` calls in the same order;
+    a pair past the table's length is refused before any block is taken."""
+    one, each = _store(), _store()
+    for slot, rows in enumerate(start):
+        one.grow(slot, rows)
+        each.grow(slot, rows)
+    want = [one.grow(s, grow[s]) for s in order]
+    assert each.grow_each(order, [grow[s] for s in order]) == want
+    assert torch.equal(one.table, each.table)
+    assert one._blocks == each._blocks and one.alloc._free == each.alloc._free
+    table, free = each.table.clone(), list(each.alloc._free)
+    try:
+        each.grow_each(order, [B * LOGICAL + 1 if s == order[-1] else B * 16 for s in order])
+    except CacheCapacityError:
+        pass
+    else:
+        raise AssertionError("a pair past the table's length was not refused")
+    assert torch.equal(each.table, table) and each.alloc._free == free

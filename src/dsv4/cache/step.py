@@ -278,7 +278,7 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
                              if -(-(e // per) // b) > -(-(a // per) // b)]
         return crossing[key]
 
-    grows: list[tuple[CachePool, str, int, int]] = []
+    grows: list[tuple[CachePool, str, list[tuple[int, int]]]] = []
     for pool, slots in pools:
         r = pool.compress_ratio
         for name, store in pool.stores.items():
@@ -296,9 +296,13 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
                     f"{per_store} more block(s) but {store.alloc.num_free} of "
                     f"{store.alloc.num_blocks} are free (free finished sequences or make a larger "
                     "pool)")
-            grows += [(pool, name, s, n) for s, n, k in zip(sub, rows_each, missing, strict=True)
-                      if k]
-    grown = [(pool, name, s, pool.stores[name].grow(s, rows)) for pool, name, s, rows in grows]
+            grows.append((pool, name, [(s, n) for s, n, k in zip(sub, rows_each, missing,
+                                                                  strict=True) if k]))
+    grown = []
+    for pool, name, pairs in grows:  # each store's blocks in one call
+        slots_, rows_ = [s for s, _ in pairs], [n for _, n in pairs]
+        befores = pool.stores[name].grow_each(slots_, rows_)
+        grown += [(pool, name, s, b) for s, b in zip(slots_, befores, strict=True)]
     for pool, _ in pools:
         for store in pool.stores.values():
             store.sync()  # nothing to copy (no host work) where no row changed

@@ -86,18 +86,37 @@ class PagedStore:
     def grow(self, slot: int, rows: int) -> int:
         """Hold rows 0 .. rows - 1 (allocate the missing blocks); returns how many logical
         blocks the slot had before (what :meth:`shrink_to` restores)."""
-        held = self._blocks[slot]
-        before = len(held)
-        n = self.blocks_needed(slot, rows)
-        if before + n > self.max_logical:
-            raise CacheCapacityError(f"{self.name} store: {rows} rows exceed the table's "
-                                     f"{self.max_logical * self.block_size} rows per sequence")
-        if n:
-            new = self.alloc.allocate(n)
-            held.extend(new)
-            self.table[slot, before:before + n] = torch.tensor(new, dtype=torch.int32)
-            self._mark(slot, before, before + n)
-        return before
+        return self.grow_each([slot], [rows])[0]
+
+    def grow_each(self, slots: list[int], rows: list[int]) -> list[int]:
+        """:meth:`grow` of each (slot, rows) pair, in one call: every check before any block is
+        taken, the blocks taken in one allocation (in the order the separate calls would take
+        them: the same blocks each) and written into the host table in one assignment. A step in
+        which 64 sequences open a block in each of 8 layers' stores took ~6 ms of host time in
+        separate calls (a table write each), 10x a step's plan on the dev CPU."""
+        counts = self.blocks_needed_each(slots, rows)
+        befores = [len(self._blocks[s]) for s in slots]
+        for n, before, r in zip(counts, befores, rows, strict=True):
+            if before + n > self.max_logical:
+                raise CacheCapacityError(f"{self.name} store: {r} rows exceed the table's "
+                                         f"{self.max_logical * self.block_size} rows per "
+                                         "sequence")
+        total = sum(counts)
+        if not total:
+            return befores
+        new = self.alloc.allocate(total)
+        at = 0
+        ii: list[int] = []
+        jj: list[int] = []
+        for s, n, before in zip(slots, counts, befores, strict=True):
+            if n:
+                self._blocks[s].extend(new[at:at + n])
+                at += n
+                ii += [s] * n
+                jj += range(before, before + n)
+                self._mark(s, before, before + n)
+        self.table[ii, jj] = torch.tensor(new, dtype=torch.int32)
+        return befores
 
     def shrink_to(self, slot: int, logical: int) -> None:
         """Undo :meth:`grow`: release the logical blocks from ``logical`` on."""
