@@ -6,6 +6,7 @@ one slot at a time, does."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -214,3 +215,10 @@ def test_grow_each_takes_the_blocks_separate_grows_take(start, grow, order):
     else:
         raise AssertionError("a pair past the table's length was not refused")
     assert torch.equal(each.table, table) and each.alloc._free == free
+
+
+def test_grow_each_refuses_a_slot_twice():
+    store = _store()
+    with pytest.raises(ValueError, match="grow_each takes each slot once"):
+        store.grow_each([0, 1, 0], [B, B, 2 * B])
+    assert store.alloc.num_free == 64 and not store._blocks[0]

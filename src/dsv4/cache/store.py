@@ -94,6 +94,8 @@ class PagedStore:
         them: the same blocks each) and written into the host table in one assignment. A step in
         which 64 sequences open a block in each of 8 layers' stores took ~6 ms of host time in
         separate calls (a table write each), 10x a step's plan on the dev CPU."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"{self.name} store: grow_each takes each slot once, got {slots}")
         counts = self.blocks_needed_each(slots, rows)
         befores = [len(self._blocks[s]) for s in slots]
         for n, before, r in zip(counts, befores, rows, strict=True):
