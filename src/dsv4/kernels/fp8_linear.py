@@ -53,8 +53,8 @@ import torch
 from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.fused_input_proj import SplitKWorkspace
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
-from dsv4.layers.fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, e8m0_to_float, round_e4m3
-from dsv4.layers.quant_sim import fp8_block_sim, pow2_block_scale
+from dsv4.layers.fp8 import e8m0_to_float
+from dsv4.layers.quant_sim import fp8_block_quantize, fp8_block_sim
 
 __all__ = [
     "Fp8GemmConfig",
@@ -435,9 +435,14 @@ def _act_sim(x: torch.Tensor, config: Fp8GemmConfig | None) -> torch.Tensor:
     return fp8_block_sim(x, BLOCK) if config is not None and config.act_fp8 else x
 
 
+def _kernel_runs_on(device: torch.device) -> bool:
+    """The kernels take work on ``device``: Triton, and CUDA or the interpreter."""
+    return triton_available() and (device.type == "cuda" or _INTERPRET)
+
+
 def _use_kernel(x: torch.Tensor) -> bool:
-    """The kernel takes the call (Triton, and CUDA or the interpreter); x must then be bf16."""
-    use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
+    """The kernel takes the call (:func:`_kernel_runs_on`); x must then be bf16."""
+    use = _kernel_runs_on(x.device)
     if use and x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 for the kernel, got {x.dtype}")
     return use
@@ -453,10 +458,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"x must be bf16 [M, K] with K a multiple of {BLOCK}, got {x.dtype} "
                          f"{tuple(x.shape)}")
     M, K = x.shape
-    if not (triton_available() and (x.device.type == "cuda" or _INTERPRET)) or M == 0:
-        v = x.float().view(M, K // BLOCK, BLOCK)
-        sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
-        q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    if not _kernel_runs_on(x.device) or M == 0:
+        q, sigma = fp8_block_quantize(x, BLOCK, "quantize_activations")
         return q.view(M, K).to(torch.float8_e4m3fn), sigma.view(M, K // BLOCK)
     x = x if x.stride(1) == 1 else x.contiguous()
     q = torch.empty(M, K, device=x.device, dtype=torch.float8_e4m3fn)
@@ -493,9 +496,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     y = out if out is not None else torch.empty(M, N, device=x.device, dtype=out_dtype)
     if tuple(y.shape) != (M, N) or y.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out must be [{M}, {N}] bf16/float32, got {tuple(y.shape)} {y.dtype}")
-    use = triton_available() and (x.device.type == "cuda" or _INTERPRET)
-    if x_scales is None:
-        use = _use_kernel(x)
+    use = _use_kernel(x) if x_scales is None else _kernel_runs_on(x.device)
     if M == 0:
         return y
     if not use:
@@ -567,7 +568,7 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     function."""
     _check_weight(weight, scale)
     n, k = weight.shape
-    if not (triton_available() and (weight.device.type == "cuda" or _INTERPRET)):
+    if not _kernel_runs_on(weight.device):
         return _dequant(weight, scale, torch.float32).to(torch.bfloat16)
     out = torch.empty(n, k, device=weight.device, dtype=torch.bfloat16)
     sc_f32 = scale.dtype == torch.float32

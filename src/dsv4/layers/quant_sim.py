@@ -51,14 +51,22 @@ def pow2_block_scale(blocks: Tensor, floor: float, qmax: float) -> Tensor:
     return pow2(ceil_log2(amax * (1.0 / qmax)), blocks.dtype)
 
 
+def fp8_block_quantize(x: Tensor, block: int, what: str = "fp8_block_quantize"
+                       ) -> tuple[Tensor, Tensor]:
+    """x's last dim in blocks of ``block`` values quantised to E4M3 with a power-of-two scale
+    each: (the e4m3 values [..., nblocks, block], the scales [..., nblocks, 1]), both in x's
+    compute dtype; ``what`` names the caller in a shape error."""
+    v = _blocks(x, block, what)
+    sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
+    return round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)), sigma
+
+
 def fp8_block_sim(x: Tensor, block: int = 64) -> Tensor:
     """FP8 E4M3 quant-dequant with a power-of-two (UE8M0) scale per ``block`` values (§6.1).
 
     Applied by the official model to the KV nope dims; matches the ``fp8_ds_mla`` cache format.
     """
-    v = _blocks(x, block, "fp8_block_sim")
-    sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
-    q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    q, sigma = fp8_block_quantize(x, block, "fp8_block_sim")
     return (q * sigma).reshape(x.shape).to(x.dtype)
 
 
@@ -74,9 +82,7 @@ def index_fp8_sim(x: Tensor) -> Tensor:
     the rule of :func:`fp8_block_sim` at block 128. It is exactly what the ``fp8`` index row
     format (:mod:`dsv4.cache.formats`) stores, so a row written and read back equals this.
     """
-    v = _blocks(x, INDEX_FP8_BLOCK, "index_fp8_sim")
-    sigma = pow2_block_scale(v, FP8_AMAX_FLOOR, FP8_E4M3_MAX)
-    q = round_e4m3((v / sigma).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    q, sigma = fp8_block_quantize(x, INDEX_FP8_BLOCK, "index_fp8_sim")
     return (q * sigma).reshape(x.shape).to(x.dtype)
 
 
