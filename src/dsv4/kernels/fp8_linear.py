@@ -221,6 +221,15 @@ if triton_available():
             v = tl.where(b == 255, float("nan"), ue8m0(b))  # byte 255 is the format's NaN
         return v
 
+    @triton.jit
+    def _quantized_x(x_ptrs, mask, INTERP: tl.constexpr):
+        """A tile of pre-quantised x (e4m3 bytes; 0 where masked) as the fp8 MMA's operand,
+        or (interpreted) its values as float32."""
+        xq = tl.load(x_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
+        if INTERP:
+            xq = xq.to(tl.float32)
+        return xq
+
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
@@ -276,20 +285,14 @@ if triton_available():
                     sx = tl.load(xs_ptr + offs_m * sxs + kb, mask=m_mask, other=0.0)
                 if SWAP:
                     if X_FP8:
-                        xq = tl.load(x_ptrs, mask=m_mask[None, :], other=0)
-                        xq = xq.to(tl.float8e4nv, bitcast=True)
-                        if INTERP:
-                            xq = xq.to(tl.float32)
+                        xq = _quantized_x(x_ptrs, m_mask[None, :], INTERP)
                     else:
                         xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
                         xq, sx = act_quant_block(xt, 0, INTERP)
                     acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
                 else:
                     if X_FP8:
-                        xq = tl.load(x_ptrs, mask=m_mask[:, None], other=0)
-                        xq = xq.to(tl.float8e4nv, bitcast=True)
-                        if INTERP:
-                            xq = xq.to(tl.float32)
+                        xq = _quantized_x(x_ptrs, m_mask[:, None], INTERP)
                     else:
                         xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
                         xq, sx = act_quant_block(xt, 1, INTERP)
