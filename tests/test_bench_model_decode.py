@@ -20,7 +20,8 @@ def test_dry_run_writes_rows_for_every_mode(tmp_path):
     for row in data["rows"]:
         assert row["runner_mode"] == "padded" and row["rel_err_runner_vs_eager"] < 1e-2
         for mode in ("eager_layers", "eager_plan", "runner"):
-            assert row[mode]["us_per_step"] > 0
+            assert row[mode]["us_per_step"] > 0 and len(row[mode]["reps_us_per_step"]) == 1
+            assert len(row[mode]["gc"]["collections"]) == 3
         assert row["runner_stats"]["padded"] >= 3
     assert "runner / sum" in (out / "model_decode.md").read_text()
 
@@ -57,3 +58,24 @@ def test_the_table_splits_the_runner_step():
     # a dry-run row (no graphs): dashes there
     dry = {k: v for k, v in row.items() if "replay" not in k and "adds" not in k}
     assert markdown([dry])[2].endswith("| - | - | - | - | - |")
+
+
+def test_gc_pauses_counts_collections_and_frozen_restores():
+    """GcPauses sees a collection by generation; frozen() freezes what is alive and unfreezes
+    after, also when the block raises."""
+    import gc
+
+    from dsv4.bench.gc_pauses import GcPauses, frozen
+
+    with GcPauses() as pauses:
+        gc.collect(1)
+        gc.collect()
+    s = pauses.summary()
+    assert s["collections"][1] >= 1 and s["collections"][2] >= 1
+    assert s["ms"] >= s["longest_ms"] >= 0
+    assert pauses._callback not in gc.callbacks
+    before = gc.get_freeze_count()
+    with pytest.raises(KeyError), frozen():
+        assert gc.get_freeze_count() > before
+        raise KeyError("inside")
+    assert gc.get_freeze_count() == before

@@ -28,6 +28,15 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   runs the padded step eagerly without a graph: the bucket logic on any device (the CPU
   tests use it).
 
+**Host time.** The GPU hides a step's host work only while that work is shorter than the
+replay before it: a plan's host work grows with the sequences and layers (about 0.5 ms at 64
+sequences x 8 layers on the dev CPU, 1.5-2.3 ms in the steps where every sequence opens or
+releases a window block), the replay's GPU time too. Two things a serving loop meets are not
+the runner's: Python's garbage collector, whose full collections scan every object of the
+process (~60 ms on the dev CPU with a model loaded, about once per 200 steps) - call
+``gc.freeze()`` once after loading, as serving engines do (:mod:`dsv4.bench.gc_pauses`) - and
+whatever reads a step's output back to the host (a sampled token), which waits for the GPU.
+
 Outputs are copies (the ``T`` real rows of the step function's ``[B * Q, ...]`` outputs): they
 stay valid after the next step. Graphs hold the layers' weights and the pools' tensors by
 address: after weights are reloaded, call :meth:`DecodeRunner.reset`. A bucket knows its pools

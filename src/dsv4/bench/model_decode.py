@@ -5,8 +5,11 @@ The layers of a preset (``flash``, ``pro``) in its real schedule (all of them, o
 (``fp8_ds_mla`` / ``fp8`` caches, ``act_quant``, ``attention_backend=auto``), random weights
 (one set per layer type, shared), M sequences of synthetic history of ``context`` tokens in one
 pool per layer. A decode step is the stack with residuals, ``x = x + layer(x)``, one token per
-sequence. Three ways of running it, each timed over ``--steps`` consecutive steps (wall time,
-the host's work included, as a serving loop pays it):
+sequence. Four ways of running it, each timed over ``--steps`` consecutive steps (wall time,
+the host's work included, as a serving loop pays it; the first step's host work, with nothing
+queued on the GPU to hide it, is charged once per timing, hence 40 steps by default), with the
+objects alive before the timings frozen as a serving loop freezes them after loading (each
+row's ``gc``: the collector's runs inside the timings, :mod:`dsv4.bench.gc_pauses`):
 
 * ``eager_layers``: each layer called as the README's first example does,
   ``layer(x, positions, caches)`` (each plans its own step), every stage eager;
@@ -57,6 +60,7 @@ from dsv4.bench.args import (
     require_cuda,
 )
 from dsv4.bench.decode_step import l2_scrub_buffer, replay_table, replay_times
+from dsv4.bench.gc_pauses import GcPauses, frozen
 from dsv4.bench.synthetic_cache import fill_history
 from dsv4.cache.plan import StepPlan
 from dsv4.config import PRESET_NAMES, DSV4Config
@@ -215,10 +219,12 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
             for seq, lengths in zip(seqs, before, strict=True):
                 for c, n in zip(seq, lengths, strict=True):
                     c.truncate(n)
-        times = [time_steps(step, steps, device) for _ in range(reps)]
+        with frozen(), GcPauses() as pauses:  # as a serving loop runs (gc_pauses.py)
+            times = [time_steps(step, steps, device) for _ in range(reps)]
         us = statistics.median(times)
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
-                     "tokens_per_s": m / us * 1e6}
+                     "tokens_per_s": m / us * 1e6, "reps_us_per_step": times,
+                     "gc": pauses.summary()}
     row["runner_stats"] = dict(runner.stats)
     if runner.last_graph is not None:  # the last step's GPU work again, without the host's
         us = statistics.median(replay_times(runner.last_graph, reps, None))
@@ -349,8 +355,8 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--contexts", default=None, type=int_list,
                     help="comma-separated cached tokens per sequence (default 512,16384,65536; "
                     "with --dry-run 40,300)")
-    ap.add_argument("--steps", type=int, default=10,
-                    help="consecutive steps per timing (default 10)")
+    ap.add_argument("--steps", type=int, default=40,
+                    help="consecutive steps per timing (default 40)")
     ap.add_argument("--reps", type=int, default=3,
                     help="timings per mode, median taken (default 3)")
     ap.add_argument("--profile", action="store_true",
