@@ -321,11 +321,11 @@ def steps() -> bool:
                             DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=0),
                        dict(num_warps=8))
         # scoring groups (a verify step's queries of one sequence a program), their warps
-        for qg, warps in ((2, 8), (4, 8)):
-            ok &= _try(f"indexer score {fmt} group={qg} warps={warps}", it._score_kernel,
-                       {**t, "keys_ptr": kt},
+        for qg, warps, pipe in ((2, 8, 0), (4, 8, 0), (2, 8, 2), (4, 8, 2)):
+            ok &= _try(f"indexer score {fmt} group={qg} warps={warps} stages={pipe}",
+                       it._score_kernel, {**t, "keys_ptr": kt},
                        dict(H=64, HP=64, D=128, BN=it.SCORE_BLOCK, FMT=it.FMTS.index(fmt),
-                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=0, QG=qg),
+                            DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe, QG=qg),
                        dict(num_warps=warps))
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):

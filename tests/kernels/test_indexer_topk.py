@@ -300,11 +300,13 @@ def assert_same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("group", [2, 4])
 @pytest.mark.parametrize("shape", ["verify", "ragged"])
-def test_score_groups_give_the_same_scores(fmt, group, shape):
+@pytest.mark.parametrize("stages", [0, 2])
+def test_score_groups_give_the_same_scores(fmt, group, shape, stages):
     """Queries scored a group a program - a verify step's tokens sharing their sequence's key
     tiles - score as one query a program: groups aligned with the sequences ("verify": 4 + 4 +
     4 tokens) and groups cut across them ("ragged": 1 + 3 + 2 + 1 + 5 tokens, a sequence with
-    nothing visible, a last group short of queries), with the arrival counts zeroed."""
+    nothing visible, a last group short of queries), with the arrival counts zeroed; the
+    group's loop plain and with the next tile's keys fetched ahead (``stages=2``)."""
     lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
                        "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
     cfg = tiny_cfg(8)
@@ -313,7 +315,7 @@ def test_score_groups_give_the_same_scores(fmt, group, shape):
     width = step.max_visible(4) + 37
     args = score_args(cfg, step, q, w, width)
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
-    got = indexer_scores(*args, group=group, zero=zero)
+    got = indexer_scores(*args, group=group, zero=zero, stages=stages, programs_per_sm=1)
     assert not zero.any()
     assert_same_scores(got, indexer_scores(*args))
     s64, tol = scores_f64(cfg, step, q, w, width)
@@ -339,10 +341,10 @@ def test_grouped_selection_matches_the_torch_path(group):
                                 dict(stages=-1), dict(stages=True), dict(programs_per_sm=0),
                                 dict(programs_per_sm=2.0), dict(group=3), dict(group=True),
                                 dict(group=16), dict(num_warps=3),
-                                dict(group=2, stages=2)])
+                                dict(group=2, stages=3)])
 def test_score_overrides_are_checked(kw):
     name = next(iter(kw))
-    message = ("indexer_scores: stages=2 pipelines" if len(kw) > 1
+    message = ("indexer_scores: stages=3 with group=2" if len(kw) > 1
                else f"indexer_scores: {name} must be")
     with pytest.raises(ValueError, match=message):
         indexer_scores(torch.zeros(1, 1, 32, dtype=BF16), torch.zeros(1, 1, dtype=BF16),

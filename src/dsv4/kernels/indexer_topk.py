@@ -252,12 +252,73 @@ if triton_available():
 
     from dsv4.kernels._float_bits import ue8m0
     from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
-    from dsv4.kernels.sparse_mqa import _load_rows
+    from dsv4.kernels.sparse_mqa import _fetch_rows
 
     if _INTERPRET:
         from dsv4.kernels._interpreter import patch_interpreter_index
 
         patch_interpreter_index()
+
+    @triton.jit
+    def _fetch_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical, blk_stride, B,
+                          D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr):
+        """The global loads of :func:`_load_index_keys`, as stored: (values, scales) of entries
+        ``j`` [BN] - bf16 rows (twice), fp8 e4m3 bytes [BN, D] and float32 scales
+        [BN, D / 128], or fp4 nibble bytes [BN, D / 2] and UE8M0 bytes [BN, D / 32]; zeros
+        (unit scales) where not held. :func:`_index_keys_from` finishes them; apart, a tile's
+        loads can be issued before the previous tile is scored."""
+        logical = j // B
+        seen = (j < limit) & (logical < max_logical)
+        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
+        valid = seen & (phys >= 0)
+        off = j % B
+        p = tl.where(valid, phys, 0).to(tl.int64)
+        if FMT == 0:
+            k, _, _ = _fetch_rows(st_ptr, p * B + off, valid, blk_stride, B, D, False, 0, 0, 0)
+            return k, k
+        elif FMT == 1:
+            base = p * blk_stride
+            e = tl.load(st_ptr + (base + off * D)[:, None] + tl.arange(0, D)[None, :],
+                        mask=valid[:, None], other=0)
+            NS: tl.constexpr = D // 128
+            sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
+            return e, sc
+        else:
+            base = p * blk_stride
+            HALF: tl.constexpr = D // 2
+            NS4: tl.constexpr = D // 32
+            b = tl.load(st_ptr + (base + off * HALF)[:, None] + tl.arange(0, HALF)[None, :],
+                        mask=valid[:, None], other=0)
+            sb = tl.load(st_ptr + (base + B * HALF + off * NS4)[:, None]
+                         + tl.arange(0, NS4)[None, :], mask=valid[:, None], other=127)
+            return b, sb
+
+    @triton.jit
+    def _index_keys_from(e, sc, D: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                         DT: tl.constexpr):
+        """[BN, D] keys in DT from :func:`_fetch_index_keys`' loads (fp8 and fp4 dequantised:
+        exact in bf16)."""
+        if FMT == 0:
+            return e.to(DT)
+        elif FMT == 1:
+            v = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            NS: tl.constexpr = D // 128
+            scale = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D))
+            return (v * scale).to(DT)
+        else:
+            b = e.to(tl.int32)
+            nib = tl.reshape(tl.join(b & 15, b >> 4), (BN, D))  # element 2i low, 2i + 1 high
+            ex = (nib >> 1) & 3
+            man = nib & 1
+            # E2M1 magnitude times 2: 0, 1 (subnormal) or (2 + m) << (e - 1) (normal)
+            twice = tl.where(ex == 0, man, (2 + man) << tl.maximum(ex - 1, 0))
+            mag = twice.to(tl.float32) * 0.5
+            val = tl.where((nib & 8) != 0, -mag, mag)
+            NS4: tl.constexpr = D // 32
+            scale = ue8m0(sc.to(tl.int32))
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, NS4, 32)), (BN, D))
+            return (val * scale).to(DT)
 
     @triton.jit
     def _load_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical, blk_stride, B,
@@ -266,44 +327,9 @@ if triton_available():
         """[BN, D] keys in DT of entries ``j`` [BN] of the sequence in ``slot``, found through its
         block-table row; zeros for entries >= ``limit``, beyond the table or in an unheld
         block. FMT: 0 bf16, 1 fp8, 2 fp4."""
-        logical = j // B
-        seen = (j < limit) & (logical < max_logical)
-        phys = tl.load(tab_ptr + slot * stab + logical, mask=seen, other=-1)
-        valid = seen & (phys >= 0)
-        off = j % B
-        cols = tl.arange(0, D)
-        p = tl.where(valid, phys, 0).to(tl.int64)
-        if FMT == 0:
-            k = _load_rows(st_ptr, p * B + off, valid, blk_stride, B, D, False, 0, 0, 0, BN, DT)
-        elif FMT == 1:
-            base = p * blk_stride
-            e = tl.load(st_ptr + (base + off * D)[:, None] + cols[None, :], mask=valid[:, None],
-                        other=0)
-            e = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            NS: tl.constexpr = D // 128
-            sp = (st_ptr + base + B * D + off * (4 * NS)).to(tl.pointer_type(tl.float32))
-            sc = tl.load(sp[:, None] + tl.arange(0, NS)[None, :], mask=valid[:, None], other=0.0)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D))
-            k = (e * sc).to(DT)
-        else:
-            base = p * blk_stride
-            HALF: tl.constexpr = D // 2
-            NS4: tl.constexpr = D // 32
-            b = tl.load(st_ptr + (base + off * HALF)[:, None] + tl.arange(0, HALF)[None, :],
-                        mask=valid[:, None], other=0).to(tl.int32)
-            nib = tl.reshape(tl.join(b & 15, b >> 4), (BN, D))  # element 2i low, 2i + 1 high
-            ex = (nib >> 1) & 3
-            man = nib & 1
-            # E2M1 magnitude times 2: 0, 1 (subnormal) or (2 + m) << (e - 1) (normal)
-            twice = tl.where(ex == 0, man, (2 + man) << tl.maximum(ex - 1, 0))
-            mag = twice.to(tl.float32) * 0.5
-            val = tl.where((nib & 8) != 0, -mag, mag)
-            sb = tl.load(st_ptr + (base + B * HALF + off * NS4)[:, None]
-                         + tl.arange(0, NS4)[None, :], mask=valid[:, None], other=127)
-            sc = ue8m0(sb.to(tl.int32))
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS4, 32)), (BN, D))
-            k = (val * sc).to(DT)
-        return k
+        e, sc = _fetch_index_keys(st_ptr, tab_ptr, slot, stab, j, limit, max_logical,
+                                  blk_stride, B, D, FMT, BN)
+        return _index_keys_from(e, sc, D, FMT, BN, DT)
 
     @triton.jit
     def _tile_scores(q, w, keys_ptr, tab_ptr, slot, stab, j, visible, max_logical, blk_stride,
@@ -339,7 +365,8 @@ if triton_available():
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
                       D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, DT: tl.constexpr,
-                      PREC: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr):
+                      PREC: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr,
+                      PREFETCH: tl.constexpr):
         """:func:`_score_kernel`'s program (g, p) for QG queries t0 = g * QG .. t0 + QG - 1:
         the queries of the lead's sequence (t0's slot; a verify step's 1 + k tokens sit next to
         each other) share each tile's keys - one block-table read, one load and one
@@ -368,12 +395,27 @@ if triton_available():
         ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
         ws = ws.to(tl.float32) * weight_scale
         rows = s_ptr + ti.to(tl.int64)[:, None] * sst
+        first = tl.program_id(1) * tiles
+        # PREFETCH: tile i + 1's key loads issued before tile i is scored (a program of 2-4
+        # queries is alone on its SM: nothing else hides its load latency)
+        mine = tl.minimum(vis_lead, (first + tiles) * BN)
+        if PREFETCH:
+            e, sc = _fetch_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab,
+                                      first * BN + tl.arange(0, BN), mine, max_logical,
+                                      blk_stride, B, D, FMT, BN)
         for i in range(0, tiles):
-            jb = tl.program_id(1) * tiles + i
+            jb = first + i
             j = jb * BN + tl.arange(0, BN)
+            if PREFETCH:
+                e_next, sc_next = _fetch_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab,
+                                                    j + BN, mine, max_logical, blk_stride, B,
+                                                    D, FMT, BN)
             if jb * BN < vis_lead:
-                k = _load_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab, j, vis_lead,
-                                     max_logical, blk_stride, B, D, FMT, BN, DT)
+                if PREFETCH:
+                    k = _index_keys_from(e, sc, D, FMT, BN, DT)
+                else:
+                    k = _load_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab, j,
+                                         vis_lead, max_logical, blk_stride, B, D, FMT, BN, DT)
                 logits = tl.dot(k, tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
                 weighted = tl.maximum(logits, 0.0) * ws[None, :]
                 s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)  # along each row
@@ -396,6 +438,8 @@ if triton_available():
                         else:
                             su = tl.full([BN], float("-inf"), tl.float32)
                         tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+            if PREFETCH:
+                e, sc = e_next, sc_next
 
     @triton.jit(do_not_specialize=["width", "tiles", "T"])
     def _score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
@@ -415,7 +459,8 @@ if triton_available():
         if QG > 1:
             _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                           tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
-                          weight_scale, z_ptr, T, H, HP, D, BN, FMT, DT, PREC, ZERO, QG)
+                          weight_scale, z_ptr, T, H, HP, D, BN, FMT, DT, PREC, ZERO, QG,
+                          PIPE > 0)
         else:
             t = tl.program_id(0)
             if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
@@ -745,9 +790,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                          f"{programs_per_sm!r}")
     if group is not None and (isinstance(group, bool) or group not in SCORE_GROUPS):
         raise ValueError(f"indexer_scores: group must be one of {SCORE_GROUPS}, got {group!r}")
-    if group is not None and group > 1 and stages:
-        raise ValueError(f"indexer_scores: stages={stages} pipelines one query a program; "
-                         f"group={group} has no pipelined loop")
+    if group is not None and group > 1 and stages not in (None, 0, 2):
+        raise ValueError(f"indexer_scores: stages={stages} with group={group}: a group's loop "
+                         "is 0 (plain) or 2 (the next tile's keys fetched ahead)")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8,
                                                                                    16)):
         raise ValueError(f"indexer_scores: num_warps must be 1, 2, 4, 8 or 16, got "
