@@ -1,8 +1,8 @@
 """The indexer's decode score launch at decode widths: its variants against the default.
 
 Variants (``indexer_scores`` overrides): entries per tile (``block``), the visible tiles' own
-software-pipelined loop (``stages``; with ``group``: the next tile's keys fetched ahead),
-programs per SM (``programs_per_sm``), and queries a
+software-pipelined loop (``stages``; a group's plain loop: ``stages=0``, its default fetches
+the next tile's keys ahead), programs per SM (``programs_per_sm``), and queries a
 program (``group``: a verify step's tokens of one sequence sharing its key tiles) with their
 warps (``num_warps``).
 
@@ -52,7 +52,7 @@ VARIANTS = {
     "stages 2, 8 / SM": dict(stages=2, programs_per_sm=8),
     "group 2": dict(group=2), "group 2 (4 warps)": dict(group=2, num_warps=4),
     "group 4": dict(group=4),
-    "group 2, stages 2": dict(group=2, stages=2), "group 4, stages 2": dict(group=4, stages=2),
+    "group 2 plain": dict(group=2, stages=0), "group 4 plain": dict(group=4, stages=0),
     "group 4 (block 32)": dict(group=4, block=32),
     "8 warps": dict(num_warps=8),
 }

@@ -105,6 +105,10 @@ GROUP_WARPS = 8
 are 2-4x one query's: with the keys on the MMA's M side 204 / 236 registers at 2 / 4
 queries, no stack; 4 warps spill at 4, and so do 16 warps at 4 - which, with the heads on the
 M side, had been within 4 % of 8 in the probe: H100, 2026-12-06, ``score-groups/``)."""
+GROUP_STAGES = 2
+"""A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
+tile's keys loaded where they are scored). A group's program has 8 warps at 206-254 registers,
+alone on its SM, so nothing else hides its loads' latency."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
@@ -768,12 +772,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     (module docstring; ``block_table`` [slots, logical blocks] int32). ``zero``: a [T] int32
     tensor the same launch sets to 0 (:func:`topk_entries`' ``arrivals``). Overrides, the same
     scores at another speed (``benchmarks/score_probe.py``): ``block`` entries per tile (16 ..
-    256, a power of two; default ``SCORE_BLOCK``), ``stages`` (0: the one loop with a branch
-    per tile, the default; 1 .. 4: the visible tiles' own loop, software-pipelined over that
-    many stages), ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``), ``group`` (queries a
-    program, one of ``SCORE_GROUPS``, sharing each key tile where they are of one sequence: a
-    verify step's 1 + k tokens; default 1; not with ``stages``) and ``num_warps`` (default 4,
-    with a group of more than one query ``GROUP_WARPS``)."""
+    256, a power of two; default ``SCORE_BLOCK``), ``stages`` (one query a program: 0, the
+    one loop with a branch per tile, the default, or 1 .. 4, the visible tiles' own loop,
+    software-pipelined over that many stages; a group: 0 or 2, the next tile's keys fetched
+    ahead, default ``GROUP_STAGES``), ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``),
+    ``group`` (queries a program, one of ``SCORE_GROUPS``, sharing each key tile where they are
+    of one sequence: a verify step's 1 + k tokens; default 1) and ``num_warps`` (default 4, with
+    a group of more than one query ``GROUP_WARPS``)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -828,7 +833,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
         rows_per_block, float(weight_scale), zero if zero is not None else s, t,
         H=h, HP=max(16, 1 << (h - 1).bit_length()), D=d, BN=bn,
         FMT=FMTS.index(fmt), DT=tl.float32 if _INTERPRET else tl.bfloat16,
-        PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, PIPE=stages or 0,
+        PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None,
+        PIPE=stages if stages is not None else (GROUP_STAGES if qg > 1 else 0),
         QG=qg, num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS), **pdl_args(q.device))
     return s
 
