@@ -62,7 +62,8 @@ def test_the_table_splits_the_runner_step():
 
 def test_gc_pauses_counts_collections_and_frozen_restores():
     """GcPauses sees a collection by generation; frozen() freezes what is alive and unfreezes
-    after, also when the block raises."""
+    after, also when the block raises - unless the process had frozen objects before (a GPU
+    run of the suite did: 375 of them)."""
     import gc
 
     from dsv4.bench.gc_pauses import GcPauses, frozen
@@ -74,8 +75,11 @@ def test_gc_pauses_counts_collections_and_frozen_restores():
     assert s["collections"][1] >= 1 and s["collections"][2] >= 1
     assert s["ms"] >= s["longest_ms"] >= 0
     assert pauses._callback not in gc.callbacks
-    before = gc.get_freeze_count()
+    before = gc.get_freeze_count()  # > 0 where something in the process froze objects
     with pytest.raises(KeyError), frozen():
         assert gc.get_freeze_count() > before
         raise KeyError("inside")
-    assert gc.get_freeze_count() == before
+    if before:  # the caller's frozen objects stay frozen (unfreeze cannot pick the block's)
+        assert gc.get_freeze_count() >= before
+    else:
+        assert gc.get_freeze_count() == 0
