@@ -103,7 +103,7 @@ class PagedStore:
         b, held = self.block_size, self._blocks
         befores = [len(held[s]) for s in slots]
         afters = [max(-(-n // b), k) for n, k in zip(rows, befores, strict=True)]
-        if max(afters) > self.max_logical:
+        if afters and max(afters) > self.max_logical:
             r = rows[afters.index(max(afters))]
             raise CacheCapacityError(f"{self.name} store: {r} rows exceed the table's "
                                      f"{self.max_logical * b} rows per sequence")
