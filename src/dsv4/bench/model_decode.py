@@ -9,7 +9,9 @@ sequence. Four ways of running it, each timed over ``--steps`` consecutive steps
 the host's work included, as a serving loop pays it; the first step's host work, with nothing
 queued on the GPU to hide it, is charged once per timing, hence 40 steps by default), with the
 objects alive before the timings frozen as a serving loop freezes them after loading (each
-row's ``gc``: the collector's runs inside the timings, :mod:`dsv4.bench.gc_pauses`):
+row's ``gc``: the collector's runs inside the timings, :mod:`dsv4.bench.gc_pauses`; per timing
+its time a step and its longest call's host time, ``reps_us_per_step`` and
+``reps_longest_call_us``: a timing that stalled says where):
 
 * ``eager_layers``: each layer called as the README's first example does,
   ``layer(x, positions, caches)`` (each plans its own step), every stage eager;
@@ -113,15 +115,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Any, steps: int, device: torch.device) -> float:
-    """us per call of ``step()`` over ``steps`` consecutive calls (wall time, synchronised at
-    both ends)."""
+def time_steps(step: Any, steps: int, device: torch.device) -> tuple[float, float]:
+    """(us per call of ``step()`` over ``steps`` consecutive calls - wall time, synchronised at
+    both ends -, the longest call's host time in us: a call that blocked, or a stall)."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
+    longest = 0.0
     for _ in range(steps):
         step()
+        now = time.perf_counter()
+        longest = max(longest, now - last)
+        last = now
     _sync(device)
-    return (time.perf_counter() - t0) * 1e6 / steps
+    return (time.perf_counter() - t0) * 1e6 / steps, longest * 1e6
 
 
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int,
@@ -222,10 +228,12 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
             for c, n in zip(seq, lengths, strict=True):
                 c.truncate(n)
         with frozen(), GcPauses() as pauses:  # as a serving loop runs (gc_pauses.py)
-            times = [time_steps(step, steps, device) for _ in range(reps)]
+            timed_reps = [time_steps(step, steps, device) for _ in range(reps)]
+        times = [t for t, _ in timed_reps]
         us = statistics.median(times)
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
                      "tokens_per_s": m / us * 1e6, "reps_us_per_step": times,
+                     "reps_longest_call_us": [c for _, c in timed_reps],
                      "gc": pauses.summary()}
     row["runner_stats"] = dict(runner.stats)
     if runner.last_graph is not None:  # the last step's GPU work again, without the host's
