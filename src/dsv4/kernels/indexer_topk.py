@@ -33,7 +33,7 @@ Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
 
 * ``"bf16"``: [blocks, B, D] bf16 (the ``auto`` / ``bf16`` index formats of a bf16 layer); read
-  with :func:`dsv4.kernels.sparse_mqa._load_rows`.
+  with :func:`dsv4.kernels.sparse_mqa._fetch_rows`.
 * ``"fp8"``: uint8, blocks ``keys.stride(0)`` bytes apart (the store's own [blocks, B, row_bytes]
   view, or [blocks, block_bytes]); per block B rows of D e4m3 bytes, then B rows of D/128
   little-endian float32 scales (:class:`dsv4.cache.formats.IndexFp8Format`).
@@ -108,7 +108,9 @@ M side, had been within 4 % of 8 in the probe: H100, 2026-12-06, ``score-groups/
 GROUP_STAGES = 2
 """A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
 tile's keys loaded where they are scored). A group's program has 8 warps at 206-254 registers,
-alone on its SM, so nothing else hides its loads' latency."""
+alone on its SM, so nothing else hides its loads' latency. H100, 2026-12-06 (``benchmarks/
+results/2026-12-06-h100/decode-step-verify/64k-prefetch/``), one C4 layer at 64K, M = 16, k = 3
+/ 7: Flash 389.2 / 535.5 -> 374.6 / 512.1 us, Pro 497.1 / 706.5 -> 474.4 / 687.5."""
 SCAN_BLOCK = 1024
 """Scores per iteration of the top-k program's passes on rows narrower than
 ``WIDE_SCAN_BLOCK``."""
