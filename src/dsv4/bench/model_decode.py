@@ -10,8 +10,9 @@ the host's work included, as a serving loop pays it; the first step's host work,
 queued on the GPU to hide it, is charged once per timing, hence 40 steps by default), with the
 objects alive before the timings frozen as a serving loop freezes them after loading (each
 row's ``gc``: the collector's runs inside the timings, :mod:`dsv4.bench.gc_pauses`; per timing
-its time a step and its longest call's host time, ``reps_us_per_step`` and
-``reps_longest_call_us``: a timing that stalled says where):
+its time a step, the host's time a step and its longest call, ``reps_us_per_step``,
+``reps_host_us_per_step`` and ``reps_longest_call_us``: whether the host or the GPU bound a
+timing, and whether one call stalled):
 
 * ``eager_layers``: each layer called as the README's first example does,
   ``layer(x, positions, caches)`` (each plans its own step), every stage eager;
@@ -115,9 +116,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Any, steps: int, device: torch.device) -> tuple[float, float]:
-    """(us per call of ``step()`` over ``steps`` consecutive calls - wall time, synchronised at
-    both ends -, the longest call's host time in us: a call that blocked, or a stall)."""
+def time_steps(step: Any, steps: int, device: torch.device) -> tuple[float, float, float]:
+    """Over ``steps`` consecutive calls of ``step()``, in us: the wall time a call (synchronised
+    at both ends), the host's time a call (up to the last call's return, before the final
+    sync: near the wall time, the host bounds the loop; well below it, the GPU does), and the
+    longest call (a call that blocked, or a stall)."""
     _sync(device)
     t0 = last = time.perf_counter()
     longest = 0.0
@@ -127,7 +130,8 @@ def time_steps(step: Any, steps: int, device: torch.device) -> tuple[float, floa
         longest = max(longest, now - last)
         last = now
     _sync(device)
-    return (time.perf_counter() - t0) * 1e6 / steps, longest * 1e6
+    return ((time.perf_counter() - t0) * 1e6 / steps, (last - t0) * 1e6 / steps,
+            longest * 1e6)
 
 
 def single_layer_graph_us(layer: Any, caches: list[Any], x: torch.Tensor, reps: int,
@@ -229,11 +233,12 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
                 c.truncate(n)
         with frozen(), GcPauses() as pauses:  # as a serving loop runs (gc_pauses.py)
             timed_reps = [time_steps(step, steps, device) for _ in range(reps)]
-        times = [t for t, _ in timed_reps]
+        times = [t for t, _, _ in timed_reps]
         us = statistics.median(times)
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
                      "tokens_per_s": m / us * 1e6, "reps_us_per_step": times,
-                     "reps_longest_call_us": [c for _, c in timed_reps],
+                     "reps_host_us_per_step": [h for _, h, _ in timed_reps],
+                     "reps_longest_call_us": [c for _, _, c in timed_reps],
                      "gc": pauses.summary()}
     row["runner_stats"] = dict(runner.stats)
     if runner.last_graph is not None:  # the last step's GPU work again, without the host's
