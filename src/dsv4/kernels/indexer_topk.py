@@ -6,7 +6,8 @@ width, topk, weight_scale)`` -> entry indices [T, topk] int64 (-1 pads), the con
 without Triton's interpreter):
 
 1. **Scores** (``_score_kernel``, one program per query - or per group of a verify step's
-   queries of one sequence, which share each key tile: ``choose_score_group`` - and run of
+   queries of one sequence, which share each key tile (``choose_score_group``; a group's loop
+   loads the next tile's keys before it scores this one: ``GROUP_STAGES``) - and run of
    tiles of ``SCORE_BLOCK`` entries, a few programs per SM over all queries:
    ``choose_score_programs``):
    the entries' keys are read from the paged ``idx_keys`` store as stored (through the block
