@@ -278,7 +278,7 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
                              if -(-(e // per) // b) > -(-(a // per) // b)]
         return crossing[key]
 
-    grows: list[tuple[CachePool, str, list[tuple[int, int]]]] = []
+    grows: list[tuple[CachePool, str, list[int], list[int]]] = []
     for pool, slots in pools:
         r = pool.compress_ratio
         for name, store in pool.stores.items():
@@ -296,11 +296,10 @@ def take_blocks(pools: list[tuple[CachePool, list[int]]], starts: list[int], end
                     f"{per_store} more block(s) but {store.alloc.num_free} of "
                     f"{store.alloc.num_blocks} are free (free finished sequences or make a larger "
                     "pool)")
-            grows.append((pool, name, [(s, n) for s, n, k in zip(sub, rows_each, missing,
-                                                                  strict=True) if k]))
+            keep = [i for i, k in enumerate(missing) if k]
+            grows.append((pool, name, [sub[i] for i in keep], [rows_each[i] for i in keep]))
     grown = []
-    for pool, name, pairs in grows:  # each store's blocks in one call
-        slots_, rows_ = [s for s, _ in pairs], [n for _, n in pairs]
+    for pool, name, slots_, rows_ in grows:  # each store's blocks in one call
         befores = pool.stores[name].grow_each(slots_, rows_)
         grown += [(pool, name, s, b) for s, b in zip(slots_, befores, strict=True)]
     for pool, _ in pools:

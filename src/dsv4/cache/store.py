@@ -111,7 +111,6 @@ class PagedStore:
         if not total:
             return befores
         new = self.alloc.allocate(total)
-        dirty = self._dirty
         ii: list[int] = []
         jj: list[int] = []
         at = 0
@@ -121,8 +120,7 @@ class PagedStore:
                 at += hi - lo
                 ii += [s] * (hi - lo)
                 jj += range(lo, hi)
-                old = dirty.get(s)  # _mark, inline: one call per slot cost ~40 % of this loop
-                dirty[s] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+                self._mark(s, lo, hi)
         self._cells[ii, jj] = new
         return befores
 

@@ -405,8 +405,8 @@ if triton_available():
         first = tl.program_id(1) * tiles
         # PREFETCH: tile i + 1's key loads issued before tile i is scored (a program of 2-4
         # queries is alone on its SM: nothing else hides its load latency)
-        mine = tl.minimum(vis_lead, (first + tiles) * BN)
         if PREFETCH:
+            mine = tl.minimum(vis_lead, (first + tiles) * BN)
             e, sc = _fetch_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab,
                                       first * BN + tl.arange(0, BN), mine, max_logical,
                                       blk_stride, B, D, FMT, BN)
