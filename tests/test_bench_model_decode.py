@@ -25,6 +25,7 @@ def test_dry_run_writes_rows_for_every_mode(tmp_path):
             host = row[mode]["reps_host_us_per_step"][0]
             assert 0 < longest <= 2 * host <= 2 * row[mode]["us_per_step"]  # 2 steps a timing
             assert len(row[mode]["gc"]["collections"]) == 3
+        assert row["runner"]["reps_captures"] == [0]  # padded steps capture nothing
         assert row["runner_stats"]["padded"] >= 3
     assert "runner / sum" in (out / "model_decode.md").read_text()
 

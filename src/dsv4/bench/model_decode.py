@@ -12,7 +12,8 @@ objects alive before the timings frozen as a serving loop freezes them after loa
 row's ``gc``: the collector's runs inside the timings, :mod:`dsv4.bench.gc_pauses`; per timing
 its time a step, the host's time a step and its longest call, ``reps_us_per_step``,
 ``reps_host_us_per_step`` and ``reps_longest_call_us``: whether the host or the GPU bound a
-timing, and whether one call stalled):
+timing, and whether one call stalled; the runner's also ``reps_captures``, the buckets it
+captured inside each timing):
 
 * ``eager_layers``: each layer called as the README's first example does,
   ``layer(x, positions, caches)`` (each plans its own step), every stage eager;
@@ -231,8 +232,12 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
         for seq, lengths in zip(seqs, before, strict=True):
             for c, n in zip(seq, lengths, strict=True):
                 c.truncate(n)
+        timed_reps, captures = [], []
         with frozen(), GcPauses() as pauses:  # as a serving loop runs (gc_pauses.py)
-            timed_reps = [time_steps(step, steps, device) for _ in range(reps)]
+            for _ in range(reps):
+                before_captures = runner.stats["captures"]
+                timed_reps.append(time_steps(step, steps, device))
+                captures.append(runner.stats["captures"] - before_captures)
         times = [t for t, _, _ in timed_reps]
         us = statistics.median(times)
         row[mode] = {"us_per_step": us, "us_per_layer": us / len(layers),
@@ -240,6 +245,8 @@ def run_case(model: str, cfg: DSV4Config, layers: list[Any], m: int, context: in
                      "reps_host_us_per_step": [h for _, h, _ in timed_reps],
                      "reps_longest_call_us": [c for _, _, c in timed_reps],
                      "gc": pauses.summary()}
+        if mode == "runner":  # a bucket captured inside a timing (a new width or batch size)
+            row[mode]["reps_captures"] = captures
     row["runner_stats"] = dict(runner.stats)
     if runner.last_graph is not None:  # the last step's GPU work again, without the host's
         us = statistics.median(replay_times(runner.last_graph, reps, None))
