@@ -8,7 +8,7 @@ warps (``num_warps``).
 
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR --tokens-per-seq 1,4 \
-        --widths 4096,16384 --seqs 1,16 --variants "default,group 2,group 4"
+        --widths 4096,16384 --seqs 1,16 --variants "default,group 4,group 4 plain"
 
 For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible) of an fp8
 index key store (Flash's indexer: 64 heads x 128, 64 rows a block, blocks in shuffled order),
@@ -50,9 +50,7 @@ VARIANTS = {
     "2 / SM": dict(programs_per_sm=2), "8 / SM": dict(programs_per_sm=8),
     "stages 2, 2 / SM": dict(stages=2, programs_per_sm=2),
     "stages 2, 8 / SM": dict(stages=2, programs_per_sm=8),
-    "group 2": dict(group=2), "group 2 (4 warps)": dict(group=2, num_warps=4),
-    "group 4": dict(group=4),
-    "group 2 plain": dict(group=2, stages=0), "group 4 plain": dict(group=4, stages=0),
+    "group 4": dict(group=4), "group 4 plain": dict(group=4, stages=0),
     "group 4 (block 32)": dict(group=4, block=32),
     "8 warps": dict(num_warps=8),
 }

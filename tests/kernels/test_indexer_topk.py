@@ -298,10 +298,9 @@ def assert_same_scores(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @kernel_runs
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("group", [2, 4])
 @pytest.mark.parametrize("shape", ["verify", "ragged"])
 @pytest.mark.parametrize("stages", [0, 2])
-def test_score_groups_give_the_same_scores(fmt, group, shape, stages):
+def test_score_groups_give_the_same_scores(fmt, shape, stages):
     """Queries scored a group a program - a verify step's tokens sharing their sequence's key
     tiles - score as one query a program: groups aligned with the sequences ("verify": 4 + 4 +
     4 tokens) and groups cut across them ("ragged": 1 + 3 + 2 + 1 + 5 tokens, a sequence with
@@ -315,7 +314,7 @@ def test_score_groups_give_the_same_scores(fmt, group, shape, stages):
     width = step.max_visible(4) + 37
     args = score_args(cfg, step, q, w, width)
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
-    got = indexer_scores(*args, group=group, zero=zero, stages=stages, programs_per_sm=1)
+    got = indexer_scores(*args, group=4, zero=zero, stages=stages, programs_per_sm=1)
     assert not zero.any()
     assert_same_scores(got, indexer_scores(*args))
     s64, tol = scores_f64(cfg, step, q, w, width)
@@ -323,8 +322,7 @@ def test_score_groups_give_the_same_scores(fmt, group, shape, stages):
 
 
 @kernel_runs
-@pytest.mark.parametrize("group", [2, 4])
-def test_grouped_selection_matches_the_torch_path(group):
+def test_grouped_selection_matches_the_torch_path():
     """``indexer_topk`` with scoring groups, in workspace chunks of whole groups and with a
     split top-k: the torch path's selection."""
     cfg = tiny_cfg(16, 4600)
@@ -333,18 +331,18 @@ def test_grouped_selection_matches_the_torch_path(group):
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     want = torch_path(cfg, step, q, w)
     for kw in (dict(), dict(workspace_bytes=4 * step.max_visible(4)), dict(split=2)):
-        got = run_kernels(cfg, step, q, w, group=group, **kw)
+        got = run_kernels(cfg, step, q, w, group=4, **kw)
         assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
 
 
 @pytest.mark.parametrize("kw", [dict(block=8), dict(block=512), dict(block=48), dict(stages=5),
                                 dict(stages=-1), dict(stages=True), dict(programs_per_sm=0),
                                 dict(programs_per_sm=2.0), dict(group=3), dict(group=True),
-                                dict(group=16), dict(num_warps=3),
-                                dict(group=2, stages=3)])
+                                dict(group=16), dict(group=2), dict(num_warps=3),
+                                dict(group=4, stages=3)])
 def test_score_overrides_are_checked(kw):
     name = next(iter(kw))
-    message = ("indexer_scores: stages=3 with group=2" if len(kw) > 1
+    message = ("indexer_scores: stages=3 with group=4" if len(kw) > 1
                else f"indexer_scores: {name} must be")
     with pytest.raises(ValueError, match=message):
         indexer_scores(torch.zeros(1, 1, 32, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
@@ -674,7 +672,7 @@ def test_cuda_platform_takes_the_kernels_for_decode_and_prefill_steps():
             layer._indexer_select(padded, qv, wv)
     finally:
         cuda.indexer_topk = real_scores
-    assert groups == [4, 2, 4]
+    assert groups == [4, 1, 4]
 
 
 def test_formats_the_kernels_read():
@@ -720,7 +718,7 @@ def test_sixty_four_queries_of_sixteen_sequences(fmt):
     step = make_step(cfg, fmt, lengths, [4] * 16, block_size=64, seed=3, device="cuda")
     q, w = queries(cfg, 64, seed=4, device="cuda")
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
-    for group in (1, 2, 4):
+    for group in (1, 4):
         assert_valid_selection(run_kernels(cfg, step, q, w, group=group), s64, tol,
                                cfg.index_topk)
     store = step.pool.stores["idx_keys"]
@@ -729,10 +727,9 @@ def test_sixty_four_queries_of_sixteen_sequences(fmt):
             cfg.index_weight_scale)
     one = indexer_scores(*args)
     vis = torch.isfinite(one)
-    for group in (2, 4):
-        got = indexer_scores(*args, group=group)
-        assert torch.equal(torch.isfinite(got), vis)
-        torch.testing.assert_close(got[vis], one[vis], rtol=1e-5, atol=1e-5)
+    got = indexer_scores(*args, group=4)
+    assert torch.equal(torch.isfinite(got), vis)
+    torch.testing.assert_close(got[vis], one[vis], rtol=1e-5, atol=1e-5)
 
 
 @needs_gpu
@@ -813,7 +810,7 @@ def test_cuda_layer_decode_selects_like_the_reference():
 def test_the_score_group_rule():
     from dsv4.kernels.indexer_topk import SCORE_GROUPS, choose_score_group
 
-    assert [choose_score_group(n) for n in range(0, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4, 4]
+    assert [choose_score_group(n) for n in range(0, 10)] == [1, 1, 1, 1, 4, 4, 4, 4, 4, 4]
     assert max(SCORE_GROUPS) == 4  # 8 queries a program spill (SCORE_GROUPS' note)
 
 

@@ -309,18 +309,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                 # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 64 tile
                 pre = [("act8_prequant", act8), ("act8_prequant_bf16tiles", c)]
                 if M > 16:
-                    big = choose_fp8_config(65, N, K)
-                    pre.append(("act8_prequant_mlarge", big))
-                    # the same tile with the split that makes the programs one or two per SM
-                    # (the table's split leaves a partial second wave: Flash wo_b at M = 64 runs
-                    # 32 tiles x 5 = 160 programs on 132 SMs)
-                    n_sm = (torch.cuda.get_device_properties(dev).multi_processor_count
-                            if torch.device(dev).type == "cuda" else 132)
-                    tiles = -(-M // big.block_m) * (N // big.block_n)
-                    for per_sm in (1, 2):
-                        split = max(1, min(K // 128, 16, per_sm * n_sm // tiles))
-                        pre.append((f"act8_prequant_mlarge_{per_sm}sm",
-                                    Fp8GemmConfig(**{**big.__dict__, "split_k": split})))
+                    pre.append(("act8_prequant_mlarge", choose_fp8_config(65, N, K)))
                 for tag, vc in pre:
                     impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: prequant(i, vc), ref_q))
         for impl, fn, want in impls:

@@ -98,14 +98,14 @@ WIDE_SCORE_PROGRAMS_PER_SM = 8
 (:func:`choose_score_programs`)."""
 WIDE_SCORE_MIN_TILES = 16
 """Tiles a program must keep for the wider grid (fewer: its query loads cost more)."""
-SCORE_GROUPS = (1, 2, 4)
+SCORE_GROUPS = (1, 4)
 """Queries a scoring program may take (``indexer_scores``' ``group``): 8 spills at 8 and 16
-warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``)."""
+warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``); 2 lost
+to one query a program in the layer (:func:`choose_score_group`), so it was deleted."""
 GROUP_WARPS = 8
 """Warps of a scoring program of several queries (their stacked heads and the MMA's result
-are 2-4x one query's: with the keys on the MMA's M side 204 / 236 registers at 2 / 4
-queries, no stack; 4 warps spill at 4, and so do 16 warps at 4 - which, with the heads on the
-M side, had been within 4 % of 8 in the probe: H100, 2026-12-06, ``score-groups/``)."""
+are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4 and 16
+warps spill)."""
 GROUP_STAGES = 2
 """A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
 tile's keys loaded where they are scored). A group's program has 8 warps at 206-254 registers,
@@ -214,19 +214,16 @@ def choose_score_programs(n_tiles: int, rows: int, n_sm: int,
 
 def choose_score_group(tokens_per_seq: int) -> int:
     """Queries a scoring program takes (``indexer_scores``' ``group``) in a step whose longest
-    sequence brings ``tokens_per_seq`` tokens: the largest of ``SCORE_GROUPS`` not above it, so
-    a verify step's 1 + k queries of a sequence share its key tiles (decode steps: 1, the
-    one-query program). H100, 2026-12-06 (``benchmarks/results/2026-12-06-h100/
-    score-groups/``), Flash C4 at 64K, 16 sequences, profiled in the layer's step graph: the
-    score launch 139.9 -> 133.3 us at 1 + 3 tokens, 302.6 -> 250.9 at 1 + 7; the step
-    427.5 -> 421.5 and 689.8 -> 636.6 (Pro 541.8 -> 531.6, 942.7 -> 896.7). The score probe
-    of the same day, whose keys stayed warm in the L2 between its replays (it now reads them
-    from memory), had groups 2-16 % slower: a grouped program saves load latency, which the
-    layer's cold keys have and warm ones do not. With the keys on the score MMA's M side the
-    probe still favours one query a program (84.4 against 97.6 us at 16 x 4 queries), the layer
-    still groups: Flash C4 at 64K, M = 16, one call (``score-groups-keys-rows/``), 385.8 against
-    403.3 us at 1 + 3 tokens, 566.7 against 593.5 at 1 + 7."""
-    return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
+    sequence brings ``tokens_per_seq`` tokens: 4 from 4 tokens on (a verify step of 1 + 3 or
+    more: its queries share each key tile's table read, load and dequantisation and one stacked
+    MMA), else 1. H100, one C4 layer at 64K, M = 16, both rules in one call (``benchmarks/
+    results/2026-12-06-h100/decode-step-verify/64k-one-query-below-4/``), us at 1 + 1 / 1 + 2
+    tokens: groups of 2 (the rule before) Flash 274.9 / 384.2, Pro 423.2 / 505.6; one query a
+    program 270.5 / 330.6 and 413.7 / 452.0 (1 + 3 unchanged, 374.3 / 371.6 and 467.9 /
+    472.2). The score probe had found the same with the next tile prefetched (16K x 16 x 2
+    queries, 60.4 against 45.9 us). Groups of 4 against one query a program at 1 + 3 / 1 + 7:
+    Flash 427.5 -> 421.5 and 689.8 -> 636.6 us in the step (``score-groups/``)."""
+    return 4 if tokens_per_seq >= 4 else 1
 
 
 def choose_merge_block(candidates: int) -> int:
