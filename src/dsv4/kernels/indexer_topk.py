@@ -108,7 +108,7 @@ are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4
 warps spill)."""
 GROUP_STAGES = 2
 """A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
-tile's keys loaded where they are scored). A group's program has 8 warps at 206-254 registers,
+tile's keys loaded where they are scored). A group's program has 8 warps at 224-255 registers,
 alone on its SM, so nothing else hides its loads' latency. H100, 2026-12-06 (``benchmarks/
 results/2026-12-06-h100/decode-step-verify/64k-prefetch/``), one C4 layer at 64K, M = 16, k = 3
 / 7: Flash 389.2 / 535.5 -> 374.6 / 512.1 us, Pro 497.1 / 706.5 -> 474.4 / 687.5."""
@@ -400,7 +400,7 @@ if triton_available():
         ws = ws.to(tl.float32) * weight_scale
         rows = s_ptr + ti.to(tl.int64)[:, None] * sst
         first = tl.program_id(1) * tiles
-        # PREFETCH: tile i + 1's key loads issued before tile i is scored (a program of 2-4
+        # PREFETCH: tile i + 1's key loads issued before tile i is scored (a program of 4
         # queries is alone on its SM: nothing else hides its load latency)
         if PREFETCH:
             mine = tl.minimum(vis_lead, (first + tiles) * BN)
