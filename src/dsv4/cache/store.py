@@ -100,13 +100,14 @@ class PagedStore:
         separate calls (a table write each), 10x a step's plan on the dev CPU."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"{self.name} store: grow_each takes each slot once, got {slots}")
-        b, held = self.block_size, self._blocks
+        held = self._blocks
         befores = [len(held[s]) for s in slots]
-        afters = [max(-(-n // b), k) for n, k in zip(rows, befores, strict=True)]
+        afters = [k + n for k, n in zip(befores, self.blocks_needed_each(slots, rows),
+                                        strict=True)]
         if afters and max(afters) > self.max_logical:
             r = rows[afters.index(max(afters))]
             raise CacheCapacityError(f"{self.name} store: {r} rows exceed the table's "
-                                     f"{self.max_logical * b} rows per sequence")
+                                     f"{self.max_logical * self.block_size} rows per sequence")
         total = sum(afters) - sum(befores)
         if not total:
             return befores
