@@ -308,6 +308,13 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the
                 # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 64 tile
                 pre = [("act8_prequant", act8), ("act8_prequant_bf16tiles", c)]
+                # the act8 table's tile with deeper pipelines (more weight bytes in flight) or
+                # 8 warps (its swapped 64-token tile holds 232-255 registers at 4)
+                pre += [(f"act8_prequant_{tag}", Fp8GemmConfig(**{**act8.__dict__, **change}))
+                        for tag, change in (("st4", dict(num_stages=4)),
+                                            ("st5", dict(num_stages=5)),
+                                            ("w8", dict(num_warps=8)),
+                                            ("w8st4", dict(num_warps=8, num_stages=4)))]
                 if M > 16:
                     pre.append(("act8_prequant_mlarge", choose_fp8_config(65, N, K)))
                 for tag, vc in pre:
