@@ -214,16 +214,17 @@ def choose_score_programs(n_tiles: int, rows: int, n_sm: int,
 
 def choose_score_group(tokens_per_seq: int) -> int:
     """Queries a scoring program takes (``indexer_scores``' ``group``) in a step whose longest
-    sequence brings ``tokens_per_seq`` tokens: 4 from 4 tokens on (a verify step of 1 + 3 or
-    more: its queries share each key tile's table read, load and dequantisation and one stacked
-    MMA), else 1. H100, one C4 layer at 64K, M = 16, both rules in one call (``benchmarks/
-    results/2026-12-06-h100/decode-step-verify/64k-one-query-below-4/``), us at 1 + 1 / 1 + 2
+    sequence brings ``tokens_per_seq`` tokens: the largest of ``SCORE_GROUPS`` not above it -
+    4 from 4 tokens on (a verify step of 1 + 3 or more: its queries share each key tile's table
+    read, load and dequantisation and one stacked MMA), else 1. H100, one C4 layer at 64K,
+    M = 16, both rules in one call (``benchmarks/results/2026-12-06-h100/decode-step-verify/
+    64k-one-query-below-4/``), us at 1 + 1 / 1 + 2
     tokens: groups of 2 (the rule before) Flash 274.9 / 384.2, Pro 423.2 / 505.6; one query a
     program 270.5 / 330.6 and 413.7 / 452.0 (1 + 3 unchanged, 374.3 / 371.6 and 467.9 /
     472.2). The score probe had found the same with the next tile prefetched (16K x 16 x 2
     queries, 60.4 against 45.9 us). Groups of 4 against one query a program at 1 + 3 / 1 + 7:
     Flash 427.5 -> 421.5 and 689.8 -> 636.6 us in the step (``score-groups/``)."""
-    return 4 if tokens_per_seq >= 4 else 1
+    return max(g for g in SCORE_GROUPS if g <= max(1, tokens_per_seq))
 
 
 def choose_merge_block(candidates: int) -> int:
