@@ -97,6 +97,6 @@ def test_launch_origins_names_the_operators_and_undoes_the_step(tiny):
     x = torch.randn(40, tiny.hidden_size).bfloat16()
     layer(x[:20], torch.arange(20), caches[0])
     layer(x[20:40], torch.arange(20), caches[1])
-    text = launch_origins(layer, x[:2], torch.tensor([20, 20]), caches, 20, "tiny C4")
+    text = launch_origins(layer, x[:2], torch.tensor([20, 20]), caches, "tiny C4")
     assert text.startswith("## tiny C4: where") and "aten::" in text
     assert [c.length for c in caches] == [20, 20]

@@ -31,6 +31,22 @@ def test_filled_caches_decode_alike_in_bf16_and_fp8(tiny, make_layer, ratio):
     assert rel_err(outs[1], outs[0]) < 1e-3
 
 
+def test_fill_gives_each_sequence_its_own_context(tiny, make_layer):
+    """Staggered histories (the decode-step bench's --stagger): cache i holds contexts[i]
+    positions, its compressed entries as many as those complete, and a step from there runs."""
+    layer = make_layer(tiny, 4)
+    caches = layer.new_caches(3, 300)
+    fill_history(caches, [257, 258, 259], seed=5)
+    assert [c.length for c in caches] == [257, 258, 259]
+    assert [c.rows("compressed").shape[0] for c in caches] == [64, 64, 64]
+    out = layer(random_x(3, tiny.hidden_size).to(torch.bfloat16), torch.tensor([257, 258, 259]),
+                caches)
+    assert torch.isfinite(out).all()
+    assert [c.rows("compressed").shape[0] for c in caches] == [64, 64, 65]
+    with pytest.raises(ValueError, match="2 contexts for 3 caches"):
+        fill_history(layer.new_caches(3, 300), [10, 11])
+
+
 def test_fill_refuses_used_or_too_small_caches(tiny, make_layer):
     layer = make_layer(tiny, 0)
     c = layer.new_cache(64)

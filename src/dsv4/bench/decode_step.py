@@ -163,19 +163,20 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
 
 
 def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
-                   caches: list[Any], context: int, title: str = "",
+                   caches: list[Any], title: str = "",
                    lens: list[int] | None = None) -> tuple[int, str]:
     """(GPU operations of one eager decode step, the profiler's kernel table of it). The step's
-    writes are undone (the caches are truncated back to ``context``). Counted as a layer called
-    on its own: with its own step metadata upload (a model's step plan uploads it once for all
-    layers)."""
+    writes are undone (each cache truncated back to its length before it). Counted as a layer
+    called on its own: with its own step metadata upload (a model's step plan uploads it once
+    for all layers)."""
     from torch.profiler import ProfilerActivity, profile
 
+    before = [c.length for c in caches]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         layer(x, pos, caches, lens)
         torch.cuda.synchronize()
-    for c in caches:
-        c.truncate(context)
+    for c, n in zip(caches, before, strict=True):
+        c.truncate(n)
     events = prof.key_averages()
     times = [(e.count, getattr(e, "device_time_total", 0.0)) for e in events]
     launches = sum(n for n, t in times if t > 0)
@@ -186,7 +187,7 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
 
 
 def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
-                   context: int, title: str = "", lens: list[int] | None = None) -> str:
+                   title: str = "", lens: list[int] | None = None) -> str:
     """Where one eager step's GPU work is launched from: the profiler's operators (PyTorch's
     own kernels, copies and fills among them) with their device time, grouped by the Python
     stack that called them (5 frames) - what names the small copies a kernel table only calls
@@ -196,12 +197,13 @@ def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
+    before = [c.length for c in caches]
     with profile(activities=acts, with_stack=True) as prof:
         layer(x, pos, caches, lens)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    for c in caches:
-        c.truncate(context)
+    for c, n in zip(caches, before, strict=True):
+        c.truncate(n)
     events = prof.key_averages(group_by_stack_n=5)
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = events.table(sort_by=sort, row_limit=25, max_name_column_width=40,
@@ -228,10 +230,11 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
-             cold_l2: bool = False, draft_tokens: int = 0) -> list[dict[str, Any]]:
+             cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False
+             ) -> list[dict[str, Any]]:
     with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
         return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
-                         pooled, strategies, fill, cold_l2, draft_tokens)
+                         pooled, strategies, fill, cold_l2, draft_tokens, stagger)
 
 
 def l2_scrub_buffer(dev: torch.device) -> torch.Tensor:
@@ -271,34 +274,39 @@ def replay_times(graph: Any, reps: int, scrub: torch.Tensor | None) -> list[floa
 def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
               dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
               profiles: list[str] | None, pooled: bool, strategies: tuple[str, ...], fill: str,
-              cold_l2: bool = False, draft_tokens: int = 0) -> list[dict[str, Any]]:
+              cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False
+              ) -> list[dict[str, Any]]:
     scrub = l2_scrub_buffer(dev) if cold_l2 else None
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
     n = 1 + draft_tokens  # tokens per sequence: a decode step, or a verify step of k drafts
     x = torch.randn(m * n, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
-    prompts = (torch.randn(m, context, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
-               if fill == "prefill" else None)
+    # sequence i's history: context tokens, or context + i with stagger
+    starts = [context + (i if stagger else 0) for i in range(m)]
+    prompts = (torch.randn(m, max(starts), cfg.hidden_size, generator=gen).to(
+        dev, torch.bfloat16) if fill == "prefill" else None)
     # CPU positions: no sync, capturable
-    pos = torch.arange(context, context + n).repeat(m)
+    pos = torch.cat([torch.arange(s, s + n) for s in starts])
     lens = [n] * m
     rows: list[dict[str, Any]] = []
     base: tuple[torch.Tensor, str] | None = None  # the first strategy's output checks the rest
     for strategy in strategies:
         key = {"model": model, "layer_type": layer_type, "M": m, "context": context,
-               "draft_tokens": draft_tokens, "strategy": strategy}
+               "draft_tokens": draft_tokens, "strategy": strategy,
+               "positions": "staggered" if stagger else "aligned"}
         # PDL as the strategy says for its eager steps, its capture (the graph keeps it) and
         # its launch count
         set_programmatic_launch(STRATEGY_SPECS[strategy].pdl)
         layer = build(cfg, layer_id, strategy, weights, dev)
         # each replay's tokens are taken back (truncate): the pools keep n positions of rollback
-        caches = (layer.new_caches(m, context + 8, max_rollback=n) if pooled else
-                  [layer.new_cache(context + 8, max_rollback=n) for _ in range(m)])
+        room = max(starts) + 8
+        caches = (layer.new_caches(m, room, max_rollback=n) if pooled else
+                  [layer.new_cache(room, max_rollback=n) for _ in range(m)])
         if prompts is not None:
             for i, c in enumerate(caches):
-                layer(prompts[i], torch.arange(context), c)
+                layer(prompts[i, :starts[i]], torch.arange(starts[i]), c)
         else:
-            fill_history(caches, context, seed=7)
+            fill_history(caches, starts, seed=7)
         try:
             choice = layer.attention_choice(caches[0].pool).describe()
             eager = layer(x, pos, caches, lens)  # warm-up and the eager answer
@@ -310,8 +318,8 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                   f"skipped ({ex})", flush=True)
             del layer, caches
             continue
-        for c in caches:
-            c.truncate(context)
+        for c, start in zip(caches, starts, strict=True):
+            c.truncate(start)
         # captured over a plan made before the capture (dsv4.runner.captured_step), open over
         # the replays, rolled back after them
         with captured_step(layer, caches, x, lens) as (graph, out):
@@ -334,13 +342,12 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         us = statistics.median(times)
         nbytes = step_bytes(layer, m, context)
         floor = nbytes / bw * 1e6
-        launches, table = count_launches(layer, x, pos, caches, context,
-                                         f"{case} {strategy}", lens)
+        launches, table = count_launches(layer, x, pos, caches, f"{case} {strategy}", lens)
         if profiles is not None and strategy in OURS:
             title = f"{case} {strategy}"
             profiles.append(table)
             profiles.append(replayed)
-            profiles.append(launch_origins(layer, x, pos, caches, context, title, lens))
+            profiles.append(launch_origins(layer, x, pos, caches, title, lens))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
@@ -476,6 +483,11 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     help="comma-separated drafted tokens per sequence, k: steps of 1 + k tokens "
                     "per sequence, the verify steps of speculative decoding (default 0: decode "
                     "steps; at most 7)")
+    ap.add_argument("--stagger", action="store_true",
+                    help="sequence i at context + i tokens, not all at context: a one-token "
+                    "step then completes a compressed entry for some sequences (a C4 layer: "
+                    "every fourth), as a serving batch's does, where sequences at one position "
+                    "complete none or all (default: all at context)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
@@ -549,7 +561,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     for k in args.draft_tokens:
                         rows += run_case(cfg, model, layer_type, m, context, dev, bw,
                                          args.reps, weights, profiles, not args.per_sequence,
-                                         strategies, args.fill, args.cold_l2, k)
+                                         strategies, args.fill, args.cold_l2, k,
+                                         args.stagger)
                     partial = {"rows": rows, "copy_bw": bw}
                     (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
                     if profiles:  # kept as it grows: a run cut short keeps what it measured
@@ -564,6 +577,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"{bw / 1e12:.2f} TB/s; "
         f"{'a cache pool per sequence' if args.per_sequence else 'one cache pool'}, "
         f"{args.fill} history"
+        f"{'; sequence i at context + i tokens (--stagger)' if args.stagger else ''}"
         f"{'; L2 scrubbed before each replay (--cold-l2)' if args.cold_l2 else ''}\n\n"
         + "\n".join(lines) + "\n")
     print("\n".join(lines))

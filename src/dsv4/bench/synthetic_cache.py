@@ -12,6 +12,8 @@ them can be compared. Only the blocks a step can read are held (window rows befo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dsv4.cache.pool import AttentionCache
@@ -47,10 +49,15 @@ def _random_rows(n: int, dim: int, gen: torch.Generator, device: torch.device,
     return v.to(dtype)
 
 
-def fill_history(caches: list[AttentionCache], context: int, seed: int = 0) -> None:
-    """Give each (empty) cache ``context`` positions of synthetic history (module docstring).
-    Sequence i's values come from seed ``seed + i``, whatever the pool's formats."""
-    for i, c in enumerate(caches):
+def fill_history(caches: list[AttentionCache], context: int | Sequence[int],
+                 seed: int = 0) -> None:
+    """Give each (empty) cache ``context`` positions of synthetic history (module docstring),
+    or cache i ``context[i]`` of them. Sequence i's values come from seed ``seed + i``, whatever
+    the pool's formats."""
+    contexts = [context] * len(caches) if isinstance(context, int) else list(context)
+    if len(contexts) != len(caches):
+        raise ValueError(f"{len(contexts)} contexts for {len(caches)} caches")
+    for i, (c, context) in enumerate(zip(caches, contexts, strict=True)):
         pool = c.pool
         if c.length:
             raise ValueError("fill_history needs empty caches")
