@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv4 import DSV4Config
+from dsv4.cache.store import PagedStore
 from dsv4.kernels.compress_entries import (
     SIM_INDEX_FP4,
     SIM_INDEX_FP8,
@@ -281,8 +282,9 @@ def test_graph_replay_equals_eager(ratio):
 @needs_gpu
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
-    """The cuda layer makes and stores each compressor's entries in one launch (the kernel
-    with its store), and its forward agrees with the reference layer's."""
+    """The cuda layer makes and stores its entries in one launch a step (the kernel with its
+    store; a C4 layer's two compressors in one), and its forward agrees with the reference
+    layer's."""
     import dsv4.platforms.cuda as cuda_platform
     from dsv4.platforms.cuda import CudaAttention
     from dsv4.testing.random_weights import random_layer_weights
@@ -296,12 +298,16 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
     ref.load_weights(weights.items())
     launches = []
 
-    def counted(*args, **kw):
-        launches.append(kw.get("store") is not None)
-        return kernel(*args, **kw)
+    def counted(name, kernel):
+        def call(*args, **kw):
+            launches.append((name, name == "pair" or kw.get("store") is not None))
+            return kernel(*args, **kw)
+        return call
 
-    kernel = cuda_platform.compress_entries
-    monkeypatch.setattr(cuda_platform, "compress_entries", counted)
+    monkeypatch.setattr(cuda_platform, "compress_entries",
+                        counted("single", cuda_platform.compress_entries))
+    monkeypatch.setattr(cuda_platform, "compress_entries_pair",
+                        counted("pair", cuda_platform.compress_entries_pair))
     x = random_x(300, cfg.hidden_size, seed=5).to("cuda", BF16)
     outs = []
     for m in (layer, ref):
@@ -309,7 +315,8 @@ def test_cuda_platform_takes_the_kernel(monkeypatch, ratio):
         ys = [m(x[:260], torch.arange(260), c)]
         ys += [m(x[i:i + 1], torch.tensor([i]), c) for i in range(260, 300)]
         outs.append(torch.cat(ys))
-    assert launches and all(launches)
+    assert launches and all(stored for _, stored in launches)
+    assert {name for name, _ in launches} == {"pair" if ratio == 4 else "single"}
     assert rel_err(outs[0], outs[1]) < 1e-2
 
 
@@ -518,3 +525,76 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
 
 def comp_store_name(for_indexer: bool) -> str:
     return "idx_keys" if for_indexer else "compressed"
+
+
+def _filled_store(name: str, fmt, seed: int) -> PagedStore:
+    """A store of 3 slots x 16 rows, its bytes random (so that every byte can be compared)."""
+    store = PagedStore(name, fmt, 4, 16, 3, 8, torch.device(DEV))
+    for slot in range(3):
+        store.grow(slot, 4 * 4)
+    store.sync()
+    store.data.copy_(torch.randint(0, 256, store.data.shape, generator=torch.Generator()
+                                   .manual_seed(seed)).to(store.data.dtype))
+    return store
+
+
+@kernel_runs
+@pytest.mark.parametrize(("e_main", "e_index", "skip"), [
+    (10, 10, None), (10, 6, 1), (4, 9, 2), (0, 5, None), (6, 0, 0), (0, 0, None)])
+def test_both_compressors_entries_in_one_launch(e_main, e_index, skip):
+    """A C4 layer's main (fp8_ds_mla store) and indexer (fp4 store) compressor in one launch,
+    with more jobs on either side or none: each part's entries those of its own launch (under
+    the interpreter to the bit; on a GPU the indexer part runs at the main part's 8 warps, so
+    as close as the kernel is to ``compress_jobs``), its store holding exactly what
+    ``store_rows`` writes of the entries returned, a skipped slot's rows untouched."""
+    from dsv4.cache.formats import index_format, kv_format
+    from dsv4.kernels.compress_entries import EntryCompress, compress_entries_pair
+    from dsv4.kernels.store_rows import store_rows
+
+    cfg = DSV4Config.preset("tiny")
+    parts, singles, seed = [], [], 20
+    for idx, e, fmt in ((False, e_main, "fp8_ds_mla"), (True, e_index, "fp4")):
+        comp, rotary = make_compressor(cfg, 4, idx, DEV, seed=seed)
+        jobs = random_jobs(comp, seqs=3, tokens=40, per_kind=3, seed=seed, device=DEV)
+        row_fmt = (index_format(fmt, comp.dim, BF16) if idx
+                   else kv_format(fmt, comp.dim, comp.rope_dim, BF16))
+        name = comp_store_name(idx)
+        paired, want_store = _filled_store(name, row_fmt, seed), _filled_store(name, row_fmt, seed)
+        slots = torch.arange(e, device=DEV) % 3
+        entries = torch.arange(e, device=DEV) // 3 + 2 * (torch.arange(e, device=DEV) % 2)
+        job = EntryCompress(comp, jobs.ring, jobs.rows, jobs.ring_src[:e], jobs.call_src[:e],
+                            entries, paired, slots, skip)
+        single = compress_entries(comp, jobs.ring, jobs.rows, jobs.ring_src[:e],
+                                  jobs.call_src[:e], entries, rotary, BF16, cfg.simulate_quant,
+                                  cfg.index_numerics)
+        parts.append((job, want_store))
+        singles.append(single)
+        seed += 1
+    got = compress_entries_pair(parts[0][0], parts[1][0], rotary, BF16, cfg.simulate_quant,
+                                cfg.index_numerics)
+    for (job, want_store), single, entries in zip(parts, singles, got, strict=True):
+        kept = job.slots != skip if skip is not None else torch.ones_like(job.slots, dtype=bool)
+        assert entries.shape == single.shape
+        if _INTERPRET:
+            assert torch.equal(entries[kept], single[kept])
+        elif kept.any():
+            compare(entries[kept], single[kept], simulated=True)
+        store_rows(want_store, job.slots[kept], job.entries[kept], entries[kept])
+        assert torch.equal(job.store.data, want_store.data)
+
+
+@kernel_runs
+def test_a_pair_checks_both_parts_before_launching():
+    from dsv4.kernels.compress_entries import EntryCompress, compress_entries_pair
+
+    cfg = DSV4Config.preset("tiny")
+    comp, rotary = make_compressor(cfg, 4, False, DEV)
+    jobs = random_jobs(comp, seqs=2, tokens=8, per_kind=1, seed=1, device=DEV)
+    good = EntryCompress(comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, jobs.entries)
+    before = jobs.ring.clone()
+    bad = good._replace(ring_src=jobs.ring_src[:, :3])
+    with pytest.raises(ValueError, match="ring_src / call_src"):
+        compress_entries_pair(good, bad, rotary, BF16, False, None)
+    with pytest.raises(ValueError, match="pass the store too"):
+        compress_entries_pair(good._replace(skip_slot=0), good, rotary, BF16, False, None)
+    assert torch.equal(jobs.ring, before)

@@ -117,8 +117,9 @@ def test_flat_rows_reach_the_attention_kernel_as_int32(cpu_cuda_layer, monkeypat
 def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
     """The launches the platform's stage overrides make per step (the step kernels that fuse
     several override points): the latent norms, then the query heads with the kv rows; both
-    compressors' raw rows in one launch; the flat rows in one (the window's with the selected
-    or the visible entries'); both rings in one. The outputs and stores equal the base path's
+    compressors' raw rows in one launch; the entries a step completes, both compressors' in
+    one; the flat rows in one (the window's with the selected or the visible entries'); both
+    rings in one. The outputs and stores equal the base path's
     (``test_step_kernels_on_equal_off``)."""
     import dsv4.platforms.cuda as cuda
 
@@ -126,9 +127,16 @@ def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
     calls = _record_calls(monkeypatch, cuda, "fused_latent_norms",
                           "fused_query_heads_and_kv_rows", "raw_rows_pair", "raw_rows",
                           "keep_ring_rows_pair", "keep_ring_rows", "visible_entry_rows",
-                          "entry_and_window_rows", "window_flat_rows")
+                          "entry_and_window_rows", "window_flat_rows", "compress_entries",
+                          "compress_entries_pair")
     _run(cpu_cuda_layer(cfg, ratio, True), cfg.hidden_size)
     steps = 8
+    entries = [c for c in calls if c.startswith("compress_entries")]
+    calls = [c for c in calls if not c.startswith("compress_entries")]
+    # one launch a step that completes entries, stored in it: C4 both prefills and the decode
+    # steps at positions 131 / 23 / 135 (p = 3 mod 4); C128 the 130-token prefill's one
+    assert entries == {0: [], 4: ["compress_entries_pair"] * 5,
+                       128: ["compress_entries+store"]}[ratio]
     assert calls.count("fused_latent_norms") == steps
     assert calls.count("fused_query_heads_and_kv_rows") == steps
     if ratio == 0:
@@ -155,10 +163,12 @@ def test_raw_rows_the_kernels_do_not_take_run_the_base_point(cpu_cuda_layer, mon
     cfg = DSV4Config.preset("tiny")
     y1, st1 = _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
     monkeypatch.setattr(cuda, "raw_rows_problem", lambda comp, score, pos: "refused (test)")
-    calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "compress_entries")
+    calls = _record_calls(monkeypatch, cuda, "raw_rows_pair", "raw_rows", "compress_entries",
+                          "compress_entries_pair")
     y2, st2 = _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
     assert "raw_rows_pair" not in calls and "raw_rows" not in calls
-    assert calls.count("compress_entries+store") > 0 and "compress_entries" not in calls
+    assert calls.count("compress_entries_pair") > 0
+    assert not {"compress_entries", "compress_entries+store"} & set(calls)
     assert torch.equal(y1, y2)
     for name in st2:
         assert torch.equal(st1[name], st2[name]), name

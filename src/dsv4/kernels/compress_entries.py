@@ -38,6 +38,9 @@ CUDA graph. Triton is imported guarded: this module imports on a machine without
 
 from __future__ import annotations
 
+import inspect
+from typing import NamedTuple
+
 import torch
 
 from dsv4.cache.store import PagedStore
@@ -48,9 +51,10 @@ from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["compress_entries", "keep_ring_rows", "keep_ring_rows_pair", "keep_ring_rows_problem",
-           "kernel_unsupported", "launch_constants", "raw_rows", "raw_rows_pair",
-           "raw_rows_problem", "sim_mode", "store_constants"]
+__all__ = ["EntryCompress", "compress_entries", "compress_entries_pair", "keep_ring_rows",
+           "keep_ring_rows_pair", "keep_ring_rows_problem", "kernel_unsupported",
+           "launch_constants", "raw_rows", "raw_rows_pair", "raw_rows_problem", "sim_mode",
+           "store_constants"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -219,6 +223,57 @@ if triton_available():
                         max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM, LOG2D, HSCALE,
                         LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP, S_ROPE, RP, SB, PADP,
                         IN_BF16)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _compress_entries_pair_kernel(
+        ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr, out_ptr, s_out,
+        eps, v_ptr, slot_ptr, st_ptr, tab_ptr, st_tab, n_seqs, max_logical, B, BLK, skip_slot,
+        E, ring2_ptr, rows2_ptr, rsrc2_ptr, csrc2_ptr, s_src2, ent2_ptr, w2_ptr, freq2_ptr,
+        out2_ptr, s_out2, eps2, v2_ptr, slot2_ptr, st2_ptr, tab2_ptr, st_tab2, n_seqs2,
+        max_logical2, B2, BLK2, skip_slot2, E2,
+        R: tl.constexpr, COFF: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+        BC: tl.constexpr, SIM: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
+        STORE: tl.constexpr, OUT_F32: tl.constexpr, FMT: tl.constexpr, DP: tl.constexpr,
+        NOPE: tl.constexpr, NT: tl.constexpr, TP: tl.constexpr, S_ROPE: tl.constexpr,
+        RP: tl.constexpr, SB: tl.constexpr, PADP: tl.constexpr, IN_BF16: tl.constexpr,
+        SKIP: tl.constexpr,
+        R2: tl.constexpr, COFF2: tl.constexpr, D2: tl.constexpr, ROPE2: tl.constexpr,
+        BC2: tl.constexpr, SIM2: tl.constexpr, LOG2D2: tl.constexpr, HSCALE2: tl.constexpr,
+        STORE2: tl.constexpr, OUT_F322: tl.constexpr, FMT2: tl.constexpr, DP2: tl.constexpr,
+        NOPE2: tl.constexpr, NT2: tl.constexpr, TP2: tl.constexpr, S_ROPE2: tl.constexpr,
+        RP2: tl.constexpr, SB2: tl.constexpr, PADP2: tl.constexpr, IN_BF162: tl.constexpr,
+        SKIP2: tl.constexpr,
+        LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False,
+    ):
+        """:func:`_compress_entries_kernel` for two compressors in one launch: program (e, 0)
+        makes the first's entry e (e < E), program (e, 1) the second's (e < E2); the second's
+        arguments and constants are the first's names with a 2 added."""
+        wait_for_prior_kernel(PDL)
+        e = tl.program_id(0).to(tl.int64)
+        if tl.program_id(1) == 0:
+            run = e < E
+            if SKIP:
+                run = run & (tl.load(slot_ptr + e, mask=run, other=skip_slot)
+                             != skip_slot)
+            if run:
+                _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr,
+                            freq_ptr, out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr,
+                            st_tab, n_seqs, max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM,
+                            LOG2D, HSCALE, LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP,
+                            S_ROPE, RP, SB, PADP, IN_BF16)
+        else:
+            run = e < E2
+            if SKIP2:
+                run = run & (tl.load(slot2_ptr + e, mask=run, other=skip_slot2)
+                             != skip_slot2)
+            if run:
+                _make_entry(ring2_ptr, rows2_ptr, rsrc2_ptr, csrc2_ptr, s_src2, ent2_ptr,
+                            w2_ptr, freq2_ptr, out2_ptr, s_out2, eps2, v2_ptr, slot2_ptr,
+                            st2_ptr, tab2_ptr, st_tab2, n_seqs2, max_logical2, B2, BLK2, e, R2,
+                            COFF2, D2, ROPE2, BC2, SIM2, LOG2D2, HSCALE2, LIBDEVICE, STORE2,
+                            OUT_F322, FMT2, DP2, NOPE2, NT2, TP2, S_ROPE2, RP2, SB2, PADP2,
+                            IN_BF162)
         let_next_kernel_launch(PDL)
 
     @triton.jit
@@ -456,25 +511,24 @@ def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) 
     return out
 
 
-def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
-                     ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
-                     rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
-                     index_numerics: str | None, store: PagedStore | None = None,
-                     slots: torch.Tensor | None = None, skip_slot: int | None = None
-                     ) -> torch.Tensor:
-    """:meth:`Compressor.compress_jobs` (same arguments) in one launch; entries [E, comp.dim] in
-    ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason.
+class _EntryLaunch(NamedTuple):
+    """One compressor's part of a launch: the entries tensor it writes, the kernel's runtime
+    arguments (up to ``skip_slot``) and its constants."""
 
-    With ``store`` (and ``slots`` [E]): the same launch also writes entry ``e`` into the paged
-    store as row ``entries[e]`` of the sequence in ``slots[e]``, byte for byte what
-    :func:`dsv4.kernels.store_rows.store_rows` of the returned entries writes (one launch for
-    both; ValueError where :func:`~dsv4.kernels.store_rows.store_row_target` gives a reason).
-    ``skip_slot`` (with ``store``): jobs of that slot do nothing - a padded step's unused jobs,
-    in the pool's padding slot, which no sequence reads; their rows of the result are left
-    unwritten (a padded step stores its entries in the launch and discards the result).
-    Without it such a job computes its entry in full: in a decode runner's graph each unused job
-    cost about 11 us (a C128 job pools 128 candidate rows), 98 of a Flash 8-layer step's 816
-    (H100, 2026-12-06)."""
+    out: torch.Tensor
+    args: tuple[object, ...]
+    skip_slot: int
+    consts: dict[str, object]
+    warps: int
+
+
+def _entry_launch(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
+                  ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
+                  rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
+                  index_numerics: str | None, store: PagedStore | None,
+                  slots: torch.Tensor | None, skip_slot: int | None) -> _EntryLaunch:
+    """Check :func:`compress_entries`' arguments (ValueError naming the first problem) and
+    gather what its launch passes."""
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
@@ -511,29 +565,105 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     # the interpreter's fp32 -> bf16 cast truncates (Triton 3.6): there the kernel writes fp32
     # and torch rounds (to nearest even, as the GPU's cast does)
     out = torch.empty(e, d, dtype=torch.float32 if _INTERPRET else out_dtype, device=rows.device)
-    if e == 0:
-        return out.to(out_dtype)
     rows, entries = rows.contiguous(), entries.contiguous()  # no copies for a step's tensors
     inv_freq: torch.Tensor = rotary.inv_freq  # type: ignore[assignment]
+    consts: dict[str, object] = dict(launch_constants(comp, simulate_quant, index_numerics,
+                                                      libdevice=not _INTERPRET))
+    warps = int(consts.pop("num_warps"))  # type: ignore[call-overload]
     if target is None:
         stored: tuple[object, ...] = (out, out, out, out, 0, 0, 0, 0, 0)  # unused
-        consts: dict[str, object] = {}
     else:
         assert slots is not None and not isinstance(target, str)
         (st, table, st_tab, n_seqs, max_logical, b, blk), store_consts = target
-        consts = store_constants(store_consts, out.dtype)
+        consts.update(store_constants(store_consts, out.dtype))
         stored = (out.view(torch.int16) if consts["IN_BF16"] else out, slots.contiguous(), st,
                   table, st_tab, n_seqs, max_logical, b, blk)
         if skip_slot is not None:
-            consts.update(skip_slot=skip_slot, SKIP=True)
-    launch(_compress_entries_kernel, (e,),
-        ring, rows, ring_src, call_src, ring_src.stride(0), entries,
-        comp.norm.weight, inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps),
-        *stored,
-        **launch_constants(comp, simulate_quant, index_numerics, libdevice=not _INTERPRET),
-        **consts, **pdl_args(ring.device),
-    )
-    return out.to(out_dtype)
+            consts["SKIP"] = True
+    args = (ring, rows, ring_src, call_src, ring_src.stride(0), entries, comp.norm.weight,
+            inv_freq.to(torch.float32), out, out.stride(0), float(comp.norm.eps), *stored)
+    return _EntryLaunch(out, args, -1 if skip_slot is None else skip_slot, consts, warps)
+
+
+def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
+                     ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
+                     rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
+                     index_numerics: str | None, store: PagedStore | None = None,
+                     slots: torch.Tensor | None = None, skip_slot: int | None = None
+                     ) -> torch.Tensor:
+    """:meth:`Compressor.compress_jobs` (same arguments) in one launch; entries [E, comp.dim] in
+    ``out_dtype`` (bf16). Raises ValueError where :func:`kernel_unsupported` gives a reason.
+
+    With ``store`` (and ``slots`` [E]): the same launch also writes entry ``e`` into the paged
+    store as row ``entries[e]`` of the sequence in ``slots[e]``, byte for byte what
+    :func:`dsv4.kernels.store_rows.store_rows` of the returned entries writes (one launch for
+    both; ValueError where :func:`~dsv4.kernels.store_rows.store_row_target` gives a reason).
+    ``skip_slot`` (with ``store``): jobs of that slot do nothing - a padded step's unused jobs,
+    in the pool's padding slot, which no sequence reads; their rows of the result are left
+    unwritten (a padded step stores its entries in the launch and discards the result).
+    Without it such a job computes its entry in full: in a decode runner's graph each unused job
+    cost about 11 us (a C128 job pools 128 candidate rows), 98 of a Flash 8-layer step's 816
+    (H100, 2026-12-06)."""
+    job = _entry_launch(comp, ring, rows, ring_src, call_src, entries, rotary, out_dtype,
+                        simulate_quant, index_numerics, store, slots, skip_slot)
+    e = entries.shape[0]
+    if e:
+        launch(_compress_entries_kernel, (e,), *job.args, **job.consts,
+               skip_slot=job.skip_slot, num_warps=job.warps, **pdl_args(ring.device))
+    return job.out.to(out_dtype)
+
+
+_SINGLE_DEFAULTS = ({name: p.default for name, p in
+                     inspect.signature(_compress_entries_kernel.fn).parameters.items()
+                     if p.default is not p.empty and name not in ("skip_slot", "PDL")}
+                    if triton_available() else {})
+"""The single launch's optional constants (a store's, SKIP) at their defaults: the pair
+kernel takes every constant of both parts explicitly."""
+
+
+class EntryCompress(NamedTuple):
+    """One compressor's part of :func:`compress_entries_pair`: :func:`compress_entries`'
+    arguments of the same names."""
+
+    comp: Compressor
+    ring: torch.Tensor
+    rows: torch.Tensor
+    ring_src: torch.Tensor
+    call_src: torch.Tensor
+    entries: torch.Tensor
+    store: PagedStore | None = None
+    slots: torch.Tensor | None = None
+    skip_slot: int | None = None
+
+
+def compress_entries_pair(first: EntryCompress, second: EntryCompress,
+                          rotary: RotaryEmbedding, out_dtype: torch.dtype,
+                          simulate_quant: bool, index_numerics: str | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compress_entries` of two compressors - a C4 layer's main and indexer compressor
+    - in one launch (programs (e, 0) the first's entries, (e, 1) the second's): the same
+    entries and store writes as two calls, each checked as :func:`compress_entries` checks its
+    own (ValueError before anything is launched). A step that completes entries, and every
+    padded step of a decode runner, then takes one launch a C4 layer instead of two. Both parts
+    run at the warps of the larger (a compressor of d = 128 at 8 warps where its own launch
+    takes 4), so their sums may round in another order than the single launch's."""
+    jobs = [_entry_launch(j.comp, j.ring, j.rows, j.ring_src, j.call_src, j.entries, rotary,
+                          out_dtype, simulate_quant, index_numerics, j.store, j.slots,
+                          j.skip_slot) for j in (first, second)]
+    if first.rows.device != second.rows.device:
+        raise ValueError(f"compress_entries_pair: the rows are on {first.rows.device} and "
+                         f"{second.rows.device}; one device")
+    e1, e2 = first.entries.shape[0], second.entries.shape[0]
+    if max(e1, e2):
+        c1, c2 = dict(jobs[0].consts), dict(jobs[1].consts)
+        libdevice = c1.pop("LIBDEVICE")
+        c2.pop("LIBDEVICE")
+        c1, c2 = {**_SINGLE_DEFAULTS, **c1}, {**_SINGLE_DEFAULTS, **c2}
+        launch(_compress_entries_pair_kernel, (max(e1, e2), 2),
+               *jobs[0].args, jobs[0].skip_slot, e1, *jobs[1].args, jobs[1].skip_slot, e2,
+               **c1, **{f"{k}2": v for k, v in c2.items()}, LIBDEVICE=libdevice,
+               num_warps=max(jobs[0].warps, jobs[1].warps), **pdl_args(first.ring.device))
+    return jobs[0].out.to(out_dtype), jobs[1].out.to(out_dtype)
 
 
 def store_constants(store_consts: dict[str, object], out_dtype: torch.dtype

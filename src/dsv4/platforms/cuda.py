@@ -67,7 +67,9 @@ from dsv4.cache.plan import StepPlan
 from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import (
+    EntryCompress,
     compress_entries,
+    compress_entries_pair,
     keep_ring_rows,
     keep_ring_rows_pair,
     keep_ring_rows_problem,
@@ -400,14 +402,16 @@ class CudaAttention(DeepseekV4Attention):
         return raw
 
     def _entries_in_kernels(self, step: CacheStep, raw: dict[str, torch.Tensor]) -> None:
-        """Every entry the step completes (the base's ``_store_entries``), each compressor's
-        made and stored in one launch (:func:`compress_entries` with its store) where the
-        kernels take both; made by the kernel and stored through :meth:`_store_rows` where only
-        the compress kernel does; else the base's points. A padded step's entry jobs run every
-        step, so this is one launch a compressor a step instead of two, and the unused ones (in
-        the pool's padding slot) return at once."""
+        """Every entry the step completes (the base's ``_store_entries``), made and stored in
+        one launch (:func:`compress_entries` with its store; a C4 layer's two compressors in
+        one, :func:`compress_entries_pair`) where the kernels take both; made by the kernel
+        and stored through :meth:`_store_rows` where only the compress kernel does; else the
+        base's points. A padded step's entry jobs run every step, so this is one launch a layer
+        a step instead of two a compressor, and the unused ones (in the pool's padding slot)
+        return at once."""
         comps = self._compressors()
         sim, numerics = self.cfg.simulate_quant, self.cfg.index_numerics
+        stored: list[EntryCompress] = []  # made and stored by the kernel: launched below
         for name, rows in raw.items():
             job = step.jobs[name]
             if not job.count:
@@ -417,15 +421,22 @@ class CudaAttention(DeepseekV4Attention):
                 values = self._compress_entries(comp, step, name, rows)
             else:
                 store = step.pool.stores[name]
-                fused = not store_row_problem(store, self.dtype, rows.device)
-                values = compress_entries(comp, step.ring(name), rows, job.ring_src,
-                                          job.call_src, job.entries, self.rotary, self.dtype,
-                                          sim, numerics, store=store if fused else None,
-                                          slots=job.slots if fused else None,
-                                          skip_slot=step.pool.pad_slot if fused else None)
-                if fused:
+                entry = EntryCompress(comp, step.ring(name), rows, job.ring_src, job.call_src,
+                                      job.entries)
+                if not store_row_problem(store, self.dtype, rows.device):
+                    stored.append(entry._replace(store=store, slots=job.slots,
+                                                 skip_slot=step.pool.pad_slot))
                     continue
+                values = compress_entries(comp, entry.ring, rows, job.ring_src, job.call_src,
+                                          job.entries, self.rotary, self.dtype, sim, numerics)
             self._store_rows(step, name, job.slots, job.entries, values)
+        if len(stored) == 2:  # a C4 layer's two compressors
+            compress_entries_pair(stored[0], stored[1], self.rotary, self.dtype, sim, numerics)
+        elif stored:
+            (e,) = stored
+            compress_entries(e.comp, e.ring, e.rows, e.ring_src, e.call_src, e.entries,
+                             self.rotary, self.dtype, sim, numerics, store=e.store,
+                             slots=e.slots, skip_slot=e.skip_slot)
 
     def _raw_rows_in_kernels(self, step: CacheStep, kv_score: torch.Tensor | None,
                              idx_kv_score: torch.Tensor | None
