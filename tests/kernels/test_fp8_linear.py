@@ -141,6 +141,14 @@ def test_act_fp8_row_tile_rule():
     splits = {name: choose_fp8_config(64, n, k).split_k for name, (n, k) in PROBED.items()}
     assert {name for name, sp in splits.items() if sp > 1} == {"flash wo_b", "pro wo_b"}
     assert choose_fp8_config(16, 8192, 1024).split_k == 4  # measured only at M = 64
+    # act8 above 64 rows (and the M = 64 shapes that take that tile): 4 pipeline stages; the
+    # swapped tiles and bf16 activations keep 3
+    for name, (n, k) in PROBED.items():
+        assert choose_fp8_config(128, n, k, act_fp8=True).num_stages == 4
+        assert choose_fp8_config(128, n, k).num_stages == 3
+        a = choose_fp8_config(64, n, k, act_fp8=True)
+        assert a.num_stages == (3 if a.swap else 4), name
+        assert choose_fp8_config(16, n, k, act_fp8=True).num_stages == 3
     # 16 < M <= 32 was not probed: the bf16 table's tile
     a, c = choose_fp8_config(32, 7168, 16384, act_fp8=True), choose_fp8_config(32, 7168, 16384)
     assert (a.block_n, a.split_k, a.swap) == (c.block_n, c.split_k, c.swap)

@@ -142,7 +142,7 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     the SMs) (H200, M=1, the GEMM probes of 2026-12-02: Pro
     ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6
     pipeline stages lost on every shape). M > 64: 64 x 128 tiles, split only when the tiles
-    alone leave SMs idle. Untuned on this kernel.
+    alone leave SMs idle; with act8, 4 pipeline stages.
     """
     nkb = K // BLOCK
     if M <= 64:
@@ -177,8 +177,17 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
             # (2026-12-03: Flash wo_a 36.1 -> 24.5 us, wo_b 38.4 -> 30.1, indexer wq_b 17.2 ->
             # 11.3; Pro wo_a 55.1 -> 34.6, indexer 20.6 -> 13.4). 16 < M <= 32: not probed.
             return choose_fp8_config(65, n_rows, K, n_sm, act_fp8=True)
+    stages = c.num_stages
+    if act_fp8 and M > 64:
+        # 4 pipeline stages for the act8 M > 64 tile (H100, 2026-12-07, verify steps of 16 x
+        # (1 + 7) tokens, one C4 layer at context 512: Flash 203.5 -> 200.1 us, Pro 333.1 ->
+        # 324.5; a second call 203.6 -> 200.4, 333.5 -> 324.0). At 64 tokens a call 4 stages
+        # for every act8 tile tied (Flash / Pro M = 64 decode 151.2 / 236.6 -> 150.2 / 238.0,
+        # 16 x (1 + 3) at 64K 368.9 / 465.8 -> 366.4 / 468.8); that M takes this tile on the
+        # shapes of fewer rows (the call with 65 above) and keeps 3 stages on the others.
+        stages = 4
     return Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": split,
-                            "act_fp8": act_fp8})
+                            "num_stages": stages, "act_fp8": act_fp8})
 
 
 # ---------------------------------------------------------------------------------- kernel
