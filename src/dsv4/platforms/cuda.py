@@ -421,14 +421,14 @@ class CudaAttention(DeepseekV4Attention):
                 values = self._compress_entries(comp, step, name, rows)
             else:
                 store = step.pool.stores[name]
-                entry = EntryCompress(comp, step.ring(name), rows, job.ring_src, job.call_src,
-                                      job.entries)
                 if not store_row_problem(store, self.dtype, rows.device):
-                    stored.append(entry._replace(store=store, slots=job.slots,
-                                                 skip_slot=step.pool.pad_slot))
+                    stored.append(EntryCompress(comp, step.ring(name), rows, job.ring_src,
+                                                job.call_src, job.entries, store, job.slots,
+                                                step.pool.pad_slot))
                     continue
-                values = compress_entries(comp, entry.ring, rows, job.ring_src, job.call_src,
-                                          job.entries, self.rotary, self.dtype, sim, numerics)
+                values = compress_entries(comp, step.ring(name), rows, job.ring_src,
+                                          job.call_src, job.entries, self.rotary, self.dtype,
+                                          sim, numerics)
             self._store_rows(step, name, job.slots, job.entries, values)
         if len(stored) == 2:  # a C4 layer's two compressors
             compress_entries_pair(stored[0], stored[1], self.rotary, self.dtype, sim, numerics)
