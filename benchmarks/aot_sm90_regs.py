@@ -415,6 +415,20 @@ def stages() -> bool:
                             **(entry_store_constants(store, d) if stores else {}),
                             SKIP=stores),
                        dict(num_warps=4 if d <= 128 else 8))
+    # a C4 layer's two compressors in one launch (compress_entries_pair), stored, at the main
+    # part's 8 warps: Flash's main fp8 into fp8_ds_mla beside the indexer's fp4
+    second = {(k[:-4] + "2_ptr" if k.endswith("_ptr") else k + "2"): v for k, v in t.items()}
+    pair_t = {**t, "E": "i32", **second, "E2": "i32"}
+    parts = []
+    for r, coff, d, sim, store in ((4, 2, 512, ce.SIM_KV_FP8, "fp8_ds_mla"),
+                                   (4, 2, 128, ce.SIM_INDEX_FP4, "fp4")):
+        parts.append(dict(R=r, COFF=coff, D=d, ROPE=64, BC=min(coff * r, 16), SIM=sim,
+                          LOG2D=d.bit_length() - 1, HSCALE=d ** -0.5,
+                          **entry_store_constants(store, d), SKIP=True))
+    ok &= _try("compress_entries_pair C4 main fp8 + indexer fp4, stored",
+               ce._compress_entries_pair_kernel, pair_t,
+               dict(**parts[0], **{f"{k}2": v for k, v in parts[1].items()}, LIBDEVICE=True),
+               dict(num_warps=8))
     return ok
 
 
