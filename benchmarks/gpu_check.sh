@@ -8,7 +8,8 @@
 #                                         # (benchmarks/pytest_remaining.py), no verify
 #   bash benchmarks/gpu_check.sh decode   # the decode step's default rows: Flash / Pro C4,
 #                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K;
-#                                         # DRAFTS=0,1,3,7: verify steps of 1 + k tokens instead
+#                                         # DRAFTS=0,1,3,7: verify steps of 1 + k tokens instead;
+#                                         # STAGGER=1: sequence i at context + i (--stagger)
 #   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens
 #   bash benchmarks/gpu_check.sh kernels  # attention kernels, fp8 GEMMs, input projections alone
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
@@ -103,19 +104,22 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
     fi
     ;;
 decode)  # with BASELINE both trees share the call: shorter limits, no profile
-    S512=300 S64=240 PROFILE=(--profile) KIND=decode-step ROWS=(--strategies default)
+    S512=300 S64=240 PROFILE=(--profile) KIND=decode-step EXTRA=()
     if [ -n "${DRAFTS:-}" ]; then
-        S512=280 S64=280 PROFILE=() KIND=decode-step-verify
-        ROWS=(--strategies default --draft-tokens "$DRAFTS")
+        S512=280 S64=280 PROFILE=() KIND=decode-step-verify EXTRA=(--draft-tokens "$DRAFTS")
     fi
+    if [ -n "${STAGGER:-}" ]; then
+        EXTRA+=(--stagger)
+    fi
+    ROWS=(--strategies default "${EXTRA[@]}")
     if [ -n "$BASE_PATH" ]; then
         S512=140 S64=120 PROFILE=()
         PYTHONPATH=$BASE_PATH step $KIND-baseline/512/log.txt $S512 "${DECODE[@]}" \
-            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/$KIND-baseline/512" \
-            --contexts 512 --reps 5
+            --strategies "${BASELINE_STRATEGY:-default}" "${EXTRA[@]}" \
+            --out "$OUT/$KIND-baseline/512" --contexts 512 --reps 5
         PYTHONPATH=$BASE_PATH step $KIND-baseline/64k/log.txt $S64 "${DECODE[@]}" \
-            --strategies "${BASELINE_STRATEGY:-default}" --out "$OUT/$KIND-baseline/64k" \
-            --contexts 65536 --reps 3
+            --strategies "${BASELINE_STRATEGY:-default}" "${EXTRA[@]}" \
+            --out "$OUT/$KIND-baseline/64k" --contexts 65536 --reps 3
     fi
     step $KIND/512/log.txt $S512 "${DECODE[@]}" "${ROWS[@]}" \
         --out "$OUT/$KIND/512" --contexts 512 --reps 5 "${PROFILE[@]}"
