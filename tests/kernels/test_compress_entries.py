@@ -585,16 +585,26 @@ def test_both_compressors_entries_in_one_launch(e_main, e_index, skip):
 
 @kernel_runs
 def test_a_pair_checks_both_parts_before_launching():
+    """A bad second part fails the pair before anything runs: the first part's store keeps
+    every byte."""
+    from dsv4.cache.formats import kv_format
     from dsv4.kernels.compress_entries import EntryCompress, compress_entries_pair
 
     cfg = DSV4Config.preset("tiny")
     comp, rotary = make_compressor(cfg, 4, False, DEV)
-    jobs = random_jobs(comp, seqs=2, tokens=8, per_kind=1, seed=1, device=DEV)
-    good = EntryCompress(comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, jobs.entries)
-    before = jobs.ring.clone()
-    bad = good._replace(ring_src=jobs.ring_src[:, :3])
+    jobs = random_jobs(comp, seqs=3, tokens=8, per_kind=1, seed=1, device=DEV)
+    store = _filled_store("compressed", kv_format("bf16", comp.dim, comp.rope_dim, BF16), 4)
+    before = store.data.clone()
+    e = jobs.entries.shape[0]
+    good = EntryCompress(comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src,
+                         torch.arange(e, device=DEV) % 4, store, torch.arange(e, device=DEV) % 3)
+    bad = good._replace(store=None, slots=None, ring_src=jobs.ring_src[:, :3])
     with pytest.raises(ValueError, match="ring_src / call_src"):
         compress_entries_pair(good, bad, rotary, BF16, False, None)
     with pytest.raises(ValueError, match="pass the store too"):
-        compress_entries_pair(good._replace(skip_slot=0), good, rotary, BF16, False, None)
-    assert torch.equal(jobs.ring, before)
+        compress_entries_pair(good, bad._replace(ring_src=jobs.ring_src, skip_slot=0), rotary,
+                              BF16, False, None)
+    assert torch.equal(store.data, before)
+    compress_entries_pair(good, good._replace(store=None, slots=None), rotary, BF16, False,
+                          None)
+    assert not torch.equal(store.data, before)  # the same call with a good part writes
