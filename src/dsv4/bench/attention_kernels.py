@@ -308,15 +308,16 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the
                 # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 64 tile
                 pre = [("act8_prequant", act8), ("act8_prequant_bf16tiles", c)]
-                # the act8 table's tile with deeper pipelines (more weight bytes in flight) or
-                # 8 warps (its swapped 64-token tile holds 232-255 registers at 4)
-                pre += [(f"act8_prequant_{tag}", Fp8GemmConfig(**{**act8.__dict__, **change}))
-                        for tag, change in (("st4", dict(num_stages=4)),
-                                            ("st5", dict(num_stages=5)),
-                                            ("w8", dict(num_warps=8)),
-                                            ("w8st4", dict(num_warps=8, num_stages=4)))]
                 if M > 16:
                     pre.append(("act8_prequant_mlarge", choose_fp8_config(65, N, K)))
+                    # the one-token table's tile (16 tokens; its 128-row form holds 76
+                    # registers in the sm_90 compile, the 64-token one 234) and 32 tokens:
+                    # M / 16 or M / 32 programs share each weight tile, adjacent in the grid,
+                    # so the weights cross HBM once and the L2 serves the others
+                    small = choose_fp8_config(16, N, K, act_fp8=True)
+                    pre += [("act8_prequant_bm16", small),
+                            ("act8_prequant_bm32",
+                             Fp8GemmConfig(**{**small.__dict__, "block_m": 32}))]
                 for tag, vc in pre:
                     impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: prequant(i, vc), ref_q))
         for impl, fn, want in impls:
