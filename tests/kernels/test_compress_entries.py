@@ -473,7 +473,6 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
     of ``store_rows`` of them (every stored format the two compressors write; rows across
     blocks and slots, one of them the first entry without its previous block)."""
     from dsv4.cache.formats import index_format, kv_format
-    from dsv4.cache.store import PagedStore
     from dsv4.kernels.store_rows import store_rows
 
     cfg = DSV4Config.preset("tiny")
@@ -482,17 +481,8 @@ def test_a_launch_that_stores_writes_what_store_rows_writes(ratio, for_indexer, 
     e = jobs.entries.shape[0]
     row_fmt = (index_format(fmt, comp.dim, BF16) if for_indexer
                else kv_format(fmt, comp.dim, comp.rope_dim, BF16))
-    stores = []
-    for _ in range(4):
-        store = PagedStore(comp_store_name(for_indexer), row_fmt, 4, 16, 3, 8,
-                           torch.device(DEV))
-        for slot in range(3):
-            store.grow(slot, 4 * 4)
-        store.sync()
-        stores.append(store)
-    for s in stores:  # the same random bytes in all, so that every byte can be compared
-        s.data.copy_(torch.randint(0, 256, s.data.shape, generator=torch.Generator()
-                                   .manual_seed(3)).to(s.data.dtype))
+    # the same random bytes in all, so that every byte can be compared
+    stores = [_filled_store(comp_store_name(for_indexer), row_fmt, 3) for _ in range(4)]
     slots = torch.arange(e, device=DEV) % 3
     entries = torch.arange(e, device=DEV) // 3 + 2 * (torch.arange(e, device=DEV) % 2)
     args = (comp, jobs.ring, jobs.rows, jobs.ring_src, jobs.call_src, entries, rotary, BF16,
