@@ -252,22 +252,14 @@ if triton_available():
         wait_for_prior_kernel(PDL)
         e = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
-            run = e < E
-            if SKIP:
-                run = run & (tl.load(slot_ptr + e, mask=run, other=skip_slot)
-                             != skip_slot)
-            if run:
+            if _pair_job_runs(e, E, slot_ptr, skip_slot, SKIP):
                 _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr,
                             freq_ptr, out_ptr, s_out, eps, v_ptr, slot_ptr, st_ptr, tab_ptr,
                             st_tab, n_seqs, max_logical, B, BLK, e, R, COFF, D, ROPE, BC, SIM,
                             LOG2D, HSCALE, LIBDEVICE, STORE, OUT_F32, FMT, DP, NOPE, NT, TP,
                             S_ROPE, RP, SB, PADP, IN_BF16)
         else:
-            run = e < E2
-            if SKIP2:
-                run = run & (tl.load(slot2_ptr + e, mask=run, other=skip_slot2)
-                             != skip_slot2)
-            if run:
+            if _pair_job_runs(e, E2, slot2_ptr, skip_slot2, SKIP2):
                 _make_entry(ring2_ptr, rows2_ptr, rsrc2_ptr, csrc2_ptr, s_src2, ent2_ptr,
                             w2_ptr, freq2_ptr, out2_ptr, s_out2, eps2, v2_ptr, slot2_ptr,
                             st2_ptr, tab2_ptr, st_tab2, n_seqs2, max_logical2, B2, BLK2, e, R2,
@@ -275,6 +267,15 @@ if triton_available():
                             OUT_F322, FMT2, DP2, NOPE2, NT2, TP2, S_ROPE2, RP2, SB2, PADP2,
                             IN_BF162)
         let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _pair_job_runs(e, n, slot_ptr, skip_slot, SKIP: tl.constexpr):
+        """Whether a pair part's job ``e`` runs: one of its ``n`` jobs and, with SKIP, not of
+        slot ``skip_slot`` (the single launch's test, for a grid sized by the larger part)."""
+        run = e < n
+        if SKIP:
+            run = run & (tl.load(slot_ptr + e, mask=run, other=skip_slot) != skip_slot)
+        return run
 
     @triton.jit
     def _make_entry(ring_ptr, rows_ptr, rsrc_ptr, csrc_ptr, s_src, ent_ptr, w_ptr, freq_ptr,
