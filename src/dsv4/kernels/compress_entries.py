@@ -512,6 +512,21 @@ def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) 
     return out
 
 
+class EntryCompress(NamedTuple):
+    """One compressor's part of :func:`compress_entries_pair`: :func:`compress_entries`'
+    arguments of the same names."""
+
+    comp: Compressor
+    ring: torch.Tensor
+    rows: torch.Tensor
+    ring_src: torch.Tensor
+    call_src: torch.Tensor
+    entries: torch.Tensor
+    store: PagedStore | None = None
+    slots: torch.Tensor | None = None
+    skip_slot: int | None = None
+
+
 class _EntryLaunch(NamedTuple):
     """One compressor's part of a launch: the entries tensor it writes, the kernel's runtime
     arguments (up to ``skip_slot``) and its constants."""
@@ -523,13 +538,11 @@ class _EntryLaunch(NamedTuple):
     warps: int
 
 
-def _entry_launch(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
-                  ring_src: torch.Tensor, call_src: torch.Tensor, entries: torch.Tensor,
-                  rotary: RotaryEmbedding, out_dtype: torch.dtype, simulate_quant: bool,
-                  index_numerics: str | None, store: PagedStore | None,
-                  slots: torch.Tensor | None, skip_slot: int | None) -> _EntryLaunch:
+def _entry_launch(job: EntryCompress, rotary: RotaryEmbedding, out_dtype: torch.dtype,
+                  simulate_quant: bool, index_numerics: str | None) -> _EntryLaunch:
     """Check :func:`compress_entries`' arguments (ValueError naming the first problem) and
     gather what its launch passes."""
+    comp, ring, rows, ring_src, call_src, entries, store, slots, skip_slot = job
     why = kernel_unsupported(comp, rows, out_dtype, simulate_quant, index_numerics)
     if why is not None:
         raise ValueError(f"compress_entries kernel: {why}")
@@ -605,8 +618,9 @@ def compress_entries(comp: Compressor, ring: torch.Tensor, rows: torch.Tensor,
     Without it such a job computes its entry in full: in a decode runner's graph each unused job
     cost about 11 us (a C128 job pools 128 candidate rows), 98 of a Flash 8-layer step's 816
     (H100, 2026-12-06)."""
-    job = _entry_launch(comp, ring, rows, ring_src, call_src, entries, rotary, out_dtype,
-                        simulate_quant, index_numerics, store, slots, skip_slot)
+    job = _entry_launch(EntryCompress(comp, ring, rows, ring_src, call_src, entries, store,
+                                      slots, skip_slot),
+                        rotary, out_dtype, simulate_quant, index_numerics)
     e = entries.shape[0]
     if e:
         launch(_compress_entries_kernel, (e,), *job.args, **job.consts,
@@ -622,21 +636,6 @@ _SINGLE_DEFAULTS = ({name: p.default for name, p in
 kernel takes every constant of both parts explicitly."""
 
 
-class EntryCompress(NamedTuple):
-    """One compressor's part of :func:`compress_entries_pair`: :func:`compress_entries`'
-    arguments of the same names."""
-
-    comp: Compressor
-    ring: torch.Tensor
-    rows: torch.Tensor
-    ring_src: torch.Tensor
-    call_src: torch.Tensor
-    entries: torch.Tensor
-    store: PagedStore | None = None
-    slots: torch.Tensor | None = None
-    skip_slot: int | None = None
-
-
 def compress_entries_pair(first: EntryCompress, second: EntryCompress,
                           rotary: RotaryEmbedding, out_dtype: torch.dtype,
                           simulate_quant: bool, index_numerics: str | None
@@ -648,9 +647,8 @@ def compress_entries_pair(first: EntryCompress, second: EntryCompress,
     padded step of a decode runner, then takes one launch a C4 layer instead of two. Both parts
     run at the warps of the larger (a compressor of d = 128 at 8 warps where its own launch
     takes 4), so their sums may round in another order than the single launch's."""
-    jobs = [_entry_launch(j.comp, j.ring, j.rows, j.ring_src, j.call_src, j.entries, rotary,
-                          out_dtype, simulate_quant, index_numerics, j.store, j.slots,
-                          j.skip_slot) for j in (first, second)]
+    jobs = [_entry_launch(j, rotary, out_dtype, simulate_quant, index_numerics)
+            for j in (first, second)]
     if first.rows.device != second.rows.device:
         raise ValueError(f"compress_entries_pair: the rows are on {first.rows.device} and "
                          f"{second.rows.device}; one device")
