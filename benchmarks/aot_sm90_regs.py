@@ -353,6 +353,20 @@ def steps() -> bool:
                    dict(K=512, KP=512, P=8, BLOCK=it.SCAN_BLOCK,
                         MBLOCK=it.choose_merge_block(8 * 512), SORT=True, DB=db),
                    dict(num_warps=it.SCAN_WARPS))
+    # a row or chunk that fits its block, held in registers (HELD): one program on 4K entries;
+    # split rows' chunks of 2048 / 4096 / 8192 (topk_probe.py's held variants)
+    for k in (512, 1024):
+        ok &= _try(f"indexer top-k held K={k} block=4096", it._topk_kernel, t,
+                   dict(K=k, KP=k, BLOCK=it.WIDE_SCAN_BLOCK, SORT=True, DB=it.DIGIT_BITS,
+                        HELD=True), dict(num_warps=it.SCAN_WARPS))
+    for p, block, warps in ((8, 2048, 8), (4, 4096, 8), (8, 8192, 16)):
+        for db in (4, 8):
+            ok &= _try(f"indexer top-k held split={p} K=512 block={block} digits={db}",
+                       it._topk_split_kernel,
+                       {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32", "chunk": "i32"},
+                       dict(K=512, KP=512, P=p, BLOCK=block,
+                            MBLOCK=it.choose_merge_block(p * 512), SORT=True, DB=db,
+                            HELD=True), dict(num_warps=warps))
     t = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*bf16", swt="i32", swh="i32",
              s_ptr="*fp32", sst="i32", blk_stride="i32", tab_ptr="*i32", stab="i32",
              max_logical="i32", tiles_ptr="*i32", pos_ptr="*i64", width="i32", row0="i32",

@@ -47,6 +47,12 @@ VARIANTS = {
     "auto b4": dict(digit_bits=4), "auto b2": dict(digit_bits=2),
     "1p 4096x8 b4": dict(split=1, block=4096, num_warps=8, digit_bits=4),
     "auto b4 nosort": dict(digit_bits=4, sort=False),
+    # a chunk that fits its block is held in registers (loaded once for every pass): 16K
+    # entries as 8 chunks of 2048 or 4 of 4096, 64K as 8 of 8192
+    "8p 2048x8": dict(split=8, block=2048, num_warps=8),
+    "8p 2048x8 b4": dict(split=8, block=2048, num_warps=8, digit_bits=4),
+    "4p 4096x8 b4": dict(split=4, block=4096, num_warps=8, digit_bits=4),
+    "8p 8192x16 b4": dict(split=8, block=8192, num_warps=16, digit_bits=4),
 }
 """Name -> topk_entries keywords. H200 probes of 2026-12-04: with one program per row, 4096 x 8
 beat 1024 x 8, 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); a two-level method (a

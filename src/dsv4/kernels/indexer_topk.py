@@ -619,8 +619,10 @@ if triton_available():
     @triton.jit(do_not_specialize=["width"])
     def _topk_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, width, K: tl.constexpr,
                      KP: tl.constexpr, BLOCK: tl.constexpr, SORT: tl.constexpr,
-                     DB: tl.constexpr = 8, PDL: tl.constexpr = False):
-        """Program t: query t's top K (module docstring)."""
+                     DB: tl.constexpr = 8, HELD: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+        """Program t: query t's top K (module docstring); ``HELD``: the row (``width``) fits
+        one block of BLOCK scores, read once into registers."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0)
         row = s_ptr + t.to(tl.int64) * sst
@@ -634,27 +636,35 @@ if triton_available():
         # prefix 0 is the lowest key, which no score has (it is a NaN's), so all are above it
         prefix = take_n * 0
         need = take_n
-        if visible > K:
-            prefix, need = _radix_select(row, visible, need, lanes, BLOCK, DB)
-        kth = prefix ^ -2147483648
-        # compaction: every entry above the k-th key, then the lowest-indexed equal ones
-        taken = take_n * 0
-        ties = take_n * 0
-        for c in range(0, visible, BLOCK):
-            offs = c + lanes
-            m = offs < visible
-            key = _order_key(tl.load(row + offs, mask=m, other=0.0))
-            # (what _take_chunk does, inline: through the helper this kernel spilled 8
-            # bytes at 4096-score iterations, sm_90)
-            eq = m & (key == kth)
-            eq_i = eq.to(tl.int32)
-            take = ((m & (key > kth))
-                    | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need)))
-            take_i = take.to(tl.int32)
-            dst = taken + tl.cumsum(take_i, axis=0) - take_i
-            tl.store(out + dst, offs.to(tl.int64), mask=take)
-            taken += tl.sum(take_i, axis=0)
-            ties += tl.sum(eq_i, axis=0)
+        if HELD:  # the row fits one block: loaded once, every pass and the compaction on it
+            m = lanes < visible
+            key = _order_key(tl.load(row + lanes, mask=m, other=0.0))
+            if visible > K:
+                prefix, need = _radix_select_held(key ^ -2147483648, m, need, DB)
+            _take_chunk(out, take_n * 0, take_n * 0, lanes, key, m, prefix ^ -2147483648,
+                        need)
+        else:
+            if visible > K:
+                prefix, need = _radix_select(row, visible, need, lanes, BLOCK, DB)
+            kth = prefix ^ -2147483648
+            # compaction: every entry above the k-th key, then the lowest-indexed equal ones
+            taken = take_n * 0
+            ties = take_n * 0
+            for c in range(0, visible, BLOCK):
+                offs = c + lanes
+                m = offs < visible
+                key = _order_key(tl.load(row + offs, mask=m, other=0.0))
+                # (what _take_chunk does, inline: through the helper this kernel spilled 8
+                # bytes at 4096-score iterations, sm_90)
+                eq = m & (key == kth)
+                eq_i = eq.to(tl.int32)
+                take = ((m & (key > kth))
+                        | (eq & (ties + tl.cumsum(eq_i, axis=0) - eq_i < need)))
+                take_i = take.to(tl.int32)
+                dst = taken + tl.cumsum(take_i, axis=0) - take_i
+                tl.store(out + dst, offs.to(tl.int64), mask=take)
+                taken += tl.sum(take_i, axis=0)
+                ties += tl.sum(eq_i, axis=0)
         _write_taken(row, out, take_n, K, KP, SORT, False)
         let_next_kernel_launch(PDL)
 
@@ -662,7 +672,8 @@ if triton_available():
     def _topk_split_kernel(s_ptr, sst, pos_ptr, o_ptr, sot, c_ptr, sct, arr_ptr, width, chunk,
                            K: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
                            BLOCK: tl.constexpr, MBLOCK: tl.constexpr, SORT: tl.constexpr,
-                           DB: tl.constexpr = 8, PDL: tl.constexpr = False):
+                           DB: tl.constexpr = 8, HELD: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
         """Program (t, c): the top K of query t's visible entries among c * chunk .. c * chunk +
         chunk - 1 into the row's K candidate slots of chunk c (ascending entry index, -1 pads),
         each with its score in the row's score half of the workspace; then it counts itself in
@@ -688,17 +699,26 @@ if triton_available():
         # indices: the merge reads them in one coalesced load, not through the indices
         cscore = (cand + P * K).to(tl.pointer_type(tl.float32))
         slots = cand + c * K
-        if n > K:
-            prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
-        kth = prefix ^ -2147483648
-        taken = take_n * 0
-        ties = take_n * 0
-        for i in range(0, n, BLOCK):
-            offs = i + lanes
-            m = offs < n
-            x = tl.load(row + lo + offs, mask=m, other=0.0)
-            taken, ties = _take_candidates(cand, cscore, c * K, taken, ties, lo + offs, x,
-                                           _order_key(x), m, kth, need)
+        if HELD:  # the chunk fits one block: loaded once, every pass and the take on it
+            m = lanes < n
+            x = tl.load(row + lo + lanes, mask=m, other=0.0)
+            key = _order_key(x)
+            if n > K:
+                prefix, need = _radix_select_held(key ^ -2147483648, m, need, DB)
+            _take_candidates(cand, cscore, c * K, take_n * 0, take_n * 0, lo + lanes, x, key,
+                             m, prefix ^ -2147483648, need)
+        else:
+            if n > K:
+                prefix, need = _radix_select(row + lo, n, need, lanes, BLOCK, DB)
+            kth = prefix ^ -2147483648
+            taken = take_n * 0
+            ties = take_n * 0
+            for i in range(0, n, BLOCK):
+                offs = i + lanes
+                m = offs < n
+                x = tl.load(row + lo + offs, mask=m, other=0.0)
+                taken, ties = _take_candidates(cand, cscore, c * K, taken, ties, lo + offs, x,
+                                               _order_key(x), m, kth, need)
         ks = tl.arange(0, KP)
         tl.store(slots + ks, tl.full([KP], -1, tl.int32), mask=(ks >= take_n) & (ks < K))
         # every thread's candidates written before the count (the release), and the merging
@@ -886,10 +906,10 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
         split = choose_split(width, topk, t, n_sm)
     if split == 1:
         auto_block, auto_warps = choose_scan(width)
+        b = block or auto_block
         launch(_topk_kernel, (t,), scores, scores.stride(0), pos, o, o.stride(0), width,
-               K=topk, KP=kp, BLOCK=block or auto_block, SORT=sort,
-               DB=digit_bits or choose_digit_bits(1, block or auto_block),
-               num_warps=num_warps or auto_warps, **pdl_args(scores.device))
+               K=topk, KP=kp, BLOCK=b, SORT=sort, DB=digit_bits or choose_digit_bits(1, b),
+               HELD=width <= b, num_warps=num_warps or auto_warps, **pdl_args(scores.device))
         return o
     if arrivals is None:
         arrivals = torch.zeros(t, device=scores.device, dtype=torch.int32)
@@ -902,11 +922,12 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     auto_block, auto_warps = choose_scan(chunk)
     # per row: P * topk candidate entries (int32), then their scores (float32 bits)
     cand = torch.empty(t, 2 * split * topk, device=scores.device, dtype=torch.int32)
+    b = block or auto_block
     launch(_topk_split_kernel, (t, split),
         scores, scores.stride(0), pos, o, o.stride(0), cand, cand.stride(0), arrivals, width,
-        chunk, K=topk, KP=kp, P=split, BLOCK=block or auto_block,
+        chunk, K=topk, KP=kp, P=split, BLOCK=b,
         MBLOCK=merge_block or choose_merge_block(split * topk), SORT=sort,
-        DB=digit_bits or choose_digit_bits(split, block or auto_block),
+        DB=digit_bits or choose_digit_bits(split, b), HELD=chunk <= b,
         num_warps=num_warps or auto_warps, **pdl_args(scores.device))
     return o
 
