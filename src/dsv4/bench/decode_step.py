@@ -162,6 +162,24 @@ def step_bytes(layer: CudaAttention, m: int, context: int) -> int:
     return w + m * keys * kv_row
 
 
+def _profile_one_step(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[Any],
+                      lens: list[int] | None, activities: list[Any],
+                      with_stack: bool = False) -> Any:
+    """The profiler of one eager step of ``layer`` (``activities``, ``with_stack`` as
+    ``torch.profiler.profile`` takes them); the step's writes are undone: each cache is
+    truncated back to its length before it."""
+    from torch.profiler import profile
+
+    before = [c.length for c in caches]
+    with profile(activities=activities, with_stack=with_stack) as prof:
+        layer(x, pos, caches, lens)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    for c, n in zip(caches, before, strict=True):
+        c.truncate(n)
+    return prof
+
+
 def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
                    caches: list[Any], title: str = "",
                    lens: list[int] | None = None) -> tuple[int, str]:
@@ -169,15 +187,10 @@ def count_launches(layer: CudaAttention, x: torch.Tensor, pos: torch.Tensor,
     writes are undone (each cache truncated back to its length before it). Counted as a layer
     called on its own: with its own step metadata upload (a model's step plan uploads it once
     for all layers)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    before = [c.length for c in caches]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(x, pos, caches, lens)
-        torch.cuda.synchronize()
-    for c, n in zip(caches, before, strict=True):
-        c.truncate(n)
-    events = prof.key_averages()
+    events = _profile_one_step(layer, x, pos, caches, lens, [ProfilerActivity.CUDA]
+                               ).key_averages()
     times = [(e.count, getattr(e, "device_time_total", 0.0)) for e in events]
     launches = sum(n for n, t in times if t > 0)
     total = sum(t for _, t in times)
@@ -192,19 +205,13 @@ def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[
     own kernels, copies and fills among them) with their device time, grouped by the Python
     stack that called them (5 frames) - what names the small copies a kernel table only calls
     ``direct_copy``. The step's writes are undone."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
-    before = [c.length for c in caches]
-    with profile(activities=acts, with_stack=True) as prof:
-        layer(x, pos, caches, lens)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    for c, n in zip(caches, before, strict=True):
-        c.truncate(n)
-    events = prof.key_averages(group_by_stack_n=5)
+    events = _profile_one_step(layer, x, pos, caches, lens, acts, with_stack=True
+                               ).key_averages(group_by_stack_n=5)
     sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = events.table(sort_by=sort, row_limit=25, max_name_column_width=40,
                          max_src_column_width=110)

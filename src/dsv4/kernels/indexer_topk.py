@@ -28,7 +28,9 @@ without Triton's interpreter):
    candidate workspace (entries and their scores), counts itself in an arrival counter the
    score launch zeroed, and the row's last program to arrive merges the P * k candidates the
    same way (held in registers when they fit one merge block) - the same
-   selection, with P programs on the row's passes instead of one.
+   selection, with P programs on the row's passes instead of one. A row (or a split row's
+   chunk) that fits one scan block is read once into registers and every pass and the take
+   run on it there (``HELD``); a wider one is read again for each pass.
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
