@@ -16,9 +16,10 @@ without Triton's interpreter):
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
    query's visible entries only write -inf.
 2. **Top-k** (``_topk_kernel``, one program per query): a radix select on order-preserving 32-bit
-   keys of the fp32 scores (4 passes of 8-bit histograms over the visible entries; none when
-   k covers every visible entry) finds the k-th largest score v and how many entries equal to
-   v are still needed; a compaction pass then
+   keys of the fp32 scores (up to 4 passes of 8-bit histograms over the visible entries,
+   fewer once every entry of the k-th's bin is needed; none when k covers every visible
+   entry) finds the k-th largest score v and how many entries equal to v are still needed
+   (or a bin's lower bound and the whole bin); a compaction pass then
    takes every entry above v and, of those equal to v, the lowest-indexed ones (the tie rule);
    a bitonic sort of the k taken entries on (score, -index) writes them in the torch path's
    order: score descending, equal scores by ascending entry index. -1 pads the rest. -0.0 and
@@ -522,25 +523,31 @@ if triton_available():
                       cand=None, MASKED: tl.constexpr = False):
         """(prefix, need): the ``need``-th largest order key of the row's ``visible`` scores as
         an unsigned-order prefix (key ^ sign bit), and how many of the entries equal to it are
-        still to be taken; 32 / DB passes of DB-bit histograms from the top. With MASKED the
-        row is a split row's candidate scores, written by other programs (read through L2),
-        and those whose entry ``cand[j]`` is -1 (no candidate) do not count."""
+        still to be taken; up to 32 / DB passes of DB-bit histograms from the top. The passes
+        stop early once every entry of the prefix's bin is needed: the prefix's lower bits
+        stay zero and ``need`` counts the whole bin, so the take (entries above the prefix,
+        then up to ``need`` equal to it) takes the same entries. With MASKED the row is a
+        split row's candidate scores, written by other programs (read through L2), and those
+        whose entry ``cand[j]`` is -1 (no candidate) do not count."""
         bins = tl.arange(0, 1 << DB)
         prefix = need * 0
+        done = need * 0
         for level in tl.static_range(32 // DB):
-            hist = tl.zeros([1 << DB], tl.int32)
-            for c in range(0, visible, BLOCK):
-                offs = c + lanes
-                m = offs < visible
-                if MASKED:
-                    x = tl.load(row + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    m = m & (tl.load(cand + offs, mask=m, other=-1, cache_modifier=".cg") >= 0)
-                else:
-                    x = tl.load(row + offs, mask=m, other=0.0)
-                u = _order_key(x) ^ -2147483648
-                hist += _digit_histogram(u, m, prefix, level, DB)
-            digit, need = _pick_digit(hist, bins, need)
-            prefix = prefix | (digit << (32 - DB * (level + 1)))
+            if done == 0:
+                hist = tl.zeros([1 << DB], tl.int32)
+                for c in range(0, visible, BLOCK):
+                    offs = c + lanes
+                    m = offs < visible
+                    if MASKED:
+                        x = tl.load(row + offs, mask=m, other=0.0, cache_modifier=".cg")
+                        m = m & (tl.load(cand + offs, mask=m, other=-1,
+                                         cache_modifier=".cg") >= 0)
+                    else:
+                        x = tl.load(row + offs, mask=m, other=0.0)
+                    u = _order_key(x) ^ -2147483648
+                    hist += _digit_histogram(u, m, prefix, level, DB)
+                digit, need, done = _pick_digit(hist, bins, need)
+                prefix = prefix | (digit << (32 - DB * (level + 1)))
         return prefix, need
 
     @triton.jit
@@ -549,19 +556,25 @@ if triton_available():
         ``m``."""
         bins = tl.arange(0, 1 << DB)
         prefix = need * 0
+        done = need * 0
         for level in tl.static_range(32 // DB):
-            digit, need = _pick_digit(_digit_histogram(u, m, prefix, level, DB), bins, need)
-            prefix = prefix | (digit << (32 - DB * (level + 1)))
+            if done == 0:
+                digit, need, done = _pick_digit(_digit_histogram(u, m, prefix, level, DB),
+                                                bins, need)
+                prefix = prefix | (digit << (32 - DB * (level + 1)))
         return prefix, need
 
     @triton.jit
     def _pick_digit(hist, bins, need):
-        """(digit, need): the bin of ``hist`` that holds the need-th largest entry, and how many
-        of that bin's entries are still needed once every entry of a larger bin is taken."""
+        """(digit, need, whole): the bin of ``hist`` that holds the need-th largest entry, how
+        many of that bin's entries are still needed once every entry of a larger bin is taken,
+        and 1 where that is all of them (no later pass can change what is taken), else 0."""
         total = tl.sum(hist, axis=0)
         above = total - tl.cumsum(hist, axis=0)  # entries of a larger digit than the bin's
         digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
-        return digit, need - tl.sum(tl.where(bins == digit, above, 0), axis=0)
+        need = need - tl.sum(tl.where(bins == digit, above, 0), axis=0)
+        return digit, need, (need == tl.sum(tl.where(bins == digit, hist, 0), axis=0)).to(
+            tl.int32)
 
     @triton.jit
     def _taking(taken, ties, key, m, kth, need):
