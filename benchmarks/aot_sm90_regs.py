@@ -361,7 +361,7 @@ def steps() -> bool:
                         HELD=True), dict(num_warps=it.SCAN_WARPS))
     for p, block, warps in ((8, 2048, 8), (4, 4096, 8), (8, 8192, 16)):
         for db in (4, 8):
-            ok &= _try(f"indexer top-k held split={p} K=512 block={block} digits={db}",
+            ok &= _try(f"indexer top-k split={p} K=512 held block={block} digits={db}",
                        it._topk_split_kernel,
                        {**t, "c_ptr": "*i32", "sct": "i32", "arr_ptr": "*i32", "chunk": "i32"},
                        dict(K=512, KP=512, P=p, BLOCK=block,
