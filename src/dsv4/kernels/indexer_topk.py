@@ -31,7 +31,11 @@ without Triton's interpreter):
    same way (held in registers when they fit one merge block) - the same
    selection, with P programs on the row's passes instead of one. A row (or a split row's
    chunk) that fits one scan block is read once into registers and every pass and the take
-   run on it there (``HELD``); a wider one is read again for each pass.
+   run on it there (``HELD``); a wider one is read again for each pass. With the passes'
+   early exit (:func:`_radix_select`), one C4 layer at 64K, M = 16, H100, 2026-12-07
+   (``benchmarks/results/2026-12-07-h100/decode-step-verify/topk-64k/``): Flash 209.2 ->
+   201.3 us, Pro 335.8 -> 315.7; on rows of many exact ties the exit never fires and its
+   check costs (docs/performance.md, "Held rows and early exit").
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
