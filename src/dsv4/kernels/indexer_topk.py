@@ -573,12 +573,14 @@ if triton_available():
         """(digit, need, whole): the bin of ``hist`` that holds the need-th largest entry, how
         many of that bin's entries are still needed once every entry of a larger bin is taken,
         and 1 where that is all of them (no later pass can change what is taken), else 0."""
-        total = tl.sum(hist, axis=0)
-        above = total - tl.cumsum(hist, axis=0)  # entries of a larger digit than the bin's
-        digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
-        need = need - tl.sum(tl.where(bins == digit, above, 0), axis=0)
-        return digit, need, (need == tl.sum(tl.where(bins == digit, hist, 0), axis=0)).to(
-            tl.int32)
+        at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # entries of this digit or larger
+        # the largest digit with at least ``need`` entries at or above it, in the high bits;
+        # the low bit: exactly ``need`` there (the whole bin is needed)
+        found = tl.max(tl.where(at_or_above >= need,
+                                2 * bins + (at_or_above == need).to(tl.int32), -1), axis=0)
+        digit = found >> 1
+        above = tl.sum(tl.where(bins == digit, at_or_above - hist, 0), axis=0)
+        return digit, need - above, found & 1
 
     @triton.jit
     def _taking(taken, ties, key, m, kth, need):
