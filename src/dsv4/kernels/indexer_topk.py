@@ -34,8 +34,9 @@ without Triton's interpreter):
    run on it there (``HELD``); a wider one is read again for each pass. With the passes'
    early exit (:func:`_radix_select`), one C4 layer at 64K, M = 16, H100, 2026-12-07
    (``benchmarks/results/2026-12-07-h100/decode-step-verify/topk-64k/``): Flash 209.2 ->
-   201.3 us, Pro 335.8 -> 315.7; on rows of many exact ties the exit never fires and its
-   check costs (docs/performance.md, "Held rows and early exit").
+   201.3 us, Pro 335.8 -> 315.7; on rows of many exact ties the exit never fires, and its
+   check, then a reduction of its own, cost there (docs/performance.md, "Held rows and early
+   exit"; since 2f8453c the pass's max carries it).
 
 Store formats (``fmt``, rows of ``D`` values; a flat row r lives in block r // B at offset
 r % B, B = ``rows_per_block``, blocks ``block_stride`` elements apart):
