@@ -12,6 +12,9 @@
 #                                         # STAGGER=1: sequence i at context + i (--stagger)
 #   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens
 #   bash benchmarks/gpu_check.sh kernels  # attention kernels, fp8 GEMMs, input projections alone
+#   bash benchmarks/gpu_check.sh topk     # the indexer's top-k alone (benchmarks/topk_probe.py):
+#                                         # the defaults and TOPK_VARIANTS; with BASELINE, that
+#                                         # tree's kernel as `baseline`
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -35,15 +38,16 @@
 # (every case without programmatic dependent launch).
 # BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
 # `git archive OLD src | tar -x -C DIR`, carried as an ignored folder), into
-# $OUT/<kind>-baseline/, then this tree's - a before/after on one card in one call;
+# $OUT/<kind>-baseline/, then this tree's - a before/after on one card in one call (topk: that
+# tree's kernel is timed as the probe's `baseline` variant, beside this tree's, in one table);
 # BASELINE_STRATEGY is that tree's decode-step strategy (default `default`; trees before
 # 2026-12-05 name it ours_auto_act8_pdl). Where these results live in the tree and what they
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | models) ;;
+suite | decode | prefill | kernels | topk | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|models" >&2
     exit 2
     ;;
 esac
@@ -142,6 +146,15 @@ kernels)
         --out "$OUT/gemm-probes" --only gemm --quick
     step input-projections/log.txt 180 python3 -m dsv4 bench input-proj \
         --out "$OUT/input-projections" --quick
+    ;;
+topk)  # a few variants: every one of the probe's would not finish in one call
+    BASE_TOPK=()
+    if [ -n "${BASELINE:-}" ]; then
+        BASE_TOPK=(--baseline "$BASELINE/src/dsv4/kernels/indexer_topk.py")
+    fi
+    step topk-probe/log.txt 300 python3 benchmarks/topk_probe.py --out "$OUT/topk-probe" \
+        --variants "${TOPK_VARIANTS:-auto,auto b4,8p 8192x16 b4}${BASELINE:+,baseline}" \
+        "${BASE_TOPK[@]}"
     ;;
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
