@@ -890,7 +890,8 @@ def topk_entries(scores: torch.Tensor, pos: torch.Tensor, topk: int, *, sort: bo
     """Per row of ``scores`` [T, width]: the min(topk, visible) highest-scoring of its visible
     entries j < min((pos + 1) // 4, width), ties to the lower index, as [T, topk] int64 with
     -1 pads; ``sort``: in the torch path's order (score descending, ties by index), else
-    ascending entry index. ``block`` (a power of two >= 16) and ``num_warps`` override
+    ascending entry index. ``block`` (a power of two >= 16; at least a row's width, or a split
+    row's chunk, holds it in registers for every pass) and ``num_warps`` override
     :func:`choose_scan`, ``split`` (a power of two, 1 .. MAX_SPLIT) :func:`choose_split` and
     ``merge_block`` (a power of two >= 16) :func:`choose_merge_block` and ``digit_bits``
     (2, 4 or 8: the radix select's bits per pass over a row) :func:`choose_digit_bits`: the same
