@@ -17,7 +17,8 @@ ties, each variant's selection must equal the one-program kernel's bit for bit (
 differs is reported and not timed); then each is timed as 10 calls captured in a CUDA graph,
 replayed (median of 7). A split variant's calls each zero its arrival counts first (in the
 layer the score launch does): the ``zero`` column times that fill alone, to subtract. Writes
-``topk_probe.json`` and ``topk_probe.md`` under DIR.
+``topk_probe.json`` and ``topk_probe.md`` under DIR, again after every row (a run cut by a
+time limit keeps the rows it timed).
 """
 
 from __future__ import annotations
@@ -123,18 +124,20 @@ def _time(fn, reps: int = 7, calls: int = 10) -> float:
 
 
 def write_results(out: Path, stem: str, payload: object, title: str,
-                  keys: list[tuple[str, str]], names: list[str]) -> None:
+                  keys: list[tuple[str, str]], names: list[str], echo: bool = True) -> None:
     """``out/stem.json`` (``payload``) and ``out/stem.md``: ``title``, then a table of the rows
     (``payload["rows"]`` or ``payload`` itself) with the ``keys`` columns (header, row key)
-    then one column per variant name; the table is printed too."""
+    then one column per variant name (a row without one shows "-"); ``echo``: the table is
+    printed too."""
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     rows = payload["rows"] if isinstance(payload, dict) else payload
     heads = [h for h, _ in keys] + names
     lines = [title, "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    lines += ["| " + " | ".join(str(r[k]) for k in [k for _, k in keys] + names) + " |"
-              for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "-")) for k in [k for _, k in keys] + names)
+              + " |" for r in rows]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if echo:
+        print("\n".join(lines))
 
 
 def _choice(width: int, k: int, t: int, n_sm: int) -> list[int]:
@@ -186,19 +189,24 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("topk_probe needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     n_sm = _n_sm(torch.cuda.current_device())
-    rows = []
+    rows: list[dict] = []
+
+    def write(echo: bool) -> None:
+        write_results(args.out, "topk_probe", rows,
+                      "Top-k kernel, us per call (CUDA graph of 10 calls; every entry visible; "
+                      "each call includes a zero fill of the arrival counts, timed alone in "
+                      "`zero`; `auto`'s choice: split, block, warps)",
+                      [("k", "k"), ("width", "width"), ("T", "T"), ("scores", "scores"),
+                       ("auto's choice", "choice")], ["zero", *VARIANTS], echo)
+
     for k in (int(v) for v in args.topks.split(",")):
         for width in (int(v) for v in args.widths.split(",")):
             for t in (1, 16, 64):
                 for kind in ("random", "ties"):
                     rows.append(_probe_row(k, width, t, kind, n_sm))
                     print(rows[-1], flush=True)
-    write_results(args.out, "topk_probe", rows,
-                  "Top-k kernel, us per call (CUDA graph of 10 calls; every entry visible; each "
-                  "call includes a zero fill of the arrival counts, timed alone in `zero`; "
-                  "`auto`'s choice: split, block, warps)",
-                  [("k", "k"), ("width", "width"), ("T", "T"), ("scores", "scores"),
-                   ("auto's choice", "choice")], ["zero", *VARIANTS])
+                    write(echo=False)  # a run cut by a time limit keeps its rows' table
+    write(echo=True)
     return 0
 
 
