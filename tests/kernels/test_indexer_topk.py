@@ -322,6 +322,41 @@ def test_score_groups_give_the_same_scores(fmt, shape, stages):
 
 
 @kernel_runs
+@pytest.mark.parametrize("shape", ["verify", "ragged"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_page_copied_scores_give_the_same_scores(shape, group):
+    """``tma=True`` (an fp8 store's pages copied whole into shared memory, a tile a page) scores
+    as the gathering loads do: one query a program and groups, aligned with the sequences and
+    cut across them, a block the table does not hold (zeros, as gathered) and the tiles past
+    the visible end."""
+    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
+                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, "fp8", lengths, counts, block_size=16, seed=7)
+    q, w = queries(cfg, step.num_tokens, seed=8)
+    args = list(score_args(cfg, step, q, w, step.max_visible(4) + 37))
+    table = args[5].clone()
+    table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
+    args[5] = table
+    zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
+    got = indexer_scores(*args, tma=True, block=16, group=group, zero=zero, programs_per_sm=1)
+    assert not zero.any()
+    assert_same_scores(got, indexer_scores(*args, block=16))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(), "fmt 'bf16' \\(fp8 only\\)"),
+    (dict(block=32), "tiles of 32 entries against blocks of 16 rows"),
+    (dict(stages=9), "stages=9")])
+def test_page_copied_scores_name_what_they_cannot_copy(kw, message):
+    with pytest.raises(ValueError, match=message):
+        indexer_scores(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
+                       torch.zeros(1, 16, 128, dtype=BF16), "bf16", 16,
+                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), 8, 1.0, tma=True, **kw)
+
+
+@kernel_runs
 def test_grouped_selection_matches_the_torch_path():
     """``indexer_topk`` with scoring groups, in workspace chunks of whole groups and with a
     split top-k: the torch path's selection."""

@@ -507,6 +507,84 @@ if triton_available():
                     tl.store(s_ptr + t.to(tl.int64) * sst + j, s, mask=j < width)
         let_next_kernel_launch(PDL)
 
+    @triton.jit(do_not_specialize=["width", "tiles", "T"])
+    def _page_score_kernel(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, vals, scales, keys_ptr,
+                           blk_stride, tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width,
+                           tiles, B, weight_scale, z_ptr, T, H: tl.constexpr,
+                           HP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                           DT: tl.constexpr, PREC: tl.constexpr, ZERO: tl.constexpr,
+                           QG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+        """:func:`_score_kernel` on an fp8 store whose tiles are its pages (``BN`` = rows a
+        block): program (g, p) scores queries g * QG .. g * QG + QG - 1 over tiles p * tiles
+        .. p * tiles + tiles - 1 of the lead's sequence, each tile's e4m3 bytes and scales
+        copied by the tensor-memory accelerator (``vals`` [blocks, BN, D] and ``scales``
+        [blocks, BN * D / 128] descriptors) into shared memory STAGES-deep ahead of the MMA, at
+        the block-table entry's page (-1, an unheld block: zeros, as the gather reads). The
+        same dequantised keys and MMA as :func:`_group_scores`; a query of another sequence
+        in the group scores its tiles after, through the gather path."""
+        wait_for_prior_kernel(PDL)
+        t0 = tl.program_id(0) * QG
+        ti = t0 + tl.arange(0, QG)
+        t_ok = ti < T
+        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == 0:
+                tl.store(z_ptr + ti, tl.zeros([QG], tl.int32), mask=t_ok)
+        lead = tl.load(slot_ptr + t0)
+        share = t_ok & (tl.load(slot_ptr + ti, mask=t_ok, other=-1) == lead)
+        vis = tl.where(t_ok, ((tl.load(pos_ptr + ti, mask=t_ok, other=0) + 1) // 4), 0)
+        vis = vis.to(tl.int32)
+        vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
+        cols = tl.arange(0, D)
+        r = tl.arange(0, QG * HP)
+        r_tok = t0 + r // HP
+        r_ok = (r_tok < T) & (r % HP < H)
+        qs = tl.load(q_ptr + r_tok.to(tl.int64)[:, None] * sqt + (r % HP)[:, None] * sqh
+                     + cols[None, :], mask=r_ok[:, None], other=0.0).to(DT)
+        ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
+        ws = ws.to(tl.float32) * weight_scale
+        rows = s_ptr + ti.to(tl.int64)[:, None] * sst
+        first = tl.program_id(1) * tiles
+        n_vis = tl.minimum(tl.maximum((vis_lead + BN - 1) // BN - first, 0), tiles)
+        tab = tab_ptr + lead.to(tl.int64) * stab
+        NS: tl.constexpr = D // 128
+        for i in tl.range(0, n_vis, num_stages=STAGES):
+            jb = first + i
+            page = tl.load(tab + jb, mask=jb < max_logical, other=-1)
+            e = tl.reshape(vals.load([page, 0, 0]), (BN, D))
+            sc = tl.reshape(scales.load([page, 0]), (BN, NS))
+            v = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k = (v * tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D)))
+            logits = tl.dot(k.to(DT), tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
+            weighted = tl.maximum(logits, 0.0) * ws[None, :]
+            s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)  # along each row
+            j = jb * BN + tl.arange(0, BN)
+            s = tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+            tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
+        for i in range(n_vis, tiles):
+            j = (first + i) * BN + tl.arange(0, BN)
+            tl.store(rows + j[None, :], tl.full([QG, BN], float("-inf"), tl.float32),
+                     mask=share[:, None] & (j < width)[None, :])
+        if QG > 1:  # queries of other sequences in the group: their own keys, gathered
+            for u in tl.static_range(QG):
+                t = t0 + u
+                if t < T:
+                    slot = tl.load(slot_ptr + t)
+                    if slot != lead:
+                        visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
+                        q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale, H,
+                                            HP, D, DT)
+                        for i in range(0, tiles):
+                            jb = first + i
+                            j = jb * BN + tl.arange(0, BN)
+                            if jb * BN < visible:
+                                su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64),
+                                                  stab, j, visible, max_logical, blk_stride,
+                                                  B, D, 1, BN, DT, PREC)
+                            else:
+                                su = tl.full([BN], float("-inf"), tl.float32)
+                            tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+        let_next_kernel_launch(PDL)
+
     @triton.jit
     def _order_key(x):
         """int32 keys ordered as the fp32 values ``x`` (non-NaN), with -0.0 equal to +0.0."""
@@ -802,6 +880,50 @@ def check_key_store(keys: torch.Tensor, fmt: str, d: int) -> None:
                          "stride that is a multiple of 4 bytes")
 
 
+PAGE_STAGES = 7
+"""Pipeline stages of the page-copy score loop (``indexer_scores(tma=True)``): Triton 3.6's
+pipeliner keeps 3 pages in flight at 7 (2 at 5 and 6, 1 below: the block-table read ahead of
+each copy takes stages of its own; sm_90 compile)."""
+
+
+def _check_page_store(keys: torch.Tensor, fmt: str, rows_per_block: int, block: int | None,
+                      d: int, stages: int | None) -> None:
+    """Raise ValueError unless ``indexer_scores(tma=True)`` can copy the store's pages."""
+    bad = []
+    if fmt != "fp8":
+        bad.append(f"fmt {fmt!r} (fp8 only)")
+    if (block or SCORE_BLOCK) != rows_per_block:
+        bad.append(f"tiles of {block or SCORE_BLOCK} entries against blocks of "
+                   f"{rows_per_block} rows (a tile is a page)")
+    if d % 128 or d > 256:
+        bad.append(f"rows of {d} values (128 or 256)")
+    if keys.stride(0) % 16 or keys.data_ptr() % 16:
+        bad.append(f"a block stride of {keys.stride(0)} bytes or a base address that is not "
+                   "16-byte aligned")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                               or not 1 <= stages <= 8):
+        bad.append(f"stages={stages!r} (1 .. 8)")
+    if bad:
+        raise ValueError("indexer_scores(tma=True): " + "; ".join(bad))
+
+
+def _page_descriptors(keys: torch.Tensor, rows: int, d: int) -> tuple[object, object]:
+    """Tensor descriptors of an fp8 store's pages: the e4m3 bytes [blocks, rows, d] and the
+    float32 scales [blocks, rows * d / 128] of each block."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, stride = keys.shape[0], keys.stride(0)
+    vals = torch.as_strided(keys, (nb, rows, d), (stride, d, 1))
+    n = nb * stride
+    flat = torch.as_strided(keys, (n,), (1,))
+    f32 = flat.view(torch.float32)
+    ns = rows * d // 128
+    scales = torch.as_strided(f32, (nb, ns), (stride // 4, 1), f32.storage_offset()
+                              + rows * d // 4)
+    return (TensorDescriptor(vals, list(vals.shape), list(vals.stride()), [1, rows, d]),
+            TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [1, ns]))
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt: str,
                    rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                    pos: torch.Tensor, width: int, weight_scale: float,
@@ -809,7 +931,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                    zero: torch.Tensor | None = None, block: int | None = None,
                    stages: int | None = None,
                    programs_per_sm: int | None = None, group: int | None = None,
-                   num_warps: int | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, tma: bool = False) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
@@ -829,8 +951,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                               or not 16 <= block <= 256 or block & (block - 1)):
         raise ValueError(f"indexer_scores: block must be a power of two 16 .. 256, got "
                          f"{block!r}")
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
-                               or not 0 <= stages <= 4):
+    if not tma and stages is not None and (isinstance(stages, bool)
+                                           or not isinstance(stages, int)
+                                           or not 0 <= stages <= 4):
         raise ValueError(f"indexer_scores: stages must be 0 .. 4, got {stages!r}")
     if programs_per_sm is not None and (isinstance(programs_per_sm, bool)
                                         or not isinstance(programs_per_sm, int)
@@ -839,7 +962,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                          f"{programs_per_sm!r}")
     if group is not None and (isinstance(group, bool) or group not in SCORE_GROUPS):
         raise ValueError(f"indexer_scores: group must be one of {SCORE_GROUPS}, got {group!r}")
-    if group is not None and group > 1 and stages not in (None, 0, 2):
+    if tma:
+        _check_page_store(keys, fmt, rows_per_block, block, q.shape[-1], stages)
+    elif group is not None and group > 1 and stages not in (None, 0, 2):
         raise ValueError(f"indexer_scores: stages={stages} with group={group}: a group's loop "
                          "is 0 (plain) or 2 (the next tile's keys fetched ahead)")
     if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8,
@@ -871,6 +996,18 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     qg = group or 1
     programs = -(-t // qg)
     tiles = choose_score_programs(n_tiles, programs, n_sm, programs_per_sm)
+    if tma:
+        vals, scales = _page_descriptors(keys, rows_per_block, d)
+        _page_score_kernel[(programs, -(-n_tiles // tiles))](
+            q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), vals,
+            scales, keys, keys.stride(0), table, table.stride(0), table.shape[1], tok_slot,
+            pos, width, tiles, rows_per_block, float(weight_scale),
+            zero if zero is not None else s, t, H=h, HP=max(16, 1 << (h - 1).bit_length()),
+            D=d, BN=bn, DT=tl.float32 if _INTERPRET else tl.bfloat16,
+            PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, QG=qg,
+            STAGES=stages or PAGE_STAGES, num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS),
+            **pdl_args(q.device))
+        return s
     launch(_score_kernel, (programs, -(-n_tiles // tiles)),
         q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), keys,
         keys.stride(0), table, table.stride(0), table.shape[1], tok_slot, pos, width, tiles,
