@@ -74,6 +74,33 @@ def test_a_bound_launch_reaches_the_kernel_triton_picks(stand_in):
     assert len(seen_keys) > 50  # the draws made Triton specialise in many ways
 
 
+def test_tensor_descriptors_launch_bound_by_dtype_block_and_padding(stand_in):
+    """A TMA tensor descriptor argument: Triton specialises on its base's dtype, its block
+    shape and padding; a bound launch reaches the kernel Triton picks, with the descriptor
+    itself passed on (the launcher builds its tensor map), new shapes and bases alike."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fn, recorders = stand_in
+    rng = random.Random(1)
+    bases = [torch.zeros(64, 64), torch.zeros(32, 128, dtype=torch.bfloat16),
+             torch.zeros(128, 32)]
+    seen_keys: set[str] = set()
+    for _ in range(200):
+        b = rng.choice(bases)
+        block = [rng.choice([8, 16]), rng.choice([16, 32])]
+        desc = TensorDescriptor(b, list(b.shape), list(b.stride()), block,
+                                padding=rng.choice(["zero", "nan"]))
+        args = (bases[0], desc, 16, 17, 0.5, True)
+        want = fn[(2,)](*args, M=16)
+        want_call = want.last
+        for attempt in range(2):  # the second launch of the same specialisation is bound
+            launch(fn, (2,), *args, M=16)
+            assert want.last[7] is None or attempt == 0
+            assert want.last[9:] == want_call[9:] and want.last[10] is desc
+        seen_keys.add(want.key)
+    assert len(seen_keys) >= 8
+
+
 def test_other_values_of_one_specialisation_launch_bound(stand_in):
     """New tensors, integers, floats and grids that Triton specialises alike: the first launch
     with them is already bound, to the same compiled kernel, with the new values."""

@@ -12,7 +12,9 @@ compiled kernel's launcher with the argument list in signature order.
 What makes two calls "alike" is a key at least as fine as Triton's own specialisation: for
 every tensor its dtype and its data pointer modulo 16 (Triton asks: aligned?); for every integer
 whether it equals 1, whether it is divisible by 16 and which of int32 / int64 / uint64 holds
-it; for booleans, floats and None their type (booleans their value); every constexpr, every
+it; for a tensor descriptor (the TMA's: ``triton.tools.tensor_descriptor``) its base's dtype,
+block shape and padding (its base is 16-byte aligned by construction); for booleans, floats
+and None their type (booleans their value); every constexpr, every
 launch option (``num_warps``, ``num_stages``, ``launch_pdl``, ...) and the current device by
 value. So a call that Triton would compile differently never reuses another call's kernel;
 a key finer than Triton's only costs an extra (cached) trip through Triton.
@@ -36,6 +38,7 @@ from dsv4.kernels.launch import _INTERPRET, triton_available
 
 if triton_available():
     from triton import knobs
+    from triton.tools.tensor_descriptor import TensorDescriptor
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -108,7 +111,9 @@ class _Binding:
             layout = shape.layouts[kinds] = _Layout(shape.runtime(list(range(len(full)))),
                                                     kinds)
         tensors = layout.tensors(full)
-        key = (driver.active.get_current_device(), shape_key, kinds,
+        descs = tuple([(d.base.dtype, tuple(d.block_shape), d.padding)
+                       for d in layout.descs(full)])
+        key = (driver.active.get_current_device(), shape_key, kinds, descs,
                tuple([t.dtype for t in tensors]), tuple([t.data_ptr() & 15 for t in tensors]),
                tuple([v if -16 < v < 16 else (16 if v & 15 else 17) if -_I32 <= v < _I32
                       else (v & 15 == 0, -_I64 <= v < _I64) for v in layout.ints(full)]),
@@ -125,10 +130,11 @@ class _Layout:
     def __init__(self, runtime: tuple[int, ...], kinds: tuple[type, ...]) -> None:
         pairs = list(zip(runtime, kinds, strict=True))
         self.tensors = _picker([i for i, k in pairs if k in _TENSORS])
+        self.descs = _picker([i for i, k in pairs if k is TensorDescriptor])
         self.ints = _picker([i for i, k in pairs if k is int])
         self.by_value = _picker([i for i, k in pairs if k is bool])
         for k in kinds:
-            if not (k in _TENSORS or k in (int, bool, float, type(None))):
+            if not (k in _TENSORS or k in (int, bool, float, type(None), TensorDescriptor)):
                 raise TypeError(f"no key for a runtime argument of type {k.__name__}")
 
 

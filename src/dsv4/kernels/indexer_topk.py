@@ -998,7 +998,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     tiles = choose_score_programs(n_tiles, programs, n_sm, programs_per_sm)
     if tma:
         vals, scales = _page_descriptors(keys, rows_per_block, d)
-        _page_score_kernel[(programs, -(-n_tiles // tiles))](
+        launch(_page_score_kernel, (programs, -(-n_tiles // tiles)),
             q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), vals,
             scales, keys, keys.stride(0), table, table.stride(0), table.shape[1], tok_slot,
             pos, width, tiles, rows_per_block, float(weight_scale),
