@@ -38,9 +38,9 @@ from dsv4.kernels.launch import _INTERPRET, triton_available
 
 if triton_available():
     from triton import knobs
-    from triton.tools.tensor_descriptor import TensorDescriptor
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 _MISSING = inspect.Parameter.empty
 _I32, _I64 = 2**31, 2**63
