@@ -57,6 +57,7 @@ VARIANTS = {
     "tma 8 / SM": dict(tma=True, programs_per_sm=8), "tma 8 warps": dict(tma=True, num_warps=8),
     "tma group 4": dict(tma=True, group=4),
     "tma group 4 stages 3": dict(tma=True, group=4, stages=3),
+    "tma group 4 1 / SM": dict(tma=True, group=4, programs_per_sm=1),
 }
 """Name -> indexer_scores keywords. Left out for their spills (sm_90 compile, ``aot_sm90_regs.py
 steps``): 128-entry tiles at 4 warps, and since the keys sit on the MMA's M side (d61917b)
