@@ -305,9 +305,9 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             if M > 16:
                 act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
             # the act8 table's own tile with its weight tiles copied by the TMA
-            act_probes += [("act8_tma", Fp8GemmConfig(**{**act8.__dict__, "tma": True})),
-                           ("act8_tma_st4", Fp8GemmConfig(**{**act8.__dict__, "tma": True,
-                                                             "num_stages": 4}))]
+            act_probes += [(f"act8_tma{tag}", Fp8GemmConfig(**{**act8.__dict__, "tma": True,
+                                                                "num_stages": st}))
+                           for tag, st in (("", act8.num_stages), ("_st4", 4), ("_st6", 6))]
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
             if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the
