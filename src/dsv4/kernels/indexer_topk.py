@@ -374,6 +374,36 @@ if triton_available():
         return q, w.to(tl.float32) * weight_scale
 
     @triton.jit
+    def _group_queries(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale,
+                       z_ptr, T, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                       DT: tl.constexpr, ZERO: tl.constexpr, QG: tl.constexpr):
+        """A scoring group's queries t0 = g * QG .. t0 + QG - 1 (program (g, p)): (t0, the
+        lead's slot, which of them are of the lead's sequence, each one's visible entries and
+        the lead's, their heads stacked [QG * HP, D] in DT - row r is head r % HP of query t0 +
+        r // HP, zeros past T and H - their head weights [QG * HP] times the weight scale, and
+        their score rows [QG, 1]); with ZERO, program (g, 0) zeroes their arrival counts."""
+        t0 = tl.program_id(0) * QG
+        ti = t0 + tl.arange(0, QG)
+        t_ok = ti < T
+        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
+            if tl.program_id(1) == 0:
+                tl.store(z_ptr + ti, tl.zeros([QG], tl.int32), mask=t_ok)
+        lead = tl.load(slot_ptr + t0)
+        share = t_ok & (tl.load(slot_ptr + ti, mask=t_ok, other=-1) == lead)
+        vis = tl.where(t_ok, ((tl.load(pos_ptr + ti, mask=t_ok, other=0) + 1) // 4), 0)
+        vis = vis.to(tl.int32)
+        vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
+        cols = tl.arange(0, D)
+        r = tl.arange(0, QG * HP)
+        r_tok = t0 + r // HP
+        r_ok = (r_tok < T) & (r % HP < H)
+        qs = tl.load(q_ptr + r_tok.to(tl.int64)[:, None] * sqt + (r % HP)[:, None] * sqh
+                     + cols[None, :], mask=r_ok[:, None], other=0.0).to(DT)
+        ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
+        return (t0, lead, share, vis, vis_lead, qs, ws.to(tl.float32) * weight_scale,
+                s_ptr + ti.to(tl.int64)[:, None] * sst)
+
+    @triton.jit
     def _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
@@ -387,27 +417,9 @@ if triton_available():
         of another sequence in the group (groups need not align with sequences) scores the
         tile on its own after. The same scores as one query a program, up to the summation
         order of the wider product."""
-        t0 = tl.program_id(0) * QG
-        ti = t0 + tl.arange(0, QG)
-        t_ok = ti < T
-        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
-            if tl.program_id(1) == 0:
-                tl.store(z_ptr + ti, tl.zeros([QG], tl.int32), mask=t_ok)
-        lead = tl.load(slot_ptr + t0)
-        share = t_ok & (tl.load(slot_ptr + ti, mask=t_ok, other=-1) == lead)
-        vis = tl.where(t_ok, ((tl.load(pos_ptr + ti, mask=t_ok, other=0) + 1) // 4), 0)
-        vis = vis.to(tl.int32)
-        vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
-        cols = tl.arange(0, D)
-        # the group's heads stacked: row r is head r % HP of query t0 + r // HP
-        r = tl.arange(0, QG * HP)
-        r_tok = t0 + r // HP
-        r_ok = (r_tok < T) & (r % HP < H)
-        qs = tl.load(q_ptr + r_tok.to(tl.int64)[:, None] * sqt + (r % HP)[:, None] * sqh
-                     + cols[None, :], mask=r_ok[:, None], other=0.0).to(DT)
-        ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
-        ws = ws.to(tl.float32) * weight_scale
-        rows = s_ptr + ti.to(tl.int64)[:, None] * sst
+        t0, lead, share, vis, vis_lead, qs, ws, rows = _group_queries(
+            q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale, z_ptr, T,
+            H, HP, D, DT, ZERO, QG)
         first = tl.program_id(1) * tiles
         # PREFETCH: tile i + 1's key loads issued before tile i is scored (a program of 4
         # queries is alone on its SM: nothing else hides its load latency)
@@ -523,26 +535,9 @@ if triton_available():
         same dequantised keys and MMA as :func:`_group_scores`; a query of another sequence
         in the group scores its tiles after, through the gather path."""
         wait_for_prior_kernel(PDL)
-        t0 = tl.program_id(0) * QG
-        ti = t0 + tl.arange(0, QG)
-        t_ok = ti < T
-        if ZERO:  # noqa: SIM102 - a constexpr beside a runtime test
-            if tl.program_id(1) == 0:
-                tl.store(z_ptr + ti, tl.zeros([QG], tl.int32), mask=t_ok)
-        lead = tl.load(slot_ptr + t0)
-        share = t_ok & (tl.load(slot_ptr + ti, mask=t_ok, other=-1) == lead)
-        vis = tl.where(t_ok, ((tl.load(pos_ptr + ti, mask=t_ok, other=0) + 1) // 4), 0)
-        vis = vis.to(tl.int32)
-        vis_lead = tl.max(tl.where(share, vis, 0), axis=0)
-        cols = tl.arange(0, D)
-        r = tl.arange(0, QG * HP)
-        r_tok = t0 + r // HP
-        r_ok = (r_tok < T) & (r % HP < H)
-        qs = tl.load(q_ptr + r_tok.to(tl.int64)[:, None] * sqt + (r % HP)[:, None] * sqh
-                     + cols[None, :], mask=r_ok[:, None], other=0.0).to(DT)
-        ws = tl.load(w_ptr + r_tok.to(tl.int64) * swt + r % HP, mask=r_ok, other=0.0)
-        ws = ws.to(tl.float32) * weight_scale
-        rows = s_ptr + ti.to(tl.int64)[:, None] * sst
+        t0, lead, share, vis, vis_lead, qs, ws, rows = _group_queries(
+            q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale, z_ptr, T,
+            H, HP, D, DT, ZERO, QG)
         first = tl.program_id(1) * tiles
         n_vis = tl.minimum(tl.maximum((vis_lead + BN - 1) // BN - first, 0), tiles)
         tab = tab_ptr + lead.to(tl.int64) * stab
