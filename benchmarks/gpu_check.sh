@@ -15,6 +15,10 @@
 #   bash benchmarks/gpu_check.sh topk     # the indexer's top-k alone (benchmarks/topk_probe.py):
 #                                         # the defaults and TOPK_VARIANTS; with BASELINE, that
 #                                         # tree's kernel as `baseline`
+#   bash benchmarks/gpu_check.sh score    # the indexer's score launch alone (benchmarks/
+#                                         # score_probe.py): gathered against page-copied
+#                                         # (tma) loads, one query and groups of 4 a program;
+#                                         # SCORE_VARIANTS overrides
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -45,9 +49,9 @@
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | topk | models) ;;
+suite | decode | prefill | kernels | topk | score | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|models" >&2
     exit 2
     ;;
 esac
@@ -155,6 +159,11 @@ topk)  # a few variants: every one of the probe's would not finish in one call
     step topk-probe/log.txt 300 python3 benchmarks/topk_probe.py --out "$OUT/topk-probe" \
         --variants "${TOPK_VARIANTS:-auto,auto b4,8p 8192x16 b4}${BASELINE:+,baseline}" \
         "${BASE_TOPK[@]}"
+    ;;
+score)
+    step score-probe/log.txt 200 python3 benchmarks/score_probe.py --out "$OUT/score-probe" \
+        --widths 16384,65536 --seqs 16,64 --tokens-per-seq 1,4 \
+        --variants "${SCORE_VARIANTS:-default,group 4,tma,tma group 4,tma group 4 1 / SM}"
     ;;
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
