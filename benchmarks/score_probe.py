@@ -53,7 +53,7 @@ VARIANTS = {
     "group 4": dict(group=4), "group 4 plain": dict(group=4, stages=0),
     "group 4 (block 32)": dict(group=4, block=32),
     "8 warps": dict(num_warps=8),
-    "tma": dict(tma=True), "tma stages 5": dict(tma=True, stages=5),
+    "tma": dict(tma=True), "tma stages 7": dict(tma=True, stages=7),
     "tma 8 / SM": dict(tma=True, programs_per_sm=8), "tma 8 warps": dict(tma=True, num_warps=8),
     "tma group 4": dict(tma=True, group=4),
     "tma group 4 stages 3": dict(tma=True, group=4, stages=3),

@@ -332,21 +332,22 @@ def test_page_copied_scores_give_the_same_scores(shape, group):
     lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
                        "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
     cfg = tiny_cfg(8)
-    step = make_step(cfg, "fp8", lengths, counts, block_size=16, seed=7)
+    step = make_step(cfg, "fp8", lengths, counts, block_size=64, seed=7)
     q, w = queries(cfg, step.num_tokens, seed=8)
     args = list(score_args(cfg, step, q, w, step.max_visible(4) + 37))
     table = args[5].clone()
     table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
     args[5] = table
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
-    got = indexer_scores(*args, tma=True, block=16, group=group, zero=zero, programs_per_sm=1)
+    got = indexer_scores(*args, tma=True, group=group, zero=zero, programs_per_sm=1)
     assert not zero.any()
-    assert_same_scores(got, indexer_scores(*args, block=16))
+    assert_same_scores(got, indexer_scores(*args))
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(), "fmt 'bf16' \\(fp8 only\\)"),
     (dict(block=32), "tiles of 32 entries against blocks of 16 rows"),
+    (dict(block=16), "blocks of 16 rows \\(64 only\\)"),
     (dict(stages=9), "stages=9")])
 def test_page_copied_scores_name_what_they_cannot_copy(kw, message):
     with pytest.raises(ValueError, match=message):

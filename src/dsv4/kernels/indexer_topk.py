@@ -875,10 +875,16 @@ def check_key_store(keys: torch.Tensor, fmt: str, d: int) -> None:
                          "stride that is a multiple of 4 bytes")
 
 
-PAGE_STAGES = 7
+PAGE_ROWS = 64
+"""Rows a block of the stores ``indexer_scores(tma=True)`` copies: pages of 16 rows faulted on
+an H100 (2026-12-07, one query a program: "misaligned address"; groups of 4 passed; the cause
+not established), 64 is the default block size and the one timed."""
+PAGE_STAGES = 5
 """Pipeline stages of the page-copy score loop (``indexer_scores(tma=True)``): Triton 3.6's
-pipeliner keeps 3 pages in flight at 7 (2 at 5 and 6, 1 below: the block-table read ahead of
-each copy takes stages of its own; sm_90 compile)."""
+pipeliner keeps 2 pages in flight at 5 and 6, 3 at 7 (the block-table read ahead of each copy
+takes stages of its own; sm_90 compile). H100, 2026-12-07 (``benchmarks/results/2026-12-07-h100/
+score-tma/``), 16 sequences, us at 7 / 5 stages: 16K entries, 1 query each 19.98 / 18.51, 4
+queries each 54.89 / 54.27; 64K entries 60.79 / 58.85, 213.55 / 212.29."""
 
 
 def _check_page_store(keys: torch.Tensor, fmt: str, rows_per_block: int, block: int | None,
@@ -890,6 +896,8 @@ def _check_page_store(keys: torch.Tensor, fmt: str, rows_per_block: int, block: 
     if (block or SCORE_BLOCK) != rows_per_block:
         bad.append(f"tiles of {block or SCORE_BLOCK} entries against blocks of "
                    f"{rows_per_block} rows (a tile is a page)")
+    elif rows_per_block != PAGE_ROWS:
+        bad.append(f"blocks of {rows_per_block} rows ({PAGE_ROWS} only)")
     if d % 128 or d > 256:
         bad.append(f"rows of {d} values (128 or 256)")
     if keys.stride(0) % 16 or keys.data_ptr() % 16:
