@@ -14,7 +14,9 @@ without Triton's interpreter):
    table of the query's sequence), dequantised in registers, and
    ``score[t, j] = sum_h (w[t, h] * weight_scale) * relu(<q[t, h], K[j]>)`` in fp32 goes to a
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
-   query's visible entries only write -inf.
+   query's visible entries only write -inf. ``indexer_scores(tma=True)`` (``_page_score_kernel``,
+   an fp8 store of 64-row blocks) copies each tile, one page, into shared memory by the TMA
+   instead, pipelined ahead of the MMA: the same scores.
 2. **Top-k** (``_topk_kernel``, one program per query): a radix select on order-preserving 32-bit
    keys of the fp32 scores (up to 4 passes of 8-bit histograms over the visible entries,
    fewer once every entry of the k-th's bin is needed; none when k covers every visible
@@ -946,8 +948,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     software-pipelined over that many stages; a group: 0 or 2, the next tile's keys fetched
     ahead, default ``GROUP_STAGES``), ``programs_per_sm`` (default ``SCORE_PROGRAMS_PER_SM``),
     ``group`` (queries a program, one of ``SCORE_GROUPS``, sharing each key tile where they are
-    of one sequence: a verify step's 1 + k tokens; default 1) and ``num_warps`` (default 4, with
-    a group of more than one query ``GROUP_WARPS``)."""
+    of one sequence: a verify step's 1 + k tokens; default 1), ``num_warps`` (default 4, with
+    a group of more than one query ``GROUP_WARPS``) and ``tma`` (an fp8 store of ``PAGE_ROWS``-
+    row blocks only: each tile, one page, copied into shared memory by the TMA,
+    :func:`_page_score_kernel`; ``stages`` then counts its pipeline's stages, 1 .. 8, default
+    ``PAGE_STAGES``; not the layer's choice yet, docs/performance.md)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
