@@ -4,7 +4,8 @@ Variants (``indexer_scores`` overrides): entries per tile (``block``), the visib
 software-pipelined loop (``stages``; a group's plain loop: ``stages=0``, its default fetches
 the next tile's keys ahead), programs per SM (``programs_per_sm``), and queries a
 program (``group``: a verify step's tokens of one sequence sharing its key tiles) with their
-warps (``num_warps``).
+warps (``num_warps``), and the page copies (``tma``: each tile, one 64-row page, copied into
+shared memory by the TMA; ``stages`` then its pipeline's stages).
 
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR --tokens-per-seq 1,4 \
