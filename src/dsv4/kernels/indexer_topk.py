@@ -879,8 +879,11 @@ def check_key_store(keys: torch.Tensor, fmt: str, d: int) -> None:
 
 PAGE_ROWS = 64
 """Rows a block of the stores ``indexer_scores(tma=True)`` copies: pages of 16 rows faulted on
-an H100 (2026-12-07, one query a program: "misaligned address"; groups of 4 passed; the cause
-not established), 64 is the default block size and the one timed."""
+an H100 (2026-12-07, one query a program: "misaligned address"; groups of 4 passed, but there
+each program had one tile). Likely cause, not confirmed on a GPU: a 16-row page's scales are a
+64-byte copy, and the pipeline's second buffer for them then sits 64 bytes into shared memory,
+where the TMA's destination wants 128-byte alignment (the sm_90 compile's buffers: 3 x 1 x 16
+float32). 64 is the default block size and the one timed."""
 PAGE_STAGES = 5
 """Pipeline stages of the page-copy score loop (``indexer_scores(tma=True)``): Triton 3.6's
 pipeliner keeps 2 pages in flight at 5 and 6, 3 at 7 (the block-table read ahead of each copy
