@@ -406,6 +406,42 @@ if triton_available():
                 s_ptr + ti.to(tl.int64)[:, None] * sst)
 
     @triton.jit
+    def _stacked_tile_scores(k, qs, ws, j, vis, QG: tl.constexpr, HP: tl.constexpr,
+                             BN: tl.constexpr, PREC: tl.constexpr):
+        """[QG, BN] fp32 scores of one key tile ``k`` [BN, D] (entries ``j``) for a group's
+        stacked heads ``qs`` [QG * HP, D] with weights ``ws``; -inf from each query's ``vis``
+        on. The keys sit on the MMA's M side: the head sum runs along each row."""
+        logits = tl.dot(k, tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
+        weighted = tl.maximum(logits, 0.0) * ws[None, :]
+        s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)
+        return tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+
+    @triton.jit
+    def _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
+                            tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, B,
+                            weight_scale, T, t0, lead, jb, H: tl.constexpr, HP: tl.constexpr,
+                            D: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr,
+                            DT: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr):
+        """Tile ``jb`` of the group's queries that are not of the lead's sequence (groups need
+        not align with sequences): each scores it alone, through its own block table."""
+        j = jb * BN + tl.arange(0, BN)
+        for u in tl.static_range(QG):
+            t = t0 + u
+            if t < T:
+                slot = tl.load(slot_ptr + t)
+                if slot != lead:  # another sequence's query: its own keys
+                    visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
+                    if jb * BN < visible:
+                        q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale,
+                                            H, HP, D, DT)
+                        su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64), stab,
+                                          j, visible, max_logical, blk_stride, B, D, FMT,
+                                          BN, DT, PREC)
+                    else:
+                        su = tl.full([BN], float("-inf"), tl.float32)
+                    tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+
+    @triton.jit
     def _group_scores(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                       tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, tiles, B,
                       weight_scale, z_ptr, T, H: tl.constexpr, HP: tl.constexpr,
@@ -443,28 +479,13 @@ if triton_available():
                 else:
                     k = _load_index_keys(keys_ptr, tab_ptr, lead.to(tl.int64), stab, j,
                                          vis_lead, max_logical, blk_stride, B, D, FMT, BN, DT)
-                logits = tl.dot(k, tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
-                weighted = tl.maximum(logits, 0.0) * ws[None, :]
-                s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)  # along each row
-                s = tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+                s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
             else:
                 s = tl.full([QG, BN], float("-inf"), tl.float32)
             tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
-            for u in tl.static_range(QG):
-                t = t0 + u
-                if t < T:
-                    slot = tl.load(slot_ptr + t)
-                    if slot != lead:  # another sequence's query: its own keys
-                        visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
-                        if jb * BN < visible:
-                            q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale,
-                                                H, HP, D, DT)
-                            su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64), stab,
-                                              j, visible, max_logical, blk_stride, B, D, FMT,
-                                              BN, DT, PREC)
-                        else:
-                            su = tl.full([BN], float("-inf"), tl.float32)
-                        tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+            _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
+                                tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, B,
+                                weight_scale, T, t0, lead, jb, H, HP, D, BN, FMT, DT, PREC, QG)
             if PREFETCH:
                 e, sc = e_next, sc_next
 
@@ -549,37 +570,20 @@ if triton_available():
             page = tl.load(tab + jb, mask=jb < max_logical, other=-1)
             e = tl.reshape(vals.load([page, 0, 0]), (BN, D))
             sc = tl.reshape(scales.load([page, 0]), (BN, NS))
-            v = e.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k = (v * tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NS, 128)), (BN, D)))
-            logits = tl.dot(k.to(DT), tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
-            weighted = tl.maximum(logits, 0.0) * ws[None, :]
-            s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)  # along each row
+            k = _index_keys_from(e, sc, D, 1, BN, DT)  # as the gather's fp8 keys
             j = jb * BN + tl.arange(0, BN)
-            s = tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+            s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
             tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
         for i in range(n_vis, tiles):
             j = (first + i) * BN + tl.arange(0, BN)
             tl.store(rows + j[None, :], tl.full([QG, BN], float("-inf"), tl.float32),
                      mask=share[:, None] & (j < width)[None, :])
         if QG > 1:  # queries of other sequences in the group: their own keys, gathered
-            for u in tl.static_range(QG):
-                t = t0 + u
-                if t < T:
-                    slot = tl.load(slot_ptr + t)
-                    if slot != lead:
-                        visible = ((tl.load(pos_ptr + t) + 1) // 4).to(tl.int32)
-                        q, w = _query_heads(q_ptr, sqt, sqh, w_ptr, swt, t, weight_scale, H,
-                                            HP, D, DT)
-                        for i in range(0, tiles):
-                            jb = first + i
-                            j = jb * BN + tl.arange(0, BN)
-                            if jb * BN < visible:
-                                su = _tile_scores(q, w, keys_ptr, tab_ptr, slot.to(tl.int64),
-                                                  stab, j, visible, max_logical, blk_stride,
-                                                  B, D, 1, BN, DT, PREC)
-                            else:
-                                su = tl.full([BN], float("-inf"), tl.float32)
-                            tl.store(s_ptr + t.to(tl.int64) * sst + j, su, mask=j < width)
+            for i in range(0, tiles):
+                _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr,
+                                    blk_stride, tab_ptr, stab, max_logical, slot_ptr, pos_ptr,
+                                    width, B, weight_scale, T, t0, lead, first + i, H, HP, D,
+                                    BN, 1, DT, PREC, QG)
         let_next_kernel_launch(PDL)
 
     @triton.jit
