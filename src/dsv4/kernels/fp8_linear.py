@@ -240,6 +240,15 @@ if triton_available():
             xq = xq.to(tl.float32)
         return xq
 
+    @triton.jit
+    def _weight_tile(w_desc, w_ptrs, row0, k0, W_TMA: tl.constexpr):
+        """The e4m3 weight tile [BN, BK] at rows row0.., columns k0..: copied by the TMA
+        (``w_desc``) or loaded through ``w_ptrs`` (streamed once: evicted first)."""
+        if W_TMA:
+            return w_desc.load([row0, k0])
+        else:
+            return tl.load(w_ptrs, eviction_policy="evict_first")
+
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
@@ -288,10 +297,7 @@ if triton_available():
                 # its activation scale and the weight block's scale; interpreted: fp32 operands
                 # of the same values. X_FP8: x arrives quantised (e4m3 bytes, float32 scales
                 # [M, Kg / 128]), else each program quantises its tile here
-                if W_TMA:  # [BN, BK] rows row0.. of the weight, by the TMA
-                    w = w_desc.load([row0, kb * BK])
-                else:
-                    w = tl.load(w_ptrs, eviction_policy="evict_first")
+                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA)
                 if INTERP:
                     w = w.to(tl.float32)
                 if X_FP8:
@@ -313,10 +319,7 @@ if triton_available():
             else:
                 # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
                 # dot of a converted operand is wrong); the products are exact in fp32 either way
-                if W_TMA:
-                    w = w_desc.load([row0, kb * BK]).to(DOT_DT)
-                else:
-                    w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
+                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA).to(DOT_DT)
                 if SWAP:
                     xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
                     acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
