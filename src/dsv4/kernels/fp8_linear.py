@@ -249,44 +249,6 @@ if triton_available():
         else:
             return tl.load(w_ptrs, eviction_policy="evict_first")
 
-    @triton.jit
-    def _k_block(acc, w, x_ptrs, xs_ptr, sxs, offs_m, m_mask, kb, s, ACT_FP8: tl.constexpr,
-                 X_FP8: tl.constexpr, SWAP: tl.constexpr, INTERP: tl.constexpr,
-                 DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr):
-        """acc plus one 128-wide K block's product: weight tile w (e4m3, as loaded) times the
-        activations at x_ptrs, weight block scale s. ACT_FP8: fp8 x fp8 MMA, each token's block
-        product times its activation scale (X_FP8: x arrives quantised, float32 scales at
-        xs_ptr; else quantised here); interpreted: fp32 operands of the same values. Else the
-        tile widened to DOT_DT (e4m3 -> bf16 is exact; the interpreter's MMA runs in fp32)."""
-        if ACT_FP8:
-            if INTERP:
-                w = w.to(tl.float32)
-            if X_FP8:
-                sx = tl.load(xs_ptr + offs_m * sxs + kb, mask=m_mask, other=0.0)
-            if SWAP:
-                if X_FP8:
-                    xq = _quantized_x(x_ptrs, m_mask[None, :], INTERP)
-                else:
-                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
-                    xq, sx = act_quant_block(xt, 0, INTERP)
-                acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
-            else:
-                if X_FP8:
-                    xq = _quantized_x(x_ptrs, m_mask[:, None], INTERP)
-                else:
-                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
-                    xq, sx = act_quant_block(xt, 1, INTERP)
-                acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
-        else:
-            w = w.to(DOT_DT)
-            if SWAP:
-                xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
-                acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
-            else:
-                xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
-                acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
-        return acc
-
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
@@ -296,8 +258,8 @@ if triton_available():
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
         DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False,
         INTERP: tl.constexpr = False, W_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-        PRELOAD: tl.constexpr = 0,
     ):
+        wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
         pid = tl.program_id(0)
         pid_m = pid % m_tiles
@@ -326,39 +288,44 @@ if triton_available():
         # each block's scale is read one iteration ahead and decoded where it is used: a scale
         # load inside the iteration that needs it held the iteration (and the next tile's
         # copy) for a global-load latency
-        # PRELOAD: the first weight tiles are loaded before the PDL wait (they do not depend
-        # on the kernel before), so their copy runs while the kernel before finishes
-        if PRELOAD == 0:
-            wait_for_prior_kernel(PDL)
         raw_next = _scale_raw(sc_row, kb0, SCALE_F32)
-        w0 = _weight_tile(w_desc, w_ptrs, row0, kb0 * BK, W_TMA)
-        if PRELOAD >= 2:
-            kb_1 = tl.minimum(kb0 + 1, kb1 - 1)
-            w1 = _weight_tile(w_desc, w_ptrs + (kb_1 - kb0) * BK, row0, kb_1 * BK, W_TMA)
-        if PRELOAD > 0:
-            wait_for_prior_kernel(PDL)
-        s = _scale_value(raw_next, SCALE_F32)
-        raw_next = _scale_raw(sc_row, tl.minimum(kb0 + 1, kb1 - 1), SCALE_F32)
-        acc = _k_block(acc, w0, x_ptrs, xs_ptr, sxs, offs_m, m_mask, kb0, s, ACT_FP8, X_FP8,
-                       SWAP, INTERP, DOT_DT, DOT_PREC)
-        w_ptrs += BK
-        x_ptrs += BK
-        kb_start = kb0 + 1
-        if PRELOAD >= 2:
-            if kb0 + 1 < kb1:
-                s = _scale_value(raw_next, SCALE_F32)
-                raw_next = _scale_raw(sc_row, tl.minimum(kb0 + 2, kb1 - 1), SCALE_F32)
-                acc = _k_block(acc, w1, x_ptrs, xs_ptr, sxs, offs_m, m_mask, kb0 + 1, s,
-                               ACT_FP8, X_FP8, SWAP, INTERP, DOT_DT, DOT_PREC)
-                w_ptrs += BK
-                x_ptrs += BK
-            kb_start = kb0 + 2
-        for kb in range(kb_start, kb1):
+        for kb in range(kb0, kb1):
             s = _scale_value(raw_next, SCALE_F32)
             raw_next = _scale_raw(sc_row, tl.minimum(kb + 1, kb1 - 1), SCALE_F32)
-            w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA)
-            acc = _k_block(acc, w, x_ptrs, xs_ptr, sxs, offs_m, m_mask, kb, s, ACT_FP8, X_FP8,
-                           SWAP, INTERP, DOT_DT, DOT_PREC)
+            if ACT_FP8:
+                # fp8 x fp8 MMA (the weight tile as stored), each token's block product times
+                # its activation scale and the weight block's scale; interpreted: fp32 operands
+                # of the same values. X_FP8: x arrives quantised (e4m3 bytes, float32 scales
+                # [M, Kg / 128]), else each program quantises its tile here
+                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA)
+                if INTERP:
+                    w = w.to(tl.float32)
+                if X_FP8:
+                    sx = tl.load(xs_ptr + offs_m * sxs + kb, mask=m_mask, other=0.0)
+                if SWAP:
+                    if X_FP8:
+                        xq = _quantized_x(x_ptrs, m_mask[None, :], INTERP)
+                    else:
+                        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
+                        xq, sx = act_quant_block(xt, 0, INTERP)
+                    acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
+                else:
+                    if X_FP8:
+                        xq = _quantized_x(x_ptrs, m_mask[:, None], INTERP)
+                    else:
+                        xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
+                        xq, sx = act_quant_block(xt, 1, INTERP)
+                    acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
+            else:
+                # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
+                # dot of a converted operand is wrong); the products are exact in fp32 either way
+                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA).to(DOT_DT)
+                if SWAP:
+                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
+                    acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
+                else:
+                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
+                    acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
             w_ptrs += BK
             x_ptrs += BK
         cols = n0 + offs_n  # output column within the group
@@ -447,9 +414,6 @@ def sm_count(device: torch.device) -> int:
 _WORKSPACES: dict[str, SplitKWorkspace] = {}
 
 
-_PRELOAD = int(__import__('os').environ.get('DSV4_PRELOAD', '2'))
-
-
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,
             config: Fp8GemmConfig | None, workspace: SplitKWorkspace | None,
             x_scales: torch.Tensor | None = None) -> None:
@@ -489,7 +453,7 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_FP8=cfg.act_fp8 or x_scales is not None,
-        X_FP8=x_scales is not None, INTERP=_INTERPRET, W_TMA=cfg.tma, PRELOAD=_PRELOAD,
+        X_FP8=x_scales is not None, INTERP=_INTERPRET, W_TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 

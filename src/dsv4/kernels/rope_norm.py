@@ -55,8 +55,6 @@ def kernels_usable(x: torch.Tensor) -> bool:
     return triton_available() and (x.device.type == "cuda" or _INTERPRET)
 
 
-_EARLY = __import__('os').environ.get('DSV4_EARLY', '1') == '1'
-
 if triton_available():
     import triton
     import triton.language as tl
@@ -105,9 +103,7 @@ if triton_available():
     @triton.jit
     def _latent_norms_kernel(x_ptr, sxt, wq_ptr, wkv_ptr, q_ptr, sqt, kv_ptr, skt, eps_q,
                              eps_kv, QR: tl.constexpr, KV: tl.constexpr, BQ: tl.constexpr,
-                             BKV: tl.constexpr, PDL: tl.constexpr = False, EARLY_NEXT: tl.constexpr = False):
-        if EARLY_NEXT:
-            let_next_kernel_launch(PDL)
+                             BKV: tl.constexpr, PDL: tl.constexpr = False):
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = x_ptr + t * sxt
@@ -126,8 +122,7 @@ if triton_available():
         wk = tl.load(wkv_ptr + ok, mask=mk, other=0.0).to(tl.float32)
         kv_dt = kv_ptr.dtype.element_ty
         tl.store(kv_ptr + t * skt + ok, rounded(xk * rk * wk, kv_dt).to(kv_dt), mask=mk)
-        if not EARLY_NEXT:
-            let_next_kernel_launch(PDL)
+        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _load_rotated(x_ptr, sxt, sxh, pos_ptr, freq_ptr, H, eps, t, h, j,
@@ -298,7 +293,7 @@ def latent_norms(qr_kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.T
         launch(_latent_norms_kernel, (t,),
             x, x.stride(0), q_weight.contiguous(), kv_weight.contiguous(), qr, qr.stride(0), kv,
             kv.stride(0), eps_q, eps_kv, QR=qr_rank, KV=kv_dim, BQ=bq, BKV=bkv,
-            num_warps=8 if bq >= 2048 else 4, EARLY_NEXT=_EARLY, **pdl_args(x.device))
+            num_warps=8 if bq >= 2048 else 4, **pdl_args(x.device))
     return qr, kv
 
 

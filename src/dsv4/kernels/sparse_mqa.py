@@ -199,8 +199,6 @@ kernel holds every chunk's partial of a column slice at once."""
 COMBINE_TILE = 4096
 """fp32 partials per combine program (splits x columns): 32 registers a thread at 4 warps."""
 
-_EARLY = __import__('os').environ.get('DSV4_EARLY', '1') == '1'
-
 if triton_available():
     import triton
     import triton.language as tl
@@ -339,10 +337,7 @@ if triton_available():
         SR: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
         PDL: tl.constexpr = False,
         pos_ptr=None, freq_ptr=None, ROPE_NOPE2: tl.constexpr = -1,
-        EARLY_NEXT: tl.constexpr = False,
     ):
-        if EARLY_NEXT:
-            let_next_kernel_launch(PDL)
         wait_for_prior_kernel(PDL)
         pid = tl.program_id(0)
         n_hb = tl.cdiv(H, BH)
@@ -389,20 +384,17 @@ if triton_available():
                                        o_ptr.dtype.element_ty)
             tl.store(o_ptr + t.to(tl.int64) * sot + heads[:, None] * soh + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=h_mask[:, None])
-        if not EARLY_NEXT:
-            let_next_kernel_launch(PDL)
+        let_next_kernel_launch(PDL)
 
     @triton.jit(do_not_specialize=["T", "n_split"])
     def _combine_kernel(ws_acc, ws_ml, sink_ptr, o_ptr, sot, soh, T, H,
                         n_split, D: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                         PDL: tl.constexpr = False, pos_ptr=None, freq_ptr=None,
-                        ROPE_NOPE2: tl.constexpr = -1, EARLY_NEXT: tl.constexpr = False):
+                        ROPE_NOPE2: tl.constexpr = -1):
         """One program per (query, head, BD output columns): every split's partial of that
         slice at once ([SP, BD] tile, SP = n_split padded), weighted by 2^(m_s - m) and summed
         over the splits in one reduction (no loop over splits: a decode step of one query has
         ~40 splits, and a loop of dependent loads over them took ~20 us)."""
-        if EARLY_NEXT:
-            let_next_kernel_launch(PDL)
         wait_for_prior_kernel(PDL)
         pid = tl.program_id(0)
         n_db = D // BD
@@ -428,8 +420,7 @@ if triton_available():
                                               freq_ptr, 1, BD, ROPE_NOPE2,
                                               o_ptr.dtype.element_ty), [BD])
         tl.store(o_ptr + t.to(tl.int64) * sot + h * soh + cols, o.to(o_ptr.dtype.element_ty))
-        if not EARLY_NEXT:
-            let_next_kernel_launch(PDL)
+        let_next_kernel_launch(PDL)
 
 
 @functools.lru_cache(maxsize=8)
@@ -551,7 +542,7 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         D=d, DV=dv, BH=cfg.block_h, BN=bn, SPLIT=split > 1, FP8=fmt == "fp8_ds_mla", NOPE=n,
         DR=dr, SR=sr,
         DOT_DT=dot_dt, DOT_PREC="ieee" if _INTERPRET else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, EARLY_NEXT=_EARLY, **pdl_args(q.device),
+        num_stages=cfg.num_stages, **pdl_args(q.device),
         **({} if split > 1 else rope_args),
     )
     if split > 1:
@@ -559,5 +550,5 @@ def sparse_mqa(q: torch.Tensor, win_store: torch.Tensor, win_idx: torch.Tensor,
         bd = max(16, min(d, COMBINE_TILE // sp))  # [sp, bd] fp32 partials per program
         launch(_combine_kernel, (T * H * (d // bd),), ws_acc, ws_ml, sink_f, o, o.stride(0),
                o.stride(1), T, H, split, D=d, SP=sp, BD=bd, num_warps=4,
-               EARLY_NEXT=_EARLY, **pdl_args(ws_acc.device), **rope_args)
+               **pdl_args(ws_acc.device), **rope_args)
     return o
