@@ -108,12 +108,8 @@ def _gemm_config(label: str, c, act: bool, x_fp8: bool = False) -> bool:
     widened weight."""
     consts = dict(BM=c.block_m, BN=c.block_n, SPLIT_K=c.split_k, SWAP=c.swap, SCALE_F32=False,
                   FENCE=True, DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_FP8=act, X_FP8=x_fp8,
-                  INTERP=False, W_TMA=c.tma)
+                  INTERP=False)
     types = {**GEMM_TYPES, "x_ptr": "*u8"} if x_fp8 else GEMM_TYPES
-    if c.tma:  # the weight's [BN, 128] tiles through a tensor descriptor
-        types = {**types, "w_desc": f"tensordesc<fp8e4nv[{c.block_n}, 128]>"}
-    else:
-        consts["w_desc"] = None
     return _try(f"{label} {c}", fl._fp8_gemm_kernel, types, consts,
                 dict(num_warps=c.num_warps, num_stages=c.num_stages))
 

@@ -288,8 +288,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                     ("bn32", dict(block_n=32, split_k=c.split_k * 2)),
                     ("bn128", dict(block_n=128, split_k=max(1, c.split_k // 2))),
                     ("split1", dict(split_k=1)), ("split2x", dict(split_k=c.split_k * 2)),
-                    ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6)),
-                    ("tma", dict(tma=True)), ("tma_st4", dict(tma=True, num_stages=4))):
+                    ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6))):
                 vc = Fp8GemmConfig(**{**c.__dict__, **change})
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref))
             if M > 16:  # the M > 64 table's non-swapped 64 x 128 tile (won for act8 at M = 64)
@@ -304,10 +303,6 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                                                    split_k=max(1, c.split_k // 2))))]
             if M > 16:
                 act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
-            # the act8 table's own tile with its weight tiles copied by the TMA
-            act_probes += [(f"act8_tma{tag}", Fp8GemmConfig(**{**act8.__dict__, "tma": True,
-                                                                "num_stages": st}))
-                           for tag, st in (("", act8.num_stages), ("_st4", 4), ("_st6", 6))]
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
             if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the

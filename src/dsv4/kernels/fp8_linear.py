@@ -126,7 +126,6 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     act_fp8: bool = False  # activations quantised to e4m3 per 128 (§6.3): fp8 x fp8 MMAs
-    tma: bool = False  # weight tiles copied by the TMA (a tensor descriptor), not gathered
 
 
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
@@ -240,24 +239,15 @@ if triton_available():
             xq = xq.to(tl.float32)
         return xq
 
-    @triton.jit
-    def _weight_tile(w_desc, w_ptrs, row0, k0, W_TMA: tl.constexpr):
-        """The e4m3 weight tile [BN, BK] at rows row0.., columns k0..: copied by the TMA
-        (``w_desc``) or loaded through ``w_ptrs`` (streamed once: evicted first)."""
-        if W_TMA:
-            return w_desc.load([row0, k0])
-        else:
-            return tl.load(w_ptrs, eviction_policy="evict_first")
-
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(
         x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
         M, R, Kg, m_ws, n_tiles, m_tiles, G,
-        xs_ptr, sxs, w_desc,
+        xs_ptr, sxs,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
         SCALE_F32: tl.constexpr, FENCE: tl.constexpr, DOT_DT: tl.constexpr,
         DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr = False, X_FP8: tl.constexpr = False,
-        INTERP: tl.constexpr = False, W_TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+        INTERP: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         BK: tl.constexpr = 128
@@ -297,7 +287,7 @@ if triton_available():
                 # its activation scale and the weight block's scale; interpreted: fp32 operands
                 # of the same values. X_FP8: x arrives quantised (e4m3 bytes, float32 scales
                 # [M, Kg / 128]), else each program quantises its tile here
-                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA)
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
                 if INTERP:
                     w = w.to(tl.float32)
                 if X_FP8:
@@ -319,7 +309,7 @@ if triton_available():
             else:
                 # e4m3 -> bf16 is exact; under the interpreter the MMA runs in fp32 (its bf16
                 # dot of a converted operand is wrong); the products are exact in fp32 either way
-                w = _weight_tile(w_desc, w_ptrs, row0, kb * BK, W_TMA).to(DOT_DT)
+                w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
                 if SWAP:
                     xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
                     acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
@@ -441,19 +431,13 @@ def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: tor
     sc = scale if sc_f32 else scale.view(torch.uint8)
     grid = (m_tiles * G * n_tiles * split,)
     xs = x_scales if x_scales is not None else sc  # unused without X_FP8
-    w_desc = None
-    if cfg.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
-                                  [bn, BLOCK])
     launch(_fp8_gemm_kernel, grid,
         x3, x3.stride(0), x3.stride(1), weight, sc, sc.stride(0), y3, y3.stride(0), y3.stride(1),
-        ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G, xs, xs.stride(0), w_desc,
+        ws, cnt, M, R, Kg, m_ws, n_tiles, m_tiles, G, xs, xs.stride(0),
         BM=cfg.block_m, BN=bn, SPLIT_K=split, SWAP=cfg.swap, SCALE_F32=sc_f32,
         FENCE=not _INTERPRET, DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_FP8=cfg.act_fp8 or x_scales is not None,
-        X_FP8=x_scales is not None, INTERP=_INTERPRET, W_TMA=cfg.tma,
+        X_FP8=x_scales is not None, INTERP=_INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x3.device),
     )
 
