@@ -74,6 +74,8 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     # the fp8-activation probes are checked against the quantised-activation product
     assert by[("gemm", "dsv4_fp8_act8")]["us"] == 3.0
     assert by[("gemm", "dsv4_fp8_act8")]["rel_err"] < 1e-2  # bf16 output
+    # the platform's route for long calls (grouped wo_a: no activation quantisation)
+    assert by[("gemm", "long_call")]["us"] == 3.0 and by[("gemm", "long_call")]["rel_err"] < 1e-2
     assert len(markdown_tables({"rows": rows})) > 8
     # the tile probes around each choice: bf16 and fp8 activations, each checked
     probes = [r for r in rows if r["section"] == "gemm" and r["impl"].startswith("dsv4_fp8_")]
@@ -90,7 +92,10 @@ def test_case_runners_on_cpu_with_a_fake_timer():
     plain: list = []
     _gemm_shape_rows("tiny", "wo_b", 128, 256, 1, "cpu", gen, 4e12, True, plain,
                      lambda fns: 3.0, False)
-    assert sorted(r["impl"] for r in plain) == ["dequant_bf16", "dsv4_fp8", "dsv4_fp8_act8"]
+    assert sorted(r["impl"] for r in plain) == ["dequant_bf16", "dsv4_fp8", "dsv4_fp8_act8",
+                                                "long_call"]
+    # wo_b's long calls quantise x first: checked against the quantised-activation product
+    assert {r["impl"]: r for r in plain}["long_call"]["rel_err"] < 1e-2
 
 
 def test_cli_knows_the_suite():

@@ -13,7 +13,10 @@ t*ctx/4 .. ; its window is the last 128 of them, its K compressed rows a random 
 GEMMs: ``dsv4.kernels.fp8_linear`` vs the base path (dequantise to bf16 + matmul) for wq_b,
 wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64, with bf16
 activations and with the layer's act_quant tiles (``act8``: fp8 activations quantised in the
-kernel, docs/spec.md §6.3). Unless ``--no-variants``, tile probes around each choice.
+kernel, docs/spec.md §6.3). ``long_call``: the ``cuda`` platform's route for calls above
+``FP8_GEMM_MAX_TOKENS`` tokens (x quantised by ``fp8_block_sim`` except for ``wo_a``, a one-pass
+dequantised copy, cuBLAS): ``--gemm-ms 128,256,512,1024`` puts it beside the kernels where the
+route changes. Unless ``--no-variants``, tile probes around each choice.
 
 Every implementation is checked against the reference first (a wrong one is not timed). Times are
 CUDA-graph replay (CUDA events, median of trials; ``input_proj.time_graph``), with inputs rotated
@@ -234,6 +237,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
+    from dsv4.platforms.cuda_linears import dequantised_gemm, dequantised_grouped_gemm
 
     wbytes = N * K + (N // 128) * (K // 128)
     rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
@@ -258,6 +262,14 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             q, sx = quantize_activations(xs[i])
             return fp8_linear(q, w, s, config=cfg, x_scales=sx)
 
+        def long_call(i: int, xs=xs, m=M) -> torch.Tensor:
+            # the cuda platform's route above FP8_GEMM_MAX_TOKENS tokens: a one-pass dequantised
+            # copy and cuBLAS, x quantised per 128 first (act_quant) except for wo_a's groups
+            w, s = ws[i]
+            if G > 1:
+                return dequantised_grouped_gemm(xs[i], w, s).view(m, G, -1)
+            return dequantised_gemm(xs[i], w, s, act_quant=True)
+
         def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does
             w, s = ws[i]
             wd = dequantize_fp8_block(w, s, torch.bfloat16)
@@ -280,7 +292,8 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         act8 = choose_fp8_config(M, N, K, act_fp8=True)
         impls: list[tuple[str, Callable, torch.Tensor]] = [
             ("dsv4_fp8", ours, ref), ("dequant_bf16", current, ref),
-            ("dsv4_fp8_act8", lambda i, c=act8: ours(i, cfg=c), ref_q)]
+            ("dsv4_fp8_act8", lambda i, c=act8: ours(i, cfg=c), ref_q),
+            ("long_call", long_call, ref if G > 1 else ref_q)]
         if variants:  # probes around the table's choice: half / double the row tile and split,
             # deeper pipelines (more weight bytes in flight per program), twice the split
             c = choose_fp8_config(M, N, K)

@@ -146,9 +146,26 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Ten
             return fp8_linear(x, lin.weight, lin.scale, config=cfg)
         xq, sx = quantize_activations(x)
         return fp8_linear(xq, lin.weight, lin.scale, config=cfg, x_scales=sx)
+    return dequantised_gemm(x, lin.weight, lin.scale, act_quant)
+
+
+def dequantised_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     act_quant: bool = False) -> torch.Tensor:
+    """The long calls' route (above :data:`FP8_GEMM_MAX_TOKENS` tokens): x [T, K] (quantised
+    per 128 by ``fp8_block_sim`` under ``act_quant``) times a one-pass dequantised bf16 copy of
+    the weight [N, K], by cuBLAS."""
     if act_quant:
         x = fp8_block_sim(x, BLOCK)
-    return F.linear(x, fp8_dequantize(lin.weight, lin.scale))
+    return F.linear(x, fp8_dequantize(weight, scale))
+
+
+def dequantised_grouped_gemm(og: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                             ) -> torch.Tensor:
+    """The long calls' grouped route: og [T, G, K] times each group's rows of a one-pass
+    dequantised bf16 copy of the weight [G * R, K] -> [T, G * R] (the base path's grouped
+    product; an einsum's copy to flatten was 0.33 ms at 16K tokens)."""
+    w = fp8_dequantize(weight, scale).view(og.shape[1], -1, og.shape[2])
+    return grouped_linear(og, w)
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:
@@ -161,9 +178,8 @@ def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> to
     og = o.reshape(o.shape[0], layer.o_groups, -1)
     if o.shape[0] <= FP8_GEMM_MAX_TOKENS:
         z = fp8_grouped_linear(og, lin.weight, lin.scale).flatten(1)
-    else:  # the base path's grouped product (an einsum's copy to flatten was 0.33 ms at 16K)
-        w = fp8_dequantize(lin.weight, lin.scale).view(layer.o_groups, -1, og.shape[2])
-        z = grouped_linear(og, w)
+    else:
+        z = dequantised_grouped_gemm(og, lin.weight, lin.scale)
     if wo_b:
         return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant)
     return layer._wo_b_product(z)
