@@ -131,13 +131,21 @@ def gemm() -> None:
 
 
 def dequant() -> None:
-    """The one-pass fp8 -> bf16 weight copy of long calls (``fp8_dequantize``)."""
+    """The one-pass fp8 -> bf16 weight copy of long calls (``fp8_dequantize``) and the
+    activations' quantising launch."""
     types = dict(w_ptr="*fp8e4nv", sc_ptr="*u8", stride_sc="i32", o_ptr="*bf16", K="i32")
     for f32 in (False, True):
         t = {**types, "sc_ptr": "*fp32"} if f32 else types
         r = compile_one(fl._dequant_kernel, t, dict(BN=32, BK=128, SCALE_F32=f32),
                         dict(num_warps=4))
         print(f"fp8 dequant scale_f32={f32}: {r}", flush=True)
+    # the activations' quantisation: e4m3 bytes and scales (quantize_activations), or the
+    # values scaled back into bf16 (simulate_activations, SIM)
+    types = dict(x_ptr="*bf16", sxm="i32", q_ptr="*u8", s_ptr="*fp32", M="i32", K="i32")
+    for sim in (False, True):
+        t = {**types, "q_ptr": "*bf16", "s_ptr": "*bf16"} if sim else types
+        r = compile_one(fl._act_quant_kernel, t, dict(BM=16, SIM=sim), dict(num_warps=4))
+        print(f"activation quantisation sim={sim}: {r}", flush=True)
 
 
 def mqa() -> None:

@@ -15,6 +15,7 @@ from dsv4.kernels.fp8_linear import (
     fp8_linear,
     fp8_linear_reference,
     quantize_activations,
+    simulate_activations,
 )
 from dsv4.kernels.fused_input_proj import _INTERPRET
 from dsv4.layers.fp8 import dequantize_fp8_block
@@ -314,6 +315,26 @@ def test_prequantised_activations_equal_the_in_kernel_quantisation(cfg, M):
     q, sx = quantize_activations(x)
     y = fp8_linear(q, w, s, out_dtype=F32, config=cfg, x_scales=sx)
     assert torch.equal(y, fp8_linear(x, w, s, out_dtype=F32, config=cfg))
+
+
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_simulated_activations_are_fp8_block_sim(M):
+    """simulate_activations (one launch where the kernels run, else PyTorch) equals
+    fp8_block_sim at 128 bit for bit: zero blocks, e4m3 subnormals, saturating maxima, ties to
+    even (the exact-sum rows' halfway values), and a row-strided x."""
+    from dsv4.layers.quant_sim import fp8_block_sim
+
+    x = act_rows(M, 1024)
+    ties, _, _ = exact_sum_case(M, 1024, seed=5)
+    for rows in (x, ties, torch.cat([x, ties], 1)[:, ::2]):
+        got = simulate_activations(rows.to(DEV))
+        assert got.dtype == BF16 and got.shape == rows.shape
+        assert torch.equal(got.cpu(), fp8_block_sim(rows, 128))
+    wide = torch.cat([x, x], 1)[:, 1024:]  # rows 2048 apart: read where they are
+    assert torch.equal(simulate_activations(wide.to(DEV)).cpu(), fp8_block_sim(wide, 128))
+    assert simulate_activations(x[:0].to(DEV)).shape == (0, 1024)
+    with pytest.raises(ValueError, match="K a multiple of 128"):
+        simulate_activations(x[:, :100])
 
 
 def test_prequantised_activations_bad_input():

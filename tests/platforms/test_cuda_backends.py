@@ -205,6 +205,23 @@ def test_act_quant_gemms_quantise_long_calls_once(tiny, make_layer, tokens):
     assert rel_err(got, layer.fused_wqa_wkv(x)) < 5e-2  # quantised x against bf16 x
 
 
+def test_act_quant_long_calls_take_the_simulated_activations(tiny, make_layer):
+    """Above FP8_GEMM_MAX_TOKENS an act_quant GEMM runs cuBLAS on fp8_block_sim's values of x,
+    made by simulate_activations (one launch where the kernels run): the base module's product
+    on the quantised x, bit for bit."""
+    from dsv4.layers.quant_sim import fp8_block_sim
+    from dsv4.platforms import cuda_linears
+
+    layer = make_layer(tiny, 4)
+    x = random_x(7, tiny.hidden_size).to(BF16).to(layer.wq_b.weight.device)
+    with mock.patch.object(cuda_linears, "FP8_GEMM_MAX_TOKENS", 4), \
+            mock.patch.object(cuda_linears, "simulate_activations",
+                              wraps=cuda_linears.simulate_activations) as spy:
+        got = fp8_gemm(layer.fused_wqa_wkv, x, act_quant=True)
+    assert spy.call_count == 1
+    assert torch.equal(got, layer.fused_wqa_wkv(fp8_block_sim(x, 128)))
+
+
 def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):
     f32 = plan_fp8_linears(make_layer(tiny, 0, dtype=torch.float32), True)
     assert not f32.eligible and all("float32" in why for why in f32.skipped.values())

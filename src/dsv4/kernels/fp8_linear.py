@@ -65,6 +65,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_reference",
     "quantize_activations",
+    "simulate_activations",
 ]
 
 BLOCK = 128
@@ -369,9 +370,11 @@ if triton_available():
 
     @triton.jit
     def _act_quant_kernel(x_ptr, sxm, q_ptr, s_ptr, M, K, BM: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SIM: tl.constexpr = False, PDL: tl.constexpr = False):
         """Rows ``BM`` tokens x one 128-wide K block of x quantised as :func:`act_quant_block`
-        does it in the GEMM: e4m3 bytes into ``q`` [M, K], the scale 2^k into ``s`` [M, K/128]."""
+        does it in the GEMM: e4m3 bytes into ``q`` [M, K], the scale 2^k into ``s`` [M, K/128];
+        ``SIM``: instead the value each byte stands for times its scale, in ``q``'s dtype (the
+        quant-dequant of ``fp8_block_sim``; exact in bf16), and ``s`` unused."""
         wait_for_prior_kernel(PDL)
         offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
         kb = tl.program_id(1)
@@ -379,10 +382,15 @@ if triton_available():
         mask = offs_m < M
         xt = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :], mask=mask[:, None],
                      other=0.0).to(tl.float32)
-        k = scale_exponent(tl.max(tl.abs(xt), axis=1), FP8_FLOOR, FP8_MAX)
-        tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :],
-                 e4m3_bytes(xt, k).to(tl.uint8), mask=mask[:, None])
-        tl.store(s_ptr + offs_m * (K // 128) + kb, pow2(k), mask=mask)
+        if SIM:  # e4m3's grid as float32 (integer arithmetic on the bits), scaled back
+            q, sx = act_quant_block(xt, 1, True)
+            tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :],
+                     (q * sx[:, None]).to(q_ptr.dtype.element_ty), mask=mask[:, None])
+        else:
+            k = scale_exponent(tl.max(tl.abs(xt), axis=1), FP8_FLOOR, FP8_MAX)
+            tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :],
+                     e4m3_bytes(xt, k).to(tl.uint8), mask=mask[:, None])
+            tl.store(s_ptr + offs_m * (K // 128) + kb, pow2(k), mask=mask)
         let_next_kernel_launch(PDL)
 
 
@@ -480,6 +488,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), q.view(torch.uint8), s,
            M, K, BM=bm, num_warps=4, **pdl_args(x.device))
     return q, s
+
+
+def simulate_activations(x: torch.Tensor) -> torch.Tensor:
+    """``fp8_block_sim(x, 128)`` (docs/spec.md §6.3: x [M, K] quantised per token and 128-wide
+    K block to e4m3 with a power-of-two scale, then scaled back) bit for bit, in one launch
+    where the kernels run (bf16 x on CUDA or under the interpreter): one read of x and one
+    write, where the PyTorch operations pass over it in float32 a dozen times. The long calls'
+    input to a bf16 GEMM on the dequantised weight (:mod:`dsv4.platforms.cuda_linears`)."""
+    if x.dim() != 2 or x.shape[1] % BLOCK:
+        raise ValueError(f"x must be [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)}")
+    M, K = x.shape
+    if x.dtype != torch.bfloat16 or not _kernel_runs_on(x.device) or M == 0:
+        return fp8_block_sim(x, BLOCK)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(M, K, device=x.device, dtype=x.dtype)
+    bm = 16
+    launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), y, y, M, K, BM=bm,
+           SIM=True, num_warps=4, **pdl_args(x.device))
+    return y
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,

@@ -13,8 +13,8 @@ fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on t
 weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions. Under the
 config's ``act_quant`` (docs/spec.md §6.3) the streaming kernel quantises each 128-wide block of
 x to e4m3 itself and runs fp8 x fp8 MMAs (Hopper keeps about 14 bits of a block's running sum: ~1e-4
-relative, the official kernels' numerics too); long calls quantise x with ``fp8_block_sim``
-before cuBLAS.
+relative, the official kernels' numerics too); long calls take ``fp8_block_sim``'s values of x
+(one launch, :func:`~dsv4.kernels.fp8_linear.simulate_activations`) into cuBLAS.
 
 Which layers take it is decided on the host, without device syncs (CUDA-graph capturable), by
 :func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
@@ -40,10 +40,10 @@ from dsv4.kernels.fp8_linear import (
     fp8_grouped_linear,
     fp8_linear,
     quantize_activations,
+    simulate_activations,
     sm_count,
 )
 from dsv4.layers.linear import Linear, grouped_linear
-from dsv4.layers.quant_sim import fp8_block_sim
 from dsv4.layers.weight_layout import get_layout
 
 if TYPE_CHECKING:
@@ -133,8 +133,8 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
 def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
     kernel, or (long calls) a one-pass dequantised copy and cuBLAS. ``act_quant``: x quantised
-    as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim`` before
-    cuBLAS."""
+    as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim``'s values
+    (:func:`dequantised_gemm`) before cuBLAS."""
     assert lin.scale is not None
     n, k = lin.weight.shape
     m = x.shape[0]
@@ -152,10 +152,11 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Ten
 def dequantised_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      act_quant: bool = False) -> torch.Tensor:
     """The long calls' route (above :data:`FP8_GEMM_MAX_TOKENS` tokens): x [T, K] (quantised
-    per 128 by ``fp8_block_sim`` under ``act_quant``) times a one-pass dequantised bf16 copy of
-    the weight [N, K], by cuBLAS."""
+    per 128 and scaled back under ``act_quant``: ``fp8_block_sim``'s values in one launch,
+    :func:`~dsv4.kernels.fp8_linear.simulate_activations`) times a one-pass dequantised bf16
+    copy of the weight [N, K], by cuBLAS."""
     if act_quant:
-        x = fp8_block_sim(x, BLOCK)
+        x = simulate_activations(x)
     return F.linear(x, fp8_dequantize(weight, scale))
 
 
