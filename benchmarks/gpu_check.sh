@@ -19,6 +19,11 @@
 #                                         # score_probe.py): gathered against page-copied
 #                                         # (tma) loads, one query and groups of 4 a program;
 #                                         # SCORE_VARIANTS overrides
+#   bash benchmarks/gpu_check.sh routes   # where the fp8 GEMMs stop streaming: the GEMM probe's
+#                                         # kernels against the long calls' route at 128-1024
+#                                         # tokens, then verify steps of 64 sequences x (1 + k)
+#                                         # with --plan fp8_gemm_max_tokens=128 (the table's)
+#                                         # and ROUTE_LIMITS (default 256 512 1024)
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -49,9 +54,9 @@
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | topk | score | models) ;;
+suite | decode | prefill | kernels | topk | score | routes | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|models" >&2
     exit 2
     ;;
 esac
@@ -164,6 +169,16 @@ score)
     step score-probe/log.txt 200 python3 benchmarks/score_probe.py --out "$OUT/score-probe" \
         --widths 16384,65536 --seqs 16,64 --tokens-per-seq 1,4 \
         --variants "${SCORE_VARIANTS:-default,group 4,tma,tma group 4,tma group 4 1 / SM}"
+    ;;
+routes)
+    step gemm-routes/log.txt 200 python3 -m dsv4.bench.attention_kernels \
+        --out "$OUT/gemm-routes" --only gemm --no-variants --gemm-ms 128,256,512,1024
+    for lim in 128 ${ROUTE_LIMITS:-256 512 1024}; do
+        step decode-step-routes/$lim/log.txt 150 python3 -m dsv4 bench decode-step \
+            --models flash,pro --layers C4 --ms 64 --contexts 512 --strategies default \
+            --reps 3 --draft-tokens 0,1,3,7 --stagger --plan "fp8_gemm_max_tokens=$lim" \
+            --out "$OUT/decode-step-routes/$lim"
+    done
     ;;
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"

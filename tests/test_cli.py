@@ -207,6 +207,12 @@ def test_generate_states_and_checks_the_trained_format(capsys):
      "expected comma-separated positive integers"),
     (["bench", "kv-memory", "--out", "x", "--models", "foo"], "dsv4 bench kv-memory: error: ",
      "model preset ['foo']"),
+    (["bench", "decode-step", "--out", "x", "--plan", "fp8_max=256"],
+     "dsv4 bench decode-step: error: ", "no field 'fp8_max'"),
+    (["bench", "decode-step", "--out", "x", "--plan", "fp8_gemm_max_tokens=-1"],
+     "dsv4 bench decode-step: error: ", "'fp8_gemm_max_tokens=-1': expected FIELD=N"),
+    (["bench", "decode-step", "--out", "x", "--plan", "graph_max_tokens=8"],
+     "dsv4 bench decode-step: error: ", "graph_max_tokens: the bench captures the whole step"),
 ])
 def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):
     """argparse's own errors (a type, a choice, an unknown option) - in the command, a

@@ -24,11 +24,17 @@ from dsv4.platforms.cuda_attention import (
     kernel_store,
     triton_forward_mqa,
 )
-from dsv4.platforms.cuda_linears import LINEARS, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
+from dsv4.platforms.cuda_linears import (
+    FP8_GEMM_MAX_TOKENS,
+    LINEARS,
+    fp8_gemm,
+    fp8_wo_a_wo_b,
+    plan_fp8_linears,
+)
 from dsv4.testing.probes import record_selection, replay_selection
 from dsv4.testing.random_weights import random_layer_weights
 
-from conftest import assert_decode_graph_equals_eager, random_x, rel_err
+from conftest import assert_decode_graph_equals_eager, kernel_runs, random_x, rel_err
 
 BF16 = torch.bfloat16
 
@@ -87,9 +93,54 @@ def test_plan_reads_the_short_step_rule(tmp_path):
                     '"triton_attention_max_tokens": 1}}')
     assert CudaPlan.load(4096, path) == CudaPlan(8, 32, 1)
     assert CudaPlan.load(7168, path) == CudaPlan(16, 64, 0)
+    # a field left out takes its default: the fp8 GEMMs stream up to FP8_GEMM_MAX_TOKENS
+    assert CudaPlan.load(4096, path).fp8_gemm_max_tokens == FP8_GEMM_MAX_TOKENS
+    path.write_text('{"default": {"fused_max_tokens": 16, "graph_max_tokens": 64, '
+                    '"fp8_gemm_max_tokens": 256}}')
+    assert CudaPlan.load(4096, path) == CudaPlan(16, 64, fp8_gemm_max_tokens=256)
     # the shipped table: every entry loads
     for hidden in (4096, 7168, 1):
         assert CudaPlan.load(hidden).fused_max_tokens > 0
+
+
+def test_plan_takes_a_candidate_entry_and_names_a_bad_one():
+    from dsv4.platforms.cuda import CudaPlan
+
+    plan = CudaPlan(16, 64)
+    assert plan.overridden({"fp8_gemm_max_tokens": 512}) == CudaPlan(16, 64,
+                                                                    fp8_gemm_max_tokens=512)
+    assert plan.overridden({}) == plan
+    with pytest.raises(ValueError, match="no field 'fp8_max'.*fp8_gemm_max_tokens"):
+        plan.overridden({"fp8_max": 1})
+    with pytest.raises(ValueError, match="fused_max_tokens must be an integer >= 0, got -1"):
+        plan.overridden({"fused_max_tokens": -1})
+
+
+@kernel_runs
+def test_the_plan_sets_where_fp8_gemms_stop_streaming(tiny, monkeypatch):
+    """The plan's fp8_gemm_max_tokens moves the layer's fp8 GEMMs between the streaming kernel
+    and the dequantised copy: a call of 6 tokens with a limit of 4 makes the copies (wq_b, the
+    grouped wo_a, wo_b and the input stage's wqa_wkv), with 8 none; the same output within the
+    two routes' rounding."""
+    from dsv4.platforms import cuda_linears
+    from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
+
+    for obj, name, value in cpu_stand_ins():
+        monkeypatch.setattr(obj, name, value)
+    layer = build_cpu_cuda_layer(tiny.replace(act_quant=True), 4)
+    layer.fp8_plan = plan_fp8_linears(layer, True)  # the interpreter runs the kernels here
+    assert {"wq_b", "wo_a", "wo_b"} <= layer.fp8_plan.eligible
+    t = 6
+    x = random_x(t, tiny.hidden_size).to(BF16)
+    counts, outs = [], []
+    for limit in (4, 8):
+        layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": limit})
+        with mock.patch.object(cuda_linears, "fp8_dequantize",
+                               wraps=cuda_linears.fp8_dequantize) as spy:
+            outs.append(layer(x, torch.arange(t), layer.new_cache(t)))
+        counts.append(spy.call_count)
+    assert counts[0] >= 3 and counts[1] == 0, counts
+    assert rel_err(outs[0], outs[1]) < 2e-2
 
 
 @pytest.mark.parametrize("text, match", [
@@ -101,6 +152,8 @@ def test_plan_reads_the_short_step_rule(tmp_path):
     ('{"default": {"fused_max_tokens": "8", "graph_max_tokens": 1}}', "fused_max_tokens must be"),
     ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '
      '"triton_attention_max_tokens": 1.5}}', "triton_attention_max_tokens must be"),
+    ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '
+     '"fp8_gemm_max_tokens": true}}', "fp8_gemm_max_tokens must be"),
 ])
 def test_plan_refuses_a_malformed_table_naming_the_file(tmp_path, text, match):
     from dsv4.platforms.cuda import CudaPlan

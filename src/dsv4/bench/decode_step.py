@@ -41,6 +41,7 @@ step of the same code, counted with the profiler (a graph replays the same opera
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -119,17 +120,20 @@ OURS = tuple(s for s in STRATEGIES if s not in UPSTREAM)
 
 
 def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torch.Tensor],
-          dev: torch.device) -> CudaAttention:
+          dev: torch.device, changes: dict[str, int] | None = None) -> CudaAttention:
+    """The strategy's layer; ``changes``: plan fields instead of ``cuda_plan.json``'s
+    (:func:`plan_changes`)."""
     spec = STRATEGY_SPECS[strategy]
     c = cfg.replace(multi_stream_token_threshold=0 if spec.input_stage == "serial" else 1024,
                     attention_backend=spec.attention_backend,
                     kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
     recorded = CudaPlan.load(cfg.hidden_size)
-    fused = recorded.fused_max_tokens if spec.input_stage == "plan" else 0
     # the whole step is one graph (captured by hand, and counted eagerly: no graphs of the
     # layer's own); "auto" attention takes the plan's per-step choice
-    plan = dataclasses.replace(recorded, fused_max_tokens=fused, graph_max_tokens=0,
+    plan = dataclasses.replace(recorded.overridden(changes or {}), graph_max_tokens=0,
                                step_graph_max_seqs=0)
+    if spec.input_stage != "plan":
+        plan = dataclasses.replace(plan, fused_max_tokens=0)
     layer = CudaAttention(c, layer_id, device=dev, dtype=torch.bfloat16, plan=plan)
     layer.use_fp8_gemms(spec.fp8_gemms)
     layer.use_step_kernels(spec.step_kernels)
@@ -237,11 +241,11 @@ def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
              dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
              profiles: list[str] | None = None, pooled: bool = True,
              strategies: tuple[str, ...] = STRATEGIES, fill: str = "synthetic",
-             cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False
-             ) -> list[dict[str, Any]]:
+             cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False,
+             changes: dict[str, int] | None = None) -> list[dict[str, Any]]:
     with programmatic_launch(programmatic_launch_enabled()):  # restored after the rows
         return _run_case(cfg, model, layer_type, m, context, dev, bw, reps, weights, profiles,
-                         pooled, strategies, fill, cold_l2, draft_tokens, stagger)
+                         pooled, strategies, fill, cold_l2, draft_tokens, stagger, changes)
 
 
 def l2_scrub_buffer(dev: torch.device) -> torch.Tensor:
@@ -281,8 +285,8 @@ def replay_times(graph: Any, reps: int, scrub: torch.Tensor | None) -> list[floa
 def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
               dev: torch.device, bw: float, reps: int, weights: dict[str, torch.Tensor],
               profiles: list[str] | None, pooled: bool, strategies: tuple[str, ...], fill: str,
-              cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False
-              ) -> list[dict[str, Any]]:
+              cold_l2: bool = False, draft_tokens: int = 0, stagger: bool = False,
+              changes: dict[str, int] | None = None) -> list[dict[str, Any]]:
     scrub = l2_scrub_buffer(dev) if cold_l2 else None
     layer_id = cfg.layer_of_ratio(LAYER_RATIO[layer_type])
     gen = torch.Generator().manual_seed(1)
@@ -304,7 +308,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
         # PDL as the strategy says for its eager steps, its capture (the graph keeps it) and
         # its launch count
         set_programmatic_launch(STRATEGY_SPECS[strategy].pdl)
-        layer = build(cfg, layer_id, strategy, weights, dev)
+        layer = build(cfg, layer_id, strategy, weights, dev, changes)
         # each replay's tokens are taken back (truncate): the pools keep n positions of rollback
         room = max(starts) + 8
         caches = (layer.new_caches(m, room, max_rollback=n) if pooled else
@@ -361,6 +365,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
                      if layer._fp8_enabled else "off",
                      "caches": "pooled" if pooled else "per-sequence", "fill": fill,
                      "l2": "cold" if cold_l2 else "replays back to back",
+                     "plan_changes": dict(changes or {}),
                      "us": us, "bytes": nbytes, "floor_us": floor, "fraction": floor / us,
                      "launches": launches, "rel_err_vs": base[1], "rel_err": err})
         print(f"{model:>5} {layer_type:>4} ctx={context:>6} M={m:>3} k={draft_tokens} "
@@ -466,6 +471,34 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+BENCH_FIXED_PLAN = ("graph_max_tokens", "step_graph_max_seqs")
+"""Plan fields the bench sets itself (it captures the whole step as one graph)."""
+
+
+def plan_changes(text: str) -> dict[str, int]:
+    """``--plan`` (``"fp8_gemm_max_tokens=256,fused_max_tokens=32"``) -> {field: value}: fields
+    of the ``cuda`` platform's plan (:class:`~dsv4.platforms.cuda.CudaPlan`, integers >= 0)
+    that every row's layer takes instead of ``cuda_plan.json``'s, else an argparse error naming
+    the culprit."""
+    changes: dict[str, int] = {}
+    for item in (t for t in text.split(",") if t):
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=N with N an integer "
+                                             ">= 0")
+        if name in BENCH_FIXED_PLAN:
+            raise argparse.ArgumentTypeError(f"{name}: the bench captures the whole step as one "
+                                             "graph and sets it itself")
+        changes[name] = int(value)
+    if not changes:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=N[,FIELD=N]")
+    try:
+        CudaPlan.load(4096).overridden(changes)
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(str(ex)) from None
+    return changes
+
+
 def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_out_options(ap, "decode_step.json, .md and fraction_of_floor.png (with --tp: "
@@ -495,6 +528,10 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     "step then completes a compressed entry for some sequences (a C4 layer: "
                     "every fourth), as a serving batch's does, where sequences at one position "
                     "complete none or all (default: all at context)")
+    ap.add_argument("--plan", type=plan_changes, default={},
+                    help="FIELD=N[,FIELD=N]: the cuda platform's plan entries every row's layer "
+                    "takes instead of cuda_plan.json's (e.g. fp8_gemm_max_tokens=256: a "
+                    "candidate threshold, measured beside a run without it)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
@@ -536,6 +573,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             check_at_least("--context", args.context, 1)
         if tp_run:
             check_tp_args(args)
+            if args.plan:
+                raise UsageError("--plan: the single-GPU rows only (the TP step builds its own "
+                                 "plan)")
         check_out(args.out, TP_RESULTS if tp_run else RESULTS, args.overwrite)
     if tp_run:
         if args.context is None:
@@ -569,7 +609,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                         rows += run_case(cfg, model, layer_type, m, context, dev, bw,
                                          args.reps, weights, profiles, not args.per_sequence,
                                          strategies, args.fill, args.cold_l2, k,
-                                         args.stagger)
+                                         args.stagger, args.plan)
                     partial = {"rows": rows, "copy_bw": bw}
                     (args.out / "decode_step.partial.json").write_text(json.dumps(partial))
                     if profiles:  # kept as it grows: a run cut short keeps what it measured
@@ -585,7 +625,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"{'a cache pool per sequence' if args.per_sequence else 'one cache pool'}, "
         f"{args.fill} history"
         f"{'; sequence i at context + i tokens (--stagger)' if args.stagger else ''}"
-        f"{'; L2 scrubbed before each replay (--cold-l2)' if args.cold_l2 else ''}\n\n"
+        f"{'; L2 scrubbed before each replay (--cold-l2)' if args.cold_l2 else ''}"
+        + "".join(f"; plan {k} = {v} (--plan)" for k, v in args.plan.items()) + "\n\n"
         + "\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, args.out / "fraction_of_floor.png")

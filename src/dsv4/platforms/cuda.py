@@ -52,6 +52,7 @@ for that stage or point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -109,7 +110,13 @@ from dsv4.platforms.cuda_elementwise import (
     fused_latent_norms,
     fused_query_heads_and_kv_rows,
 )
-from dsv4.platforms.cuda_linears import Fp8LinearPlan, fp8_gemm, fp8_wo_a_wo_b, plan_fp8_linears
+from dsv4.platforms.cuda_linears import (
+    FP8_GEMM_MAX_TOKENS,
+    Fp8LinearPlan,
+    fp8_gemm,
+    fp8_wo_a_wo_b,
+    plan_fp8_linears,
+)
 from dsv4.runner import (
     DEFAULT_BUCKETS,
     DEFAULT_QUERY_BUCKETS,
@@ -140,6 +147,20 @@ class CudaPlan:
     step_graph_max_seqs: int = 0
     """Plain decode calls of at most this many sequences replay a CUDA graph of the whole step
     (module docstring; 0: never)."""
+    fp8_gemm_max_tokens: int = FP8_GEMM_MAX_TOKENS
+    """fp8 GEMM calls of at most this many tokens stream the fp8 weight; longer ones run cuBLAS
+    on a dequantised copy (:mod:`dsv4.platforms.cuda_linears`)."""
+
+    def overridden(self, changes: dict[str, int]) -> CudaPlan:
+        """This plan with ``changes`` (field -> integer >= 0; a bench's candidate entry).
+        Raises ValueError naming an unknown field or a bad value."""
+        known = [f.name for f in dataclasses.fields(self)]
+        for name, v in changes.items():
+            if name not in known:
+                raise ValueError(f"cuda plan: no field {name!r} (fields: {', '.join(known)})")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"cuda plan: {name} must be an integer >= 0, got {v!r}")
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def load(cls, hidden_size: int, path: Path | None = None) -> CudaPlan:
@@ -159,18 +180,18 @@ class CudaPlan:
         if not isinstance(entry, dict):
             raise ValueError(f"cuda plan {path}: entry {key!r} must be an object, got "
                              f"{type(entry).__name__}")
-        values = []
-        for field, required in (("fused_max_tokens", True), ("graph_max_tokens", True),
-                                ("triton_attention_max_tokens", False),
-                                ("step_graph_max_seqs", False)):
-            if field not in entry and required:
-                raise ValueError(f"cuda plan {path}: entry {key!r} lacks {field!r}")
-            v = entry.get(field, 0)
+        values = {}
+        for f in dataclasses.fields(cls):  # the first two are required, the others default
+            if f.name not in entry:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"cuda plan {path}: entry {key!r} lacks {f.name!r}")
+                continue
+            v = entry[f.name]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"cuda plan {path}: entry {key!r}: {field} must be an integer "
+                raise ValueError(f"cuda plan {path}: entry {key!r}: {f.name} must be an integer "
                                  f">= 0, got {v!r}")
-            values.append(v)
-        return cls(*values)
+            values[f.name] = v
+        return cls(**values)
 
 
 class CudaAttention(DeepseekV4Attention):
@@ -344,7 +365,8 @@ class CudaAttention(DeepseekV4Attention):
         # kernel instead of dequantising the fp8 weight per call (two elementwise passes over
         # it, ~40 us of a 64-token Flash step on the H200)
         if self._fp8_ready("fused_wqa_wkv", x):
-            return fp8_gemm(self.fused_wqa_wkv, x, self.cfg.act_quant)
+            return fp8_gemm(self.fused_wqa_wkv, x, self.cfg.act_quant,
+                            self.plan.fp8_gemm_max_tokens)
         return super()._fused_wqa_wkv_gemm(x)
 
     def _score_gemm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -385,7 +407,7 @@ class CudaAttention(DeepseekV4Attention):
     @override
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self._fp8_ready("wq_b", qr):
-            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant)
+            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self.plan.fp8_gemm_max_tokens)
         return super()._wq_b_gemm(qr)
 
     # ---- stage 3: cache writes and compression ----------------------------------------
@@ -505,7 +527,8 @@ class CudaAttention(DeepseekV4Attention):
     @override
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
-            return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant)
+            return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant,
+                            self.plan.fp8_gemm_max_tokens)
         return super()._indexer_wq_b_gemm(qr)
 
     @override
@@ -587,7 +610,8 @@ class CudaAttention(DeepseekV4Attention):
         """``wo_a`` (grouped) and ``wo_b`` of the rotated-back o: the fp8 kernels, or the base
         path's for calls they do not take."""
         if self._fp8_ready("wo_a", o):
-            return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o))
+            return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o),
+                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens)
         return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- stage 6: the rings -----------------------------------------------------------

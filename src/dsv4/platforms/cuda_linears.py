@@ -19,11 +19,12 @@ relative, the official kernels' numerics too); long calls take ``fp8_block_sim``
 Which layers take it is decided on the host, without device syncs (CUDA-graph capturable), by
 :func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
 that moves weights rebinds them around the forward: the base path then runs, as for CUDA
-graphs). The token count picks the kernel: calls of at most :data:`FP8_GEMM_MAX_TOKENS` tokens
-stream the fp8 weight; longer calls (prefill) amortise one dequantised bf16 copy over their
-tokens and run cuBLAS on it, the base path's GEMM, with the copy made in one pass
-(:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base path's two PyTorch passes took ~140 us
-per weight and call at Flash sizes on the H200, ~1.4 ms of a 16K-token Flash prefill).
+graphs). The token count picks the kernel: calls of at most the plan's ``fp8_gemm_max_tokens``
+(default :data:`FP8_GEMM_MAX_TOKENS`) tokens stream the fp8 weight; longer calls (prefill)
+amortise one dequantised bf16 copy over their tokens and run cuBLAS on it, the base path's
+GEMM, with the copy made in one pass (:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base
+path's two PyTorch passes took ~140 us per weight and call at Flash sizes on the H200, ~1.4 ms
+of a 16K-token Flash prefill).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
 FP8_GEMM_MAX_TOKENS = 128
 """Calls of at most this many tokens use the weight-streaming kernels (measured at M = 1, 16, 64
 in benchmarks/results/2026-12-03-h200/gemm-probes/: 4-17x faster than dequantise + GEMM there);
-longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM."""
+longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM. The ``cuda``
+platform's default for its plan's ``fp8_gemm_max_tokens`` (``cuda_plan.json``)."""
 
 PREQUANT_MIN_TOKENS = 33
 """Under ``act_quant``, calls of at least this many tokens (and at most
@@ -130,15 +132,17 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
     return not name.startswith("indexer.") or layer.indexer is not None
 
 
-def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
+def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
+             stream_max_tokens: int | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
-    kernel, or (long calls) a one-pass dequantised copy and cuBLAS. ``act_quant``: x quantised
-    as §6.3 says first - inside the streaming kernel (fp8 MMAs), or ``fp8_block_sim``'s values
-    (:func:`dequantised_gemm`) before cuBLAS."""
+    kernel (at most ``stream_max_tokens`` tokens, default :data:`FP8_GEMM_MAX_TOKENS`; the
+    platform passes its plan's), or (longer calls) a one-pass dequantised copy and cuBLAS.
+    ``act_quant``: x quantised as §6.3 says first - inside the streaming kernel (fp8 MMAs), or
+    ``fp8_block_sim``'s values (:func:`dequantised_gemm`) before cuBLAS."""
     assert lin.scale is not None
     n, k = lin.weight.shape
     m = x.shape[0]
-    if m <= FP8_GEMM_MAX_TOKENS:
+    if m <= (FP8_GEMM_MAX_TOKENS if stream_max_tokens is None else stream_max_tokens):
         if not act_quant:
             return fp8_linear(x, lin.weight, lin.scale)
         cfg = choose_fp8_config(m, n, k, sm_count(x.device), act_fp8=True)
@@ -169,18 +173,21 @@ def dequantised_grouped_gemm(og: torch.Tensor, weight: torch.Tensor, scale: torc
     return grouped_linear(og, w)
 
 
-def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool) -> torch.Tensor:
+def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool,
+                  stream_max_tokens: int | None = None) -> torch.Tensor:
     """The output projection after inverse RoPE: ``wo_a`` grouped in one launch over this rank's
     output groups (g-major: group g = heads g*hpg .. g*hpg + hpg - 1), then ``wo_b`` (through
     the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden].
-    Long calls: the base path's grouped product on a one-pass dequantised ``wo_a``."""
+    Calls of more than ``stream_max_tokens`` tokens (:func:`fp8_gemm`): the base path's
+    grouped product on a one-pass dequantised ``wo_a``."""
     lin = layer.wo_a
     assert lin.scale is not None
     og = o.reshape(o.shape[0], layer.o_groups, -1)
-    if o.shape[0] <= FP8_GEMM_MAX_TOKENS:
+    limit = FP8_GEMM_MAX_TOKENS if stream_max_tokens is None else stream_max_tokens
+    if o.shape[0] <= limit:
         z = fp8_grouped_linear(og, lin.weight, lin.scale).flatten(1)
     else:
         z = dequantised_grouped_gemm(og, lin.weight, lin.scale)
     if wo_b:
-        return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant)
+        return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant, limit)
     return layer._wo_b_product(z)
