@@ -531,7 +531,8 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--plan", type=plan_changes, default={},
                     help="FIELD=N[,FIELD=N]: the cuda platform's plan entries every row's layer "
                     "takes instead of cuda_plan.json's (e.g. fp8_gemm_max_tokens=256: a "
-                    "candidate threshold, measured beside a run without it)")
+                    "candidate threshold, measured beside a run without it; default: none, "
+                    "the shipped table)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
                     help="cache history: synthetic rows (dsv4.bench.synthetic_cache, fast at any "
                     "context) or a real prefill by each strategy's layer (default synthetic)")
