@@ -155,7 +155,7 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
 
 def dequantised_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      act_quant: bool = False) -> torch.Tensor:
-    """The long calls' route (above :data:`FP8_GEMM_MAX_TOKENS` tokens): x [T, K] (quantised
+    """The long calls' route (above the streaming limit, :func:`fp8_gemm`): x [T, K] (quantised
     per 128 and scaled back under ``act_quant``: ``fp8_block_sim``'s values in one launch,
     :func:`~dsv4.kernels.fp8_linear.simulate_activations`) times a one-pass dequantised bf16
     copy of the weight [N, K], by cuBLAS."""
