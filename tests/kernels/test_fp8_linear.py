@@ -333,6 +333,12 @@ def test_simulated_activations_are_fp8_block_sim(M):
     wide = torch.cat([x, x], 1)[:, 1024:]  # rows 2048 apart: read where they are
     assert torch.equal(simulate_activations(wide.to(DEV)).cpu(), fp8_block_sim(wide, 128))
     assert simulate_activations(x[:0].to(DEV)).shape == (0, 1024)
+    if _INTERPRET or DEV != "cpu":  # the kernel: an infinity poisons its block only
+        bad = x.clone()
+        bad[0, 300] = float("inf")
+        got = simulate_activations(bad.to(DEV)).cpu()
+        assert got[0, 256:384].isinf().all()
+        assert torch.equal(got[:, 384:], fp8_block_sim(bad, 128)[:, 384:])
     with pytest.raises(ValueError, match="K a multiple of 128"):
         simulate_activations(x[:, :100])
 

@@ -492,10 +492,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def simulate_activations(x: torch.Tensor) -> torch.Tensor:
     """``fp8_block_sim(x, 128)`` (docs/spec.md §6.3: x [M, K] quantised per token and 128-wide
-    K block to e4m3 with a power-of-two scale, then scaled back) bit for bit, in one launch
-    where the kernels run (bf16 x on CUDA or under the interpreter): one read of x and one
-    write, where the PyTorch operations pass over it in float32 a dozen times. The long calls'
-    input to a bf16 GEMM on the dequantised weight (:mod:`dsv4.platforms.cuda_linears`)."""
+    K block to e4m3 with a power-of-two scale, then scaled back) bit for bit where x is finite,
+    in one launch where the kernels run (bf16 x on CUDA or under the interpreter): one read of
+    x and one write, where the PyTorch operations pass over it in float32 a dozen times. A
+    block holding an infinity comes out as infinities, as the streaming GEMMs' own quantisation
+    makes it (``fp8_block_sim`` saturates it instead). The long calls' input to a bf16 GEMM on
+    the dequantised weight (:mod:`dsv4.platforms.cuda_linears`)."""
     if x.dim() != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"x must be [M, K] with K a multiple of {BLOCK}, got {tuple(x.shape)}")
     M, K = x.shape
