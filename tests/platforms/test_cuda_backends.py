@@ -16,6 +16,7 @@ import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
 from dsv4.kernels.fused_input_proj import triton_available
+from dsv4.kernels.launch import _INTERPRET
 from dsv4.platforms import build_attention
 from dsv4.platforms.cuda_attention import (
     AttentionBackendError,
@@ -34,7 +35,7 @@ from dsv4.platforms.cuda_linears import (
 from dsv4.testing.probes import record_selection, replay_selection
 from dsv4.testing.random_weights import random_layer_weights
 
-from conftest import assert_decode_graph_equals_eager, kernel_runs, random_x, rel_err
+from conftest import HAS_CUDA, assert_decode_graph_equals_eager, random_x, rel_err
 
 BF16 = torch.bfloat16
 
@@ -116,25 +117,27 @@ def test_plan_takes_a_candidate_entry_and_names_a_bad_one():
         plan.overridden({"fused_max_tokens": -1})
 
 
-@kernel_runs
+@pytest.mark.skipif(HAS_CUDA, reason="the cuda layer built on the CPU; the GPU runs the bench")
 def test_the_plan_sets_where_fp8_gemms_stop_streaming(tiny, monkeypatch):
-    """The plan's fp8_gemm_max_tokens moves the layer's fp8 GEMMs between the streaming kernel
+    """The plan's fp8_gemm_max_tokens moves the layer's fp8 GEMMs between the streaming route
     and the dequantised copy: a call of 6 tokens with a limit of 4 makes the copies (wq_b, the
     grouped wo_a, wo_b and the input stage's wqa_wkv), with 8 none; the same output within the
-    two routes' rounding."""
+    two routes' rounding. The cuda layer on the CPU (its kernels under the interpreter where it
+    runs, else their PyTorch fallbacks), a fresh layer for each limit."""
     from dsv4.platforms import cuda_linears
     from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
 
     for obj, name, value in cpu_stand_ins():
         monkeypatch.setattr(obj, name, value)
-    layer = build_cpu_cuda_layer(tiny.replace(act_quant=True), 4)
-    layer.fp8_plan = plan_fp8_linears(layer, True)  # the interpreter runs the kernels here
-    assert {"wq_b", "wo_a", "wo_b"} <= layer.fp8_plan.eligible
+    cfg = tiny.replace(act_quant=True)
     t = 6
     x = random_x(t, tiny.hidden_size).to(BF16)
     counts, outs = [], []
     for limit in (4, 8):
-        layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": limit})
+        layer = build_cpu_cuda_layer(cfg, 4, kernels=_INTERPRET)
+        layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": limit})  # graphs stay off
+        layer.fp8_plan = plan_fp8_linears(layer, True)  # the routes, whatever runs them here
+        assert {"wq_b", "wo_a", "wo_b"} <= layer.fp8_plan.eligible
         with mock.patch.object(cuda_linears, "fp8_dequantize",
                                wraps=cuda_linears.fp8_dequantize) as spy:
             outs.append(layer(x, torch.arange(t), layer.new_cache(t)))
