@@ -88,6 +88,8 @@ from dsv4.kernels.indexer_topk import (
     index_kernel_format,
     indexer_topk,
 )
+from dsv4.kernels.output_projection import MAX_TOKENS as PERSISTENT_MAX_TOKENS
+from dsv4.kernels.output_projection import fp8_output_projection
 from dsv4.kernels.paged_rows import (
     entry_and_window_rows,
     paged_rows_usable,
@@ -150,6 +152,11 @@ class CudaPlan:
     fp8_gemm_max_tokens: int = FP8_GEMM_MAX_TOKENS
     """fp8 GEMM calls of at most this many tokens stream the fp8 weight; longer ones run cuBLAS
     on a dequantised copy (:mod:`dsv4.platforms.cuda_linears`)."""
+    output_projection_max_tokens: int = 0
+    """Calls of at most this many tokens (and at most
+    :data:`dsv4.kernels.output_projection.MAX_TOKENS`) run ``wo_a`` and ``wo_b`` in one
+    persistent launch (:func:`~dsv4.kernels.output_projection.fp8_output_projection`; 0:
+    never, the shipped value until it is timed)."""
 
     def overridden(self, changes: dict[str, int]) -> CudaPlan:
         """This plan with ``changes`` (field -> integer >= 0; a bench's candidate entry).
@@ -609,6 +616,13 @@ class CudaAttention(DeepseekV4Attention):
     def _output_gemms(self, o: torch.Tensor) -> torch.Tensor:
         """``wo_a`` (grouped) and ``wo_b`` of the rotated-back o: the fp8 kernels, or the base
         path's for calls they do not take."""
+        t = o.shape[0]
+        if (self._fp8_ready("wo_a", o) and self._fp8_ready("wo_b", o)
+                and t <= min(self.plan.output_projection_max_tokens, PERSISTENT_MAX_TOKENS)):
+            assert self.wo_a.scale is not None and self.wo_b.scale is not None
+            return fp8_output_projection(o.reshape(t, self.o_groups, -1), self.wo_a.weight,
+                                         self.wo_a.scale, self.wo_b.weight, self.wo_b.scale,
+                                         act_quant=self.cfg.act_quant)
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o),
                                  stream_max_tokens=self.plan.fp8_gemm_max_tokens)
