@@ -78,8 +78,9 @@ if triton_available():
                     M, R, Ka, BM, n_tiles_a, G, o_ptr, 0, 0, tile, item % SPLIT_A, BM, BN_A,
                     SPLIT_A, True, SCALE_F32_A, FENCE, DOT_DT, DOT_PREC, False, False, INTERP)
                 if stored != 0:  # this tile of z is in memory: count it for its group
-                    if FENCE:
+                    if FENCE:  # every thread's stores before the count (as split-K's sums)
                         _fence_gpu()
+                    tl.debug_barrier()
                     tl.atomic_add(ready + tile // n_tiles_a, 1, sem="release", scope="gpu")
             else:  # wo_b: rows n0 .. n0 + BN_B over one K split of z
                 b = item - n_a_items
@@ -91,6 +92,8 @@ if triton_available():
                     r = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
                     while r < n_tiles_a:
                         r = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
+                if FENCE:
+                    _fence_gpu()
                 _gemm_tile(
                     z_ptr, sz_m, 0, wb_ptr, sb_ptr, stride_sb, y_ptr, sy_m, 0, ws_b, cnt_b, M,
                     N, K_b, BM, n_tiles_b, 1, z_ptr, 0, 0, b // SPLIT_B, split, BM, BN_B,
