@@ -18,10 +18,11 @@ tile while other programs finish ``wo_a``.
 * **Replayable.** The last program to leave resets the queue, the readiness and the exit
   counters (the split-K counters reset themselves), so a CUDA graph can replay the launch.
 
-Each tile is :func:`dsv4.kernels.fp8_linear`'s own (``_gemm_tile``) with the tiles and splits of
-:func:`~dsv4.kernels.fp8_linear.choose_fp8_config` for each GEMM, so z and y are bit for bit the
-two launches' (``fp8_grouped_linear`` then ``fp8_linear``). Decode sizes only: at most
-``MAX_TOKENS`` tokens (one token tile). Not the layer's choice: built, tested, not yet timed.
+Each tile runs :mod:`dsv4.kernels.fp8_linear`'s own tile code (``_gemm_tile``) with the tiles
+and splits :func:`~dsv4.kernels.fp8_linear.choose_fp8_config` gives each GEMM, so z and y are
+bit for bit the two launches' (``fp8_grouped_linear`` then ``fp8_linear``). Decode sizes only:
+at most ``MAX_TOKENS`` tokens (one token tile). The ``cuda`` layer takes it for calls up to its
+plan's ``output_projection_max_tokens``: 0 as shipped, since it is not yet timed.
 """
 
 from __future__ import annotations
