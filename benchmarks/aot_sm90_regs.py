@@ -148,7 +148,8 @@ def output_projection() -> bool:
             cb = fl.choose_fp8_config(1, N, G * R, act_fp8=act)
             consts = dict(BM=16, BN_A=ca.block_n, SPLIT_A=ca.split_k, BN_B=cb.block_n,
                           SPLIT_B=cb.split_k, SCALE_F32_A=False, SCALE_F32_B=False, FENCE=True,
-                          DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_B=act, INTERP=False)
+                          DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_B=act, INTERP=False,
+                          PREFETCH_B=True)
             ok &= _try(f"output_projection {model} act8={act}", op._output_projection_kernel,
                        types, consts, dict(num_warps=ca.num_warps, num_stages=ca.num_stages))
     return ok

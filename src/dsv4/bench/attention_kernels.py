@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -230,7 +231,8 @@ def _output_projection_rows(model, dev, gen, copy_bw, quick, out_rows, time_grap
                             ms: tuple[int, ...] = ()) -> None:
     """``wo_a`` then ``wo_b`` (act8, as the layer runs it under act_quant): the two launches
     (``dsv4_fp8_act8``) against one persistent launch (``one_launch``,
-    :func:`dsv4.kernels.output_projection.fp8_output_projection`), at the M it takes."""
+    :func:`dsv4.kernels.output_projection.fp8_output_projection`; ``one_launch_no_prefetch``:
+    without the L2 prefetch of ``wo_b``'s rows before each wait), at the M it takes."""
     from dsv4.kernels.fp8_linear import (
         choose_fp8_config,
         fp8_grouped_linear,
@@ -260,9 +262,10 @@ def _output_projection_rows(model, dev, gen, copy_bw, quick, out_rows, time_grap
             wa, sa, wb, sb = ws[i]
             return fp8_linear(fp8_grouped_linear(xs[i], wa, sa).flatten(1), wb, sb, config=cfg_b)
 
-        def one(i: int, xs=xs) -> torch.Tensor:
+        def one(i: int, xs=xs, prefetch=True) -> torch.Tensor:
             wa, sa, wb, sb = ws[i]
-            return fp8_output_projection(xs[i], wa, sa, wb, sb, act_quant=True)
+            return fp8_output_projection(xs[i], wa, sa, wb, sb, act_quant=True,
+                                         prefetch=prefetch)
 
         wa0, sa0, wb0, sb0 = ws[0]
         # z as wo_a's kernel makes it (checked against float64 in its own rows and tests),
@@ -273,7 +276,8 @@ def _output_projection_rows(model, dev, gen, copy_bw, quick, out_rows, time_grap
         base = {"section": "gemm", "model": model, "gemm": "wo_a+wo_b", "N": N, "K": Kb,
                 "G": G, "M": M, "rotations": rot}
         floor_b = wbytes + M * G * Ka * 2 + M * N * 2
-        for impl, fn in (("dsv4_fp8_act8", two), ("one_launch", one)):
+        for impl, fn in (("dsv4_fp8_act8", two), ("one_launch", one),
+                         ("one_launch_no_prefetch", partial(one, prefetch=False))):
             out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
             print(out_rows[-1], flush=True)
 

@@ -55,7 +55,7 @@ if triton_available():
     import triton.language as tl
 
     from dsv4.kernels.fp8_linear import _gemm_tile
-    from dsv4.kernels.fused_input_proj import _fence_gpu
+    from dsv4.kernels.fused_input_proj import _fence_gpu, _prefetch_l2
     from dsv4.kernels.launch import let_next_kernel_launch, wait_for_prior_kernel
 
     @triton.jit(do_not_specialize=["M"])
@@ -66,7 +66,8 @@ if triton_available():
         BM: tl.constexpr, BN_A: tl.constexpr, SPLIT_A: tl.constexpr, BN_B: tl.constexpr,
         SPLIT_B: tl.constexpr, SCALE_F32_A: tl.constexpr, SCALE_F32_B: tl.constexpr,
         FENCE: tl.constexpr, DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr,
-        ACT_B: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+        ACT_B: tl.constexpr, INTERP: tl.constexpr, PREFETCH_B: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         wait_for_prior_kernel(PDL)
         K_b = G * R
@@ -87,8 +88,15 @@ if triton_available():
                 b = item - n_a_items
                 split = b % SPLIT_B
                 nkb = K_b // 128
-                g_lo = (split * nkb // SPLIT_B) * 128 // R
-                g_hi = ((split + 1) * nkb // SPLIT_B * 128 - 1) // R
+                kb0 = split * nkb // SPLIT_B
+                kb1 = (split + 1) * nkb // SPLIT_B
+                g_lo = kb0 * 128 // R
+                g_hi = (kb1 * 128 - 1) // R
+                if PREFETCH_B and not INTERP:  # its weight rows do not wait for z: into L2
+                    rows = (b // SPLIT_B) * BN_B + tl.arange(0, BN_B)
+                    addr = (wb_ptr + rows.to(tl.int64) * K_b + kb0 * 128).to(tl.int64,
+                                                                               bitcast=True)
+                    _prefetch_l2(addr, (kb1 - kb0) * 128)
                 for g in range(g_lo, g_hi + 1):  # wait for those groups of z
                     r = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
                     while r < n_tiles_a:
@@ -113,15 +121,17 @@ if triton_available():
 
 def fp8_output_projection(o: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor,
                           wb: torch.Tensor, sb: torch.Tensor, *, act_quant: bool = False,
-                          n_sm: int | None = None,
+                          prefetch: bool = True, n_sm: int | None = None,
                           workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """y [M, N] bf16 = wo_b(wo_a(o)): ``o`` [M, G, Ka] bf16 (each token's G output groups),
     ``wa`` [G * R, Ka] e4m3 with block scales ``sa`` (group g's rows g*R .. g*R + R - 1),
     ``wb`` [N, G * R] e4m3 with block scales ``sb``; ``act_quant``: z quantised per 128 for
     ``wo_b`` as the act8 GEMM does (docs/spec.md §6.3). One persistent launch (module
     docstring) where the kernels run; elsewhere, and above ``MAX_TOKENS`` tokens, the two
-    launches it equals bit for bit. ``n_sm``: the SM count the tiles are chosen for (default:
-    the device's); ``workspace`` as :func:`~dsv4.kernels.fp8_linear.fp8_linear`'s."""
+    launches it equals bit for bit. ``prefetch``: a ``wo_b`` tile asks for its weight rows into
+    L2 before it waits for z (on a GPU; the same output either way). ``n_sm``: the SM count the
+    tiles are chosen for (default: the device's); ``workspace`` as
+    :func:`~dsv4.kernels.fp8_linear.fp8_linear`'s."""
     if o.dim() != 3 or o.dtype != torch.bfloat16:
         raise ValueError(f"o must be bf16 [M, G, Ka], got {o.dtype} {tuple(o.shape)}")
     M, G, Ka = o.shape
@@ -171,5 +181,6 @@ def fp8_output_projection(o: torch.Tensor, wa: torch.Tensor, sa: torch.Tensor,
         SCALE_F32_A=sa_f32, SCALE_F32_B=sb_f32, FENCE=not _INTERPRET,
         DOT_DT=tl.float32 if _INTERPRET else tl.bfloat16,
         DOT_PREC="ieee" if _INTERPRET else "tf32", ACT_B=act_quant, INTERP=_INTERPRET,
+        PREFETCH_B=prefetch,
         num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages, **pdl_args(o.device))
     return y
