@@ -213,6 +213,11 @@ def test_generate_states_and_checks_the_trained_format(capsys):
      "dsv4 bench decode-step: error: ", "'fp8_gemm_max_tokens=-1': expected FIELD=N"),
     (["bench", "decode-step", "--out", "x", "--plan", "graph_max_tokens=8"],
      "dsv4 bench decode-step: error: ", "graph_max_tokens: the bench captures the whole step"),
+    (["bench", "model-decode", "--out", "x", "--plan", "outproj=16"],
+     "dsv4 bench model-decode: error: ", "no field 'outproj'"),
+    (["bench", "model-decode", "--out", "x", "--dry-run", "--plan",
+      "output_projection_max_tokens=16"],
+     "dsv4 bench model-decode: error: ", "--plan sets the cuda platform's plan"),
 ])
 def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):
     """argparse's own errors (a type, a choice, an unknown option) - in the command, a

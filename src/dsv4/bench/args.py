@@ -43,6 +43,36 @@ def choice_list(valid: Iterable[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def plan_changes(fixed: Iterable[str] = (), why: str = "") -> Callable[[str], dict[str, int]]:
+    """An argparse type for ``--plan``: ``"fp8_gemm_max_tokens=256,fused_max_tokens=32"`` ->
+    {field: value}, fields of the ``cuda`` platform's plan
+    (:class:`~dsv4.platforms.cuda.CudaPlan`, integers >= 0) that a bench's layers take
+    instead of ``cuda_plan.json``'s; a field in ``fixed`` (one the bench sets itself, ``why``),
+    an unknown field or a bad value is an error naming it."""
+    fixed = tuple(fixed)
+
+    def parse(text: str) -> dict[str, int]:
+        from dsv4.platforms.cuda import CudaPlan
+
+        changes: dict[str, int] = {}
+        for item in (t for t in text.split(",") if t):
+            name, eq, value = item.partition("=")
+            if not eq or not value.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=N with N an "
+                                                 "integer >= 0")
+            if name in fixed:
+                raise argparse.ArgumentTypeError(f"{name}: {why}")
+            changes[name] = int(value)
+        if not changes:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=N[,FIELD=N]")
+        try:
+            CudaPlan.load(4096).overridden(changes)
+        except ValueError as ex:
+            raise argparse.ArgumentTypeError(str(ex)) from None
+        return changes
+    return parse
+
+
 def require_cuda(suite: str) -> None:
     """Exit (code 2, one line on stderr) when this machine has no CUDA GPU. Each GPU suite calls
     it after parsing and checking its arguments and after the modes that need none

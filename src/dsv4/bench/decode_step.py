@@ -41,7 +41,6 @@ step of the same code, counted with the profiler (a graph replays the same opera
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -59,6 +58,7 @@ from dsv4.bench.args import (
     check_out,
     choice_list,
     int_list,
+    plan_changes,
     pyplot,
     require_cuda,
 )
@@ -122,7 +122,7 @@ OURS = tuple(s for s in STRATEGIES if s not in UPSTREAM)
 def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torch.Tensor],
           dev: torch.device, changes: dict[str, int] | None = None) -> CudaAttention:
     """The strategy's layer; ``changes``: plan fields instead of ``cuda_plan.json``'s
-    (:func:`plan_changes`)."""
+    (``--plan``, :func:`dsv4.bench.args.plan_changes`)."""
     spec = STRATEGY_SPECS[strategy]
     c = cfg.replace(multi_stream_token_threshold=0 if spec.input_stage == "serial" else 1024,
                     attention_backend=spec.attention_backend,
@@ -475,30 +475,6 @@ BENCH_FIXED_PLAN = ("graph_max_tokens", "step_graph_max_seqs")
 """Plan fields the bench sets itself (it captures the whole step as one graph)."""
 
 
-def plan_changes(text: str) -> dict[str, int]:
-    """``--plan`` (``"fp8_gemm_max_tokens=256,fused_max_tokens=32"``) -> {field: value}: fields
-    of the ``cuda`` platform's plan (:class:`~dsv4.platforms.cuda.CudaPlan`, integers >= 0)
-    that every row's layer takes instead of ``cuda_plan.json``'s, else an argparse error naming
-    the culprit."""
-    changes: dict[str, int] = {}
-    for item in (t for t in text.split(",") if t):
-        name, eq, value = item.partition("=")
-        if not eq or not value.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=N with N an integer "
-                                             ">= 0")
-        if name in BENCH_FIXED_PLAN:
-            raise argparse.ArgumentTypeError(f"{name}: the bench captures the whole step as one "
-                                             "graph and sets it itself")
-        changes[name] = int(value)
-    if not changes:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=N[,FIELD=N]")
-    try:
-        CudaPlan.load(4096).overridden(changes)
-    except ValueError as ex:
-        raise argparse.ArgumentTypeError(str(ex)) from None
-    return changes
-
-
 def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap = OneLineArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_out_options(ap, "decode_step.json, .md and fraction_of_floor.png (with --tp: "
@@ -528,7 +504,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     "step then completes a compressed entry for some sequences (a C4 layer: "
                     "every fourth), as a serving batch's does, where sequences at one position "
                     "complete none or all (default: all at context)")
-    ap.add_argument("--plan", type=plan_changes, default={},
+    ap.add_argument("--plan", default={},
+                    type=plan_changes(BENCH_FIXED_PLAN, "the bench captures the whole step as "
+                                      "one graph and sets it itself"),
                     help="FIELD=N[,FIELD=N]: the cuda platform's plan entries every row's layer "
                     "takes instead of cuda_plan.json's (e.g. fp8_gemm_max_tokens=256: a "
                     "candidate threshold, measured beside a run without it; default: none, "

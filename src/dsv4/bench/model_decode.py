@@ -60,6 +60,7 @@ from dsv4.bench.args import (
     check_out,
     choice_list,
     int_list,
+    plan_changes,
     pyplot,
     require_cuda,
 )
@@ -87,17 +88,24 @@ def serving_config(cfg: DSV4Config) -> DSV4Config:
                        attention_backend="auto")
 
 
-def build_stack(cfg: DSV4Config, n_layers: int, device: torch.device, platform: str
-                ) -> list[Any]:
+def build_stack(cfg: DSV4Config, n_layers: int, device: torch.device, platform: str,
+                changes: dict[str, int] | None = None) -> list[Any]:
     """The first ``n_layers`` attention layers of ``cfg``'s schedule with random weights (one
-    set per layer type), post-load passes applied."""
+    set per layer type), post-load passes applied; ``changes``: the ``cuda`` plan's fields
+    instead of ``cuda_plan.json``'s (``--plan``)."""
     weights: dict[int, dict[str, torch.Tensor]] = {}
     layers = []
+    kw: dict[str, Any] = {}
+    if changes:
+        from dsv4.platforms.cuda import CudaPlan
+
+        kw["plan"] = CudaPlan.load(cfg.hidden_size).overridden(changes)
     for i in range(n_layers):
         r = cfg.compress_ratio(i)
         if r not in weights:
             weights[r] = random_layer_weights(cfg, i, seed=r)
-        layer = build_attention(cfg, i, platform=platform, device=device, dtype=torch.bfloat16)
+        layer = build_attention(cfg, i, platform=platform, device=device, dtype=torch.bfloat16,
+                                **kw)
         layer.load_weights(weights[r].items())
         process_weights_after_loading(layer)
         layers.append(layer)
@@ -384,6 +392,10 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--profile", action="store_true",
                     help="also write model_decode_profile.md: the kernel tables of one replay "
                     "of the runner's graph and of each layer type's single-layer graph (GPU)")
+    ap.add_argument("--plan", type=plan_changes(), default={},
+                    help="FIELD=N[,FIELD=N]: the cuda platform's plan entries every layer takes "
+                    "instead of cuda_plan.json's (e.g. output_projection_max_tokens=16; "
+                    "default: none, the shipped table; not with --dry-run)")
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny preset on the CPU, eager and padded runner steps (checks the "
                     "plumbing; the times mean nothing)")
@@ -400,6 +412,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             check_at_least("--layers", args.layers, 1)
         if args.profile and args.dry_run:
             raise UsageError("--profile times kernels in CUDA graphs: a GPU run, not --dry-run")
+        if args.plan and args.dry_run:
+            raise UsageError("--plan sets the cuda platform's plan: a GPU run, not --dry-run")
         check_out(args.out, RESULTS, args.overwrite)
     contexts = args.contexts or ([40, 300] if args.dry_run else [512, 16384, 65536])
     if args.dry_run:
@@ -422,7 +436,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             cfg = cfg.replace(kv_cache_dtype="auto", index_cache_dtype="auto", act_quant=False)
         n = cfg.num_hidden_layers if args.layers is None else min(args.layers,
                                                                   cfg.num_hidden_layers)
-        layers = build_stack(cfg, n, device, platform)
+        layers = build_stack(cfg, n, device, platform, args.plan)
         for context in contexts:
             for m in args.ms:
                 row = run_case(model, cfg, layers, m, context, args.steps, args.reps, device,
@@ -436,12 +450,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             torch.cuda.empty_cache()
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "seconds": time.time() - t0, "argv": argv,
-            "dry_run": args.dry_run}
+            "dry_run": args.dry_run, "plan_changes": args.plan}
     (args.out / "model_decode.json").write_text(json.dumps({**info, "rows": rows}, indent=1))
     lines = markdown(rows)
     (args.out / "model_decode.md").write_text(
         f"Attention-stack decode step on {info['device']}: us per step (us per layer), wall "
-        f"time of {args.steps} consecutive steps, median of {args.reps}\n\n"
+        f"time of {args.steps} consecutive steps, median of {args.reps}"
+        + "".join(f"; plan {k} = {v} (--plan)" for k, v in args.plan.items()) + "\n\n"
         + "\n".join(lines) + "\n")
     plot(rows, args.out / "model_decode.png")
     print("\n".join(lines))
