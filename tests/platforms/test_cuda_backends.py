@@ -284,6 +284,7 @@ def test_the_plan_can_run_the_output_projection_in_one_launch(tiny, monkeypatch)
     fp8_output_projection (one persistent launch under the interpreter), the same output bit
     for bit as the two launches; 0, the shipped value, never."""
     from dsv4.platforms import cuda as cuda_platform
+    from dsv4.platforms import cuda_linears
     from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
 
     for obj, name, value in cpu_stand_ins():
@@ -296,8 +297,8 @@ def test_the_plan_can_run_the_output_projection_in_one_launch(tiny, monkeypatch)
         layer = build_cpu_cuda_layer(cfg, 4, kernels=_INTERPRET)
         layer.plan = layer.plan.overridden({"output_projection_max_tokens": limit})
         layer.fp8_plan = plan_fp8_linears(layer, True)  # the routes, whatever runs them here
-        with mock.patch.object(cuda_platform, "fp8_output_projection",
-                               wraps=cuda_platform.fp8_output_projection) as spy:
+        with mock.patch.object(cuda_linears, "fp8_output_projection",
+                               wraps=cuda_linears.fp8_output_projection) as spy:
             cache = layer.new_cache(8)
             outs.append(layer(x, torch.arange(5), cache))  # 5 tokens, then one
             outs.append(layer(x[:1], torch.tensor([5]), cache))

@@ -88,8 +88,6 @@ from dsv4.kernels.indexer_topk import (
     index_kernel_format,
     indexer_topk,
 )
-from dsv4.kernels.output_projection import MAX_TOKENS as PERSISTENT_MAX_TOKENS
-from dsv4.kernels.output_projection import fp8_output_projection
 from dsv4.kernels.paged_rows import (
     entry_and_window_rows,
     paged_rows_usable,
@@ -616,16 +614,10 @@ class CudaAttention(DeepseekV4Attention):
     def _output_gemms(self, o: torch.Tensor) -> torch.Tensor:
         """``wo_a`` (grouped) and ``wo_b`` of the rotated-back o: the fp8 kernels, or the base
         path's for calls they do not take."""
-        t = o.shape[0]
-        if (self._fp8_ready("wo_a", o) and self._fp8_ready("wo_b", o)
-                and t <= min(self.plan.output_projection_max_tokens, PERSISTENT_MAX_TOKENS)):
-            assert self.wo_a.scale is not None and self.wo_b.scale is not None
-            return fp8_output_projection(o.reshape(t, self.o_groups, -1), self.wo_a.weight,
-                                         self.wo_a.scale, self.wo_b.weight, self.wo_b.scale,
-                                         act_quant=self.cfg.act_quant)
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o),
-                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens)
+                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens,
+                                 one_launch_max_tokens=self.plan.output_projection_max_tokens)
         return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- stage 6: the rings -----------------------------------------------------------
