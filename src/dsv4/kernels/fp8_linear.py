@@ -508,13 +508,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not _kernel_runs_on(x.device) or M == 0:
         q, sigma = fp8_block_quantize(x, BLOCK, "quantize_activations")
         return q.view(M, K).to(torch.float8_e4m3fn), sigma.view(M, K // BLOCK)
-    x = x if x.stride(1) == 1 else x.contiguous()
     q = torch.empty(M, K, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(M, K // BLOCK, device=x.device, dtype=torch.float32)
-    bm = 16
-    launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), q.view(torch.uint8), s,
-           M, K, BM=bm, num_warps=4, **pdl_args(x.device))
+    _launch_act_quant(x, q.view(torch.uint8), s, sim=False)
     return q, s
+
+
+def _launch_act_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sim: bool) -> None:
+    """One ``_act_quant_kernel`` launch over x [M, K] bf16: e4m3 bytes into ``q`` and scales
+    into ``s``, or (``sim``) the scaled-back values into ``q`` (``s`` unused)."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    M, K = x.shape
+    bm = 16
+    launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), q, s, M, K, BM=bm,
+           SIM=sim, num_warps=4, **pdl_args(x.device))
 
 
 def simulate_activations(x: torch.Tensor) -> torch.Tensor:
@@ -530,11 +537,8 @@ def simulate_activations(x: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     if x.dtype != torch.bfloat16 or not _kernel_runs_on(x.device) or M == 0:
         return fp8_block_sim(x, BLOCK)
-    x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(M, K, device=x.device, dtype=x.dtype)
-    bm = 16
-    launch(_act_quant_kernel, (-(-M // bm), K // BLOCK), x, x.stride(0), y, y, M, K, BM=bm,
-           SIM=True, num_warps=4, **pdl_args(x.device))
+    _launch_act_quant(x, y, y, sim=True)
     return y
 
 

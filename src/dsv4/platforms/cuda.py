@@ -133,6 +133,11 @@ def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, weight.t(), out_dtype=torch.float32)
 
 
+def _plan_value_ok(v: object) -> bool:
+    """Whether ``v`` may be a plan field's value: an integer >= 0 (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 @dataclass(frozen=True)
 class CudaPlan:
     """Per-layer strategy, fixed at construction."""
@@ -163,7 +168,7 @@ class CudaPlan:
         for name, v in changes.items():
             if name not in known:
                 raise ValueError(f"cuda plan: no field {name!r} (fields: {', '.join(known)})")
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not _plan_value_ok(v):
                 raise ValueError(f"cuda plan: {name} must be an integer >= 0, got {v!r}")
         return dataclasses.replace(self, **changes)
 
@@ -192,7 +197,7 @@ class CudaPlan:
                     raise ValueError(f"cuda plan {path}: entry {key!r} lacks {f.name!r}")
                 continue
             v = entry[f.name]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not _plan_value_ok(v):
                 raise ValueError(f"cuda plan {path}: entry {key!r}: {f.name} must be an integer "
                                  f">= 0, got {v!r}")
             values[f.name] = v
