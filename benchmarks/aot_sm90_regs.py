@@ -43,7 +43,6 @@ from dsv4.kernels import fp8_linear as fl
 from dsv4.kernels import fused_input_proj as fip
 from dsv4.kernels import indexer_prefill as ip
 from dsv4.kernels import indexer_topk as it
-from dsv4.kernels import output_projection as op
 from dsv4.kernels import paged_rows as pr
 from dsv4.kernels import rope_norm as rn
 from dsv4.kernels import sparse_mqa as sm
@@ -129,30 +128,6 @@ def gemm() -> None:
                     _gemm_config(f"fp8_gemm M={M} act_fp8={act}", c, act)
                     if act:  # the same tiles on activations quantised before the launch
                         _gemm_config(f"fp8_gemm M={M} x_fp8", c, True, x_fp8=True)
-
-
-def output_projection() -> bool:
-    """``wo_a`` then ``wo_b`` in one persistent launch (``fp8_output_projection``) with the
-    tiles the table gives Flash and Pro at one token, bf16 and act8 ``wo_b``."""
-    types = dict(o_ptr="*bf16", so_m="i32", so_g="i32", wa_ptr="*fp8e4nv", sa_ptr="*u8",
-                 stride_sa="i32", z_ptr="*bf16", sz_m="i32", wb_ptr="*fp8e4nv", sb_ptr="*u8",
-                 stride_sb="i32", y_ptr="*bf16", sy_m="i32", ws_a="*fp32", ws_b="*fp32",
-                 cnt_a="*i32", cnt_b="*i32", ready="*i32", queue="*i32", exits="*i32",
-                 M="i32", R="i32", Ka="i32", N="i32", G="i32", n_tiles_a="i32",
-                 n_tiles_b="i32", n_a_items="i32", n_items="i32", n_programs="i32")
-    ok = True
-    for model, (G, R, Ka, N) in (("flash", (8, 1024, 4096, 4096)),
-                                 ("pro", (16, 1024, 4096, 7168))):
-        ca = fl.choose_fp8_config(1, G * R, Ka)
-        for act in (False, True):
-            cb = fl.choose_fp8_config(1, N, G * R, act_fp8=act)
-            consts = dict(BM=16, BN_A=ca.block_n, SPLIT_A=ca.split_k, BN_B=cb.block_n,
-                          SPLIT_B=cb.split_k, SCALE_F32_A=False, SCALE_F32_B=False, FENCE=True,
-                          DOT_DT=tl.bfloat16, DOT_PREC="tf32", ACT_B=act, INTERP=False,
-                          PREFETCH_B=True)
-            ok &= _try(f"output_projection {model} act8={act}", op._output_projection_kernel,
-                       types, consts, dict(num_warps=ca.num_warps, num_stages=ca.num_stages))
-    return ok
 
 
 def dequant() -> None:
@@ -511,7 +486,7 @@ def pdl() -> bool:
     AOT_PDL = True
     try:
         ok = True
-        for fn in (gemm, dequant, output_projection, mqa):
+        for fn in (gemm, dequant, mqa):
             out = io.StringIO()
             try:
                 with contextlib.redirect_stdout(out):
@@ -533,8 +508,6 @@ if __name__ == "__main__":
     if which in ("gemm", "all"):
         gemm()
         dequant()
-        if not output_projection():
-            raise SystemExit(1)
     if which in ("mqa", "all"):
         mqa()
     if which in ("steps", "all") and not steps():

@@ -22,12 +22,9 @@
 #   bash benchmarks/gpu_check.sh routes   # where the fp8 GEMMs stop streaming: the GEMM probe's
 #                                         # kernels against the long calls' route at 128-1024
 #                                         # tokens, then verify steps of 64 sequences x (1 + k)
-#                                         # with --plan fp8_gemm_max_tokens=128 (the table's)
-#                                         # and ROUTE_LIMITS (default 256 512 1024)
-#   bash benchmarks/gpu_check.sh outproj  # wo_a and wo_b in one persistent launch: the GEMM
-#                                         # probe's wo_a+wo_b rows at M = 1 / 16, then the
-#                                         # decode step at 512 and 64K with and without
-#                                         # --plan output_projection_max_tokens=16
+#                                         # with --plan fp8_gemm_max_tokens=128 (the limit
+#                                         # before 2026-12-07) and ROUTE_LIMITS (default 256
+#                                         # 512 1024; the table has 512)
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -58,9 +55,9 @@
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | topk | score | routes | outproj | models) ;;
+suite | decode | prefill | kernels | topk | score | routes | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|outproj|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|models" >&2
     exit 2
     ;;
 esac
@@ -182,17 +179,6 @@ routes)
             --models flash,pro --layers C4 --ms 64 --contexts 512 --strategies default \
             --reps 3 --draft-tokens 0,1,3,7 --stagger --plan "fp8_gemm_max_tokens=$lim" \
             --out "$OUT/decode-step-routes/$lim"
-    done
-    ;;
-outproj)
-    step gemm-outproj/log.txt 150 python3 -m dsv4.bench.attention_kernels \
-        --out "$OUT/gemm-outproj" --only gemm --no-variants --gemm-ms 1,16
-    for lim in 0 16 0; do  # the shipped table before and after, a baseline twice
-        n=$((${n:-0} + 1))
-        step decode-step-outproj/$n-$lim/log.txt 120 python3 -m dsv4 bench decode-step \
-            --models flash,pro --layers C4 --ms 1,16 --contexts 512,65536 --strategies default \
-            --reps 3 --plan "output_projection_max_tokens=$lim" \
-            --out "$OUT/decode-step-outproj/$n-$lim"
     done
     ;;
 models)

@@ -114,24 +114,3 @@ def test_report_only_from_json(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(_res()))
     assert main(["--out", str(tmp_path), "--report-only"]) == 0
     assert "## fp8 GEMMs" in (tmp_path / "summary.md").read_text()
-
-
-def test_output_projection_rows_on_cpu_with_a_fake_timer(monkeypatch):
-    """wo_a then wo_b: the two launches and the one persistent launch, each checked against
-    the product of wo_a's z quantised (on the CPU both run their PyTorch fallbacks, under the
-    interpreter the kernels)."""
-    from dsv4.bench import attention_kernels as ak
-
-    monkeypatch.setitem(ak.GEMMS, "tiny", [("wo_a", 2 * 256, 256, 2), ("wo_b", 384, 512, 1)])
-    rows: list = []
-    ak._output_projection_rows("tiny", "cpu", torch.Generator().manual_seed(0), 4e12, False,
-                               rows, lambda fns: 3.0, (1, 16, 64))
-    assert sorted((r["impl"], r["M"]) for r in rows) == [
-        (impl, m) for impl in ("dsv4_fp8_act8", "one_launch", "one_launch_no_prefetch")
-        for m in (1, 16)]
-    assert all(r["gemm"] == "wo_a+wo_b" and r["us"] == 3.0 and r["rel_err"] < 1e-2
-               for r in rows), rows
-    by_m = {}
-    for r in rows:  # one launch and two: the same product, bit for bit
-        by_m.setdefault(r["M"], set()).add(r["rel_err"])
-    assert all(len(errs) == 1 for errs in by_m.values()), by_m

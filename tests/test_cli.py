@@ -216,7 +216,7 @@ def test_generate_states_and_checks_the_trained_format(capsys):
     (["bench", "model-decode", "--out", "x", "--plan", "outproj=16"],
      "dsv4 bench model-decode: error: ", "no field 'outproj'"),
     (["bench", "model-decode", "--out", "x", "--dry-run", "--plan",
-      "output_projection_max_tokens=16"],
+      "fp8_gemm_max_tokens=256"],
      "dsv4 bench model-decode: error: ", "--plan sets the cuda platform's plan"),
 ])
 def test_argument_parser_errors_are_one_line(capsys, argv, prefix, match):

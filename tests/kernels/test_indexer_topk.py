@@ -24,6 +24,7 @@ from dsv4.kernels.indexer_topk import (
     index_kernel_format,
     indexer_scores,
     indexer_topk,
+    page_copies_apply,
     topk_entries,
 )
 from dsv4.layers.indexer import Indexer, stable_topk
@@ -88,13 +89,13 @@ def flash_ties_cfg() -> DSV4Config:
 def run_kernels(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, *,
                 width: int | None = None, sort: bool = True,
                 workspace_bytes: int = 256 << 20, split: int | None = None,
-                group: int | None = None) -> torch.Tensor:
+                group: int | None = None, tma: bool | None = None) -> torch.Tensor:
     store = step.pool.stores["idx_keys"]
     return indexer_topk(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
                         store.table_dev, step.tok_slot, step.pos,
                         step.max_visible(4) if width is None else width, cfg.index_topk,
                         cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort,
-                        split=split, group=group)
+                        split=split, group=group, tma=tma)
 
 
 def torch_path(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor
@@ -359,16 +360,33 @@ def test_page_copied_scores_name_what_they_cannot_copy(kw, message):
 
 @kernel_runs
 def test_grouped_selection_matches_the_torch_path():
-    """``indexer_topk`` with scoring groups, in workspace chunks of whole groups and with a
-    split top-k: the torch path's selection."""
+    """``indexer_topk`` with scoring groups (the gathering loads: ``tma=False``) and by its
+    default (on a GPU the page copies, one query a program, for this fp8 store of 64-row
+    blocks), in workspace chunks of whole groups and with a split top-k: the torch path's
+    selection."""
     cfg = tiny_cfg(16, 4600)
     step = make_step(cfg, "fp8", [4500, 130, 37], [4, 3, 1], block_size=64, seed=11)
     q, w = queries(cfg, step.num_tokens, seed=12)
     s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
     want = torch_path(cfg, step, q, w)
-    for kw in (dict(), dict(workspace_bytes=4 * step.max_visible(4)), dict(split=2)):
-        got = run_kernels(cfg, step, q, w, group=4, **kw)
-        assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
+    for tma in (False, None):
+        for kw in (dict(), dict(workspace_bytes=4 * step.max_visible(4)), dict(split=2)):
+            got = run_kernels(cfg, step, q, w, group=4, tma=tma, **kw)
+            assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
+
+
+def test_page_copies_apply_to_fp8_pages_on_a_gpu():
+    """``indexer_topk`` copies pages (by default) only where ``indexer_scores(tma=True)`` can:
+    an fp8 store of 64-row blocks with 128- or 256-value rows, on a CUDA device."""
+    dev = KERNEL_DEV
+    on_gpu = dev == "cuda"
+    fp8 = torch.zeros(3, 64 * 132, dtype=torch.uint8, device=dev)
+    assert page_copies_apply(fp8, "fp8", 64, 128) == on_gpu
+    assert not page_copies_apply(fp8, "fp8", 16, 128)
+    assert not page_copies_apply(fp8, "fp4", 64, 128)
+    assert not page_copies_apply(fp8, "fp8", 64, 64)
+    assert not page_copies_apply(fp8[:, 4:], "fp8", 64, 128)  # a base off 16-byte alignment
+    assert not page_copies_apply(fp8.cpu(), "fp8", 64, 128)
 
 
 @pytest.mark.parametrize("kw", [dict(block=8), dict(block=512), dict(block=48), dict(stages=5),

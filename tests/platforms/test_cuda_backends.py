@@ -278,35 +278,6 @@ def test_act_quant_long_calls_take_the_simulated_activations(tiny, make_layer):
     assert torch.equal(got, layer.fused_wqa_wkv(fp8_block_sim(x, 128)))
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="the cuda layer built on the CPU; the GPU runs the bench")
-def test_the_plan_can_run_the_output_projection_in_one_launch(tiny, monkeypatch):
-    """output_projection_max_tokens > 0: calls up to it run wo_a and wo_b through
-    fp8_output_projection (one persistent launch under the interpreter), the same output bit
-    for bit as the two launches; 0, the shipped value, never."""
-    from dsv4.platforms import cuda as cuda_platform
-    from dsv4.platforms import cuda_linears
-    from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
-
-    for obj, name, value in cpu_stand_ins():
-        monkeypatch.setattr(obj, name, value)
-    cfg = tiny.replace(act_quant=True)
-    x = random_x(5, tiny.hidden_size).to(BF16)
-    assert cuda_platform.CudaPlan.load(cfg.hidden_size).output_projection_max_tokens == 0
-    outs, calls = [], []
-    for limit in (0, 16):
-        layer = build_cpu_cuda_layer(cfg, 4, kernels=_INTERPRET)
-        layer.plan = layer.plan.overridden({"output_projection_max_tokens": limit})
-        layer.fp8_plan = plan_fp8_linears(layer, True)  # the routes, whatever runs them here
-        with mock.patch.object(cuda_linears, "fp8_output_projection",
-                               wraps=cuda_linears.fp8_output_projection) as spy:
-            cache = layer.new_cache(8)
-            outs.append(layer(x, torch.arange(5), cache))  # 5 tokens, then one
-            outs.append(layer(x[:1], torch.tensor([5]), cache))
-        calls.append(spy.call_count)
-    assert calls == [0, 2]
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
-
-
 def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):
     f32 = plan_fp8_linears(make_layer(tiny, 0, dtype=torch.float32), True)
     assert not f32.eligible and all("float32" in why for why in f32.skipped.values())

@@ -33,7 +33,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -223,63 +222,6 @@ def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
             _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                              time_graph, variants, ms)
             torch.cuda.empty_cache()
-        _output_projection_rows(model, dev, gen, copy_bw, quick, out_rows, time_graph, ms)
-        torch.cuda.empty_cache()
-
-
-def _output_projection_rows(model, dev, gen, copy_bw, quick, out_rows, time_graph,
-                            ms: tuple[int, ...] = ()) -> None:
-    """``wo_a`` then ``wo_b`` (act8, as the layer runs it under act_quant): the two launches
-    (``dsv4_fp8_act8``) against one persistent launch (``one_launch``,
-    :func:`dsv4.kernels.output_projection.fp8_output_projection`; ``one_launch_no_prefetch``:
-    without the L2 prefetch of ``wo_b``'s rows before each wait), at the M it takes."""
-    from dsv4.kernels.fp8_linear import (
-        choose_fp8_config,
-        fp8_grouped_linear,
-        fp8_linear,
-        fp8_linear_reference,
-        sm_count,
-    )
-    from dsv4.kernels.output_projection import MAX_TOKENS, fp8_output_projection
-    from dsv4.layers.quant_sim import fp8_block_sim
-
-    (_, Na, Ka, G), (_, N, Kb, _) = [s for s in GEMMS[model] if s[0] in ("wo_a", "wo_b")]
-    wbytes = Na * Ka + N * Kb
-    rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
-
-    def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w = (torch.randn(n, k, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
-        e = torch.randint(115, 125, (n // 128, k // 128), device=dev, generator=gen)
-        return w, e.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-    ws = [(*weight(Na, Ka), *weight(N, Kb)) for _ in range(rot)]
-    for M in [m for m in (ms or (GEMM_MS[:1] if quick else GEMM_MS)) if m <= MAX_TOKENS]:
-        xs = [torch.randn(M, G, Ka, device=dev, generator=gen).to(torch.bfloat16)
-              for _ in range(rot)]
-        cfg_b = choose_fp8_config(M, N, Kb, sm_count(torch.device(dev)), act_fp8=True)
-
-        def two(i: int, xs=xs, cfg_b=cfg_b) -> torch.Tensor:
-            wa, sa, wb, sb = ws[i]
-            return fp8_linear(fp8_grouped_linear(xs[i], wa, sa).flatten(1), wb, sb, config=cfg_b)
-
-        def one(i: int, xs=xs, prefetch=True) -> torch.Tensor:
-            wa, sa, wb, sb = ws[i]
-            return fp8_output_projection(xs[i], wa, sa, wb, sb, act_quant=True,
-                                         prefetch=prefetch)
-
-        wa0, sa0, wb0, sb0 = ws[0]
-        # z as wo_a's kernel makes it (checked against float64 in its own rows and tests),
-        # then the float32 product of its quantised values: a z a bf16 ulp off would quantise
-        # differently at e4m3's ties
-        z = fp8_grouped_linear(xs[0], wa0, sa0).flatten(1)
-        ref = fp8_linear_reference(fp8_block_sim(z, 128), wb0, sb0, torch.float32)
-        base = {"section": "gemm", "model": model, "gemm": "wo_a+wo_b", "N": N, "K": Kb,
-                "G": G, "M": M, "rotations": rot}
-        floor_b = wbytes + M * G * Ka * 2 + M * N * 2
-        for impl, fn in (("dsv4_fp8_act8", two), ("one_launch", one),
-                         ("one_launch_no_prefetch", partial(one, prefetch=False))):
-            out_rows.append(_time_impl(base, impl, fn, rot, ref, floor_b, copy_bw, time_graph))
-            print(out_rows[-1], flush=True)
 
 
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,

@@ -10,8 +10,8 @@ sparse MQA, output projection) is captured once as a CUDA graph and replayed. Th
                        one a FlashMLA-backed engine runs): the plan's input stage, fp8
                        weight-streaming GEMMs, the step kernels, ``attention_backend=auto``
                        (FlashMLA where installed, our kernel for the plan's short steps), an
-                       ``fp8_ds_mla`` cache, ``act_quant`` (the official fp8 activations,
-                       docs/spec.md §6.3), programmatic dependent launch
+                       ``fp8_ds_mla`` cache, fp8 indexer keys, ``act_quant`` (the official
+                       fp8 activations, docs/spec.md §6.3), programmatic dependent launch
                        (:mod:`dsv4.kernels.launch`)
 * ``triton``           the same with dsv4's sparse-MQA kernel at every step
 * ``flashmla``         the same with FlashMLA's sparse fp8 decode kernel at every step (rows
@@ -20,7 +20,8 @@ sparse MQA, output projection) is captured once as a CUDA graph and replayed. Th
 * ``no_step_kernels``  the same with the step kernels off (the base path's PyTorch ops for the
                        norms, RoPE, cache writes, flat rows, compressor and indexer)
 * ``upstream``         upstream CUDA's plan on the base path: the input GEMMs on aux streams, no
-                       fusion, fp8 linears dequantised per call, the torch attention, a bf16 cache
+                       fusion, fp8 linears dequantised per call, the torch attention, a bf16
+                       kv cache (fp8 indexer keys, as every strategy)
 * ``rocm_style``       upstream ROCm with the compressor fusion PR: the input GEMMs one after
                        another, the two compressor GEMMs fused, otherwise as ``upstream``
 
@@ -83,10 +84,14 @@ _BOTH_PASSES = ("compressor_fusion", "fuse_input_projections")
 @dataclass(frozen=True)
 class Strategy:
     """How one strategy runs the step; the defaults are the ``cuda`` platform as it ships, with
-    the serving configuration's ``fp8_ds_mla`` cache and ``act_quant``."""
+    the serving configuration's ``fp8_ds_mla`` cache, fp8 indexer keys and ``act_quant``."""
 
     attention_backend: str = "auto"
     kv_cache_dtype: str = "fp8_ds_mla"
+    index_cache_dtype: str = "fp8"
+    """The indexer keys' store (every strategy: the serving configuration's, as
+    :func:`dsv4.bench.model_decode.serving_config`; the selection, and so the output, is then
+    the same in every strategy)."""
     act_quant: bool = True
     fp8_gemms: bool = True
     """The fp8 weight-streaming GEMMs (off: the base path dequantises each fp8 weight)."""
@@ -126,7 +131,8 @@ def build(cfg: DSV4Config, layer_id: int, strategy: str, weights: dict[str, torc
     spec = STRATEGY_SPECS[strategy]
     c = cfg.replace(multi_stream_token_threshold=0 if spec.input_stage == "serial" else 1024,
                     attention_backend=spec.attention_backend,
-                    kv_cache_dtype=spec.kv_cache_dtype, act_quant=spec.act_quant)
+                    kv_cache_dtype=spec.kv_cache_dtype,
+                    index_cache_dtype=spec.index_cache_dtype, act_quant=spec.act_quant)
     recorded = CudaPlan.load(cfg.hidden_size)
     # the whole step is one graph (captured by hand, and counted eagerly: no graphs of the
     # layer's own); "auto" attention takes the plan's per-step choice
@@ -361,6 +367,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             profiles.append(launch_origins(layer, x, pos, caches, title, lens))
         rows.append({**key, "weights_dtype": "fp8-block", "mode": "graph",
                      "scope": "decode_step", "kv_cache": layer.cfg.kv_cache_dtype,
+                     "index_cache": layer.cfg.index_cache_dtype,
                      "attention": choice, "fp8_gemms": layer.fp8_plan.describe()
                      if layer._fp8_enabled else "off",
                      "caches": "pooled" if pooled else "per-sequence", "fill": fill,

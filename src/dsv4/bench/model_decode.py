@@ -394,7 +394,7 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     "of the runner's graph and of each layer type's single-layer graph (GPU)")
     ap.add_argument("--plan", type=plan_changes(), default={},
                     help="FIELD=N[,FIELD=N]: the cuda platform's plan entries every layer takes "
-                    "instead of cuda_plan.json's (e.g. output_projection_max_tokens=16; "
+                    "instead of cuda_plan.json's (e.g. fp8_gemm_max_tokens=256; "
                     "default: none, the shipped table; not with --dry-run)")
     ap.add_argument("--dry-run", action="store_true",
                     help="the tiny preset on the CPU, eager and padded runner steps (checks the "

@@ -16,7 +16,9 @@ without Triton's interpreter):
    workspace [T, width]; -inf where j >= (pos + 1) // 4 (invisible). Tiles wholly beyond the
    query's visible entries only write -inf. ``indexer_scores(tma=True)`` (``_page_score_kernel``,
    an fp8 store of 64-row blocks) copies each tile, one page, into shared memory by the TMA
-   instead, pipelined ahead of the MMA: the same scores.
+   instead, pipelined ahead of the MMA: the same scores. ``indexer_topk`` takes the page
+   copies, one query a program, wherever they apply (:func:`page_copies_apply`: the serving
+   configuration's fp8 index keys on a GPU).
 2. **Top-k** (``_topk_kernel``, one program per query): a radix select on order-preserving 32-bit
    keys of the fp32 scores (up to 4 passes of 8-bit histograms over the visible entries,
    fewer once every entry of the k-th's bin is needed; none when k covers every visible
@@ -896,6 +898,18 @@ score-tma/``), 16 sequences, us at 7 / 5 stages: 16K entries, 1 query each 19.98
 queries each 54.89 / 54.27; 64K entries 60.79 / 58.85, 213.55 / 212.29."""
 
 
+def page_copies_apply(keys: torch.Tensor, fmt: str, rows_per_block: int, d: int) -> bool:
+    """Whether :func:`indexer_topk` scores by page copies (``indexer_scores(tma=True)``, one query
+    a program) on this store: an fp8 store of ``PAGE_ROWS``-row blocks of 128 or 256 values a
+    row, 16-byte aligned, on a CUDA device. H100, 2026-12-07, one C4 layer at 64K, M = 16
+    (``benchmarks/results/2026-12-07-h100/decode-step-verify/64k-page-copies-fp8/``), us at
+    k = 0 / 3 gathered (queries of a verify step in groups of 4) against page copies: Flash
+    197.4 / 353.9 -> 187.5 / 325.9, Pro 306.2 / 448.5 -> 296.1 / 419.6."""
+    return (fmt == "fp8" and keys.is_cuda and rows_per_block == PAGE_ROWS
+            and d % 128 == 0 and d <= 256 and keys.stride(0) % 16 == 0
+            and keys.data_ptr() % 16 == 0)
+
+
 def _check_page_store(keys: torch.Tensor, fmt: str, rows_per_block: int, block: int | None,
                       d: int, stages: int | None) -> None:
     """Raise ValueError unless ``indexer_scores(tma=True)`` can copy the store's pages."""
@@ -959,7 +973,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     a group of more than one query ``GROUP_WARPS``) and ``tma`` (an fp8 store of ``PAGE_ROWS``-
     row blocks only: each tile, one page, copied into shared memory by the TMA,
     :func:`_page_score_kernel`; ``stages`` then counts its pipeline's stages, 1 .. 8, default
-    ``PAGE_STAGES``; not the layer's choice yet, docs/performance.md)."""
+    ``PAGE_STAGES``; :func:`indexer_topk`'s choice where :func:`page_copies_apply`)."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -1112,17 +1126,24 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
                  rows_per_block: int, block_table: torch.Tensor, tok_slot: torch.Tensor,
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
                  workspace_bytes: int = 256 << 20, sort: bool = True,
-                 split: int | None = None, group: int | None = None) -> torch.Tensor:
+                 split: int | None = None, group: int | None = None,
+                 tma: bool | None = None) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
     ``split`` overrides :func:`choose_split`; with a split the score launch zeroes the top-k's
     arrival counts, so the step stays two launches. ``sort`` as in :func:`topk_entries`;
-    ``group`` as in :func:`indexer_scores` (the query chunks then hold whole groups)."""
+    ``tma``: score by page copies (default: where :func:`page_copies_apply`; they take one
+    query a program, whatever ``group``); else ``group`` as in :func:`indexer_scores` (the
+    query chunks then hold whole groups)."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
         return out
+    if tma is None:
+        tma = page_copies_apply(keys, fmt, rows_per_block, q.shape[-1])
+    if tma:
+        group = 1
     qg = group or 1
     chunk = min(t, max(qg, workspace_bytes // max(1, 4 * width) // qg * qg))
     if split is None:
@@ -1135,6 +1156,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         arr = arrivals[:b - a] if arrivals is not None else None
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
                            tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
-                           zero=arr, group=group)
+                           zero=arr, group=group, tma=tma)
         topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
     return out

@@ -155,11 +155,6 @@ class CudaPlan:
     fp8_gemm_max_tokens: int = FP8_GEMM_MAX_TOKENS
     """fp8 GEMM calls of at most this many tokens stream the fp8 weight; longer ones run cuBLAS
     on a dequantised copy (:mod:`dsv4.platforms.cuda_linears`)."""
-    output_projection_max_tokens: int = 0
-    """Calls of at most this many tokens (and at most
-    :data:`dsv4.kernels.output_projection.MAX_TOKENS`) run ``wo_a`` and ``wo_b`` in one
-    persistent launch (:func:`~dsv4.kernels.output_projection.fp8_output_projection`; 0:
-    never, the shipped value until it is timed)."""
 
     def overridden(self, changes: dict[str, int]) -> CudaPlan:
         """This plan with ``changes`` (field -> integer >= 0; a bench's candidate entry).
@@ -571,7 +566,9 @@ class CudaAttention(DeepseekV4Attention):
         # decode and verify steps (any batch; a verify step's few queries of a sequence share
         # its key tiles in one scoring program - grouped by the padded layout's tokens per
         # sequence where there is one, so that every step of a captured bucket scores as its
-        # graph does): the entries by ascending index (no sort: the attention reads any order)
+        # graph does; an fp8 store's pages are copied by the TMA instead, one query a program,
+        # indexer_topk's page_copies_apply): the entries by ascending index (no sort: the
+        # attention reads any order)
         store = step.pool.stores["idx_keys"]
         per_seq = step.meta.query_bucket or max(step.counts)
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
@@ -621,8 +618,7 @@ class CudaAttention(DeepseekV4Attention):
         path's for calls they do not take."""
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o),
-                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens,
-                                 one_launch_max_tokens=self.plan.output_projection_max_tokens)
+                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens)
         return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- stage 6: the rings -----------------------------------------------------------

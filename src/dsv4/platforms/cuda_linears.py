@@ -44,19 +44,18 @@ from dsv4.kernels.fp8_linear import (
     simulate_activations,
     sm_count,
 )
-from dsv4.kernels.output_projection import MAX_TOKENS as ONE_LAUNCH_MAX_TOKENS
-from dsv4.kernels.output_projection import fp8_output_projection
 from dsv4.layers.linear import Linear, grouped_linear
 from dsv4.layers.weight_layout import get_layout
 
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
 
-FP8_GEMM_MAX_TOKENS = 128
-"""Calls of at most this many tokens use the weight-streaming kernels (measured at M = 1, 16, 64
-in benchmarks/results/2026-12-03-h200/gemm-probes/: 4-17x faster than dequantise + GEMM there);
-longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM. The ``cuda``
-platform's default for its plan's ``fp8_gemm_max_tokens`` (``cuda_plan.json``)."""
+FP8_GEMM_MAX_TOKENS = 512
+"""Calls of at most this many tokens use the weight-streaming kernels (4-17x faster than
+dequantise + GEMM at M = 1, 16, 64, benchmarks/results/2026-12-03-h200/gemm-probes/; the whole
+layer faster with them up to 512 tokens, H100, benchmarks/results/2026-12-07-h100/
+decode-step-routes/); longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM.
+The ``cuda`` platform's default for its plan's ``fp8_gemm_max_tokens`` (``cuda_plan.json``)."""
 
 PREQUANT_MIN_TOKENS = 33
 """Under ``act_quant``, calls of at least this many tokens (and at most
@@ -176,23 +175,15 @@ def dequantised_grouped_gemm(og: torch.Tensor, weight: torch.Tensor, scale: torc
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool,
-                  stream_max_tokens: int | None = None,
-                  one_launch_max_tokens: int = 0) -> torch.Tensor:
+                  stream_max_tokens: int | None = None) -> torch.Tensor:
     """The output projection after inverse RoPE: ``wo_a`` grouped in one launch over this rank's
     output groups (g-major: group g = heads g*hpg .. g*hpg + hpg - 1), then ``wo_b`` (through
     the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden].
-    Calls of at most ``one_launch_max_tokens`` tokens (and at most
-    :data:`~dsv4.kernels.output_projection.MAX_TOKENS`) with ``wo_b``: both in one persistent
-    launch (:func:`~dsv4.kernels.output_projection.fp8_output_projection`, the same output).
     Calls of more than ``stream_max_tokens`` tokens (:func:`fp8_gemm`): the base path's
     grouped product on a one-pass dequantised ``wo_a``."""
     lin = layer.wo_a
     assert lin.scale is not None
     og = o.reshape(o.shape[0], layer.o_groups, -1)
-    if wo_b and o.shape[0] <= min(one_launch_max_tokens, ONE_LAUNCH_MAX_TOKENS):
-        assert layer.wo_b.scale is not None
-        return fp8_output_projection(og, lin.weight, lin.scale, layer.wo_b.weight,
-                                     layer.wo_b.scale, act_quant=layer.cfg.act_quant)
     limit = FP8_GEMM_MAX_TOKENS if stream_max_tokens is None else stream_max_tokens
     if o.shape[0] <= limit:
         z = fp8_grouped_linear(og, lin.weight, lin.scale).flatten(1)
