@@ -448,12 +448,14 @@ def test_verify_runs_a_platforms_declared_variants(tiny):
 @pytest.mark.parametrize("ratio", [0, 4])
 def test_stream_plan_calls_take_the_fp8_input_gemm(tiny, ratio):
     """Calls above the fused input-projection launch's tokens run ``fused_wqa_wkv`` through
-    the fp8 linears, with the reference's output: within the streaming kernels' tokens (here 40
-    and 100) the weight-streaming GEMM, above them (150) a one-pass dequantised copy + cuBLAS."""
+    the fp8 linears, with the reference's output: within the plan's streaming tokens (set to
+    128 here: 40 and 100) the weight-streaming GEMM, above them (150) a one-pass dequantised
+    copy + cuBLAS."""
     from dsv4.kernels import fp8_linear as fl
 
     layer, ref = _cuda_pair(tiny, ratio, "torch")
     assert layer.plan.fused_max_tokens < 40
+    layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": 128})
     x = random_x(290, tiny.hidden_size).to("cuda", BF16)
     cache, ref_cache = layer.new_cache(290), ref.new_cache(290)
     begin = 0
