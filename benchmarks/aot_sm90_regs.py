@@ -336,13 +336,16 @@ def steps() -> bool:
                             DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe, QG=qg),
                        dict(num_warps=warps))
     # the page-copying score loop (indexer_scores(tma=True)): fp8 pages of 64 rows, one query a
-    # program (4 warps) and groups of 4 (8 warps), at PAGE_STAGES
+    # program (4 warps) and groups of 4 (8 warps), at PAGE_STAGES; with the fp8 MMA (F8) too
     tp = {**t, "keys_ptr": "*u8", "vals": "tensordesc<u8[1, 64, 128]>",
           "scales": "tensordesc<fp32[1, 64]>"}
     for qg, warps in ((1, 4), (4, 8)):
-        ok &= _try(f"indexer page score group={qg} warps={warps}", it._page_score_kernel, tp,
-                   dict(H=64, HP=64, D=128, BN=64, DT=tl.bfloat16, PREC="tf32", ZERO=True,
-                        QG=qg, STAGES=it.PAGE_STAGES), dict(num_warps=warps))
+        for f8 in (False, True):
+            ok &= _try(f"indexer page score group={qg} warps={warps} f8={f8}",
+                       it._page_score_kernel, tp,
+                       dict(H=64, HP=64, D=128, BN=64, DT=tl.bfloat16, PREC="tf32",
+                            ZERO=True, QG=qg, STAGES=it.PAGE_STAGES, F8=f8),
+                       dict(num_warps=warps))
     t = dict(s_ptr="*fp32", sst="i32", pos_ptr="*i64", o_ptr="*i64", sot="i32", width="i32")
     for k in (512, 1024):
         for sort in (True, False):

@@ -4,8 +4,9 @@ Variants (``indexer_scores`` overrides): entries per tile (``block``), the visib
 software-pipelined loop (``stages``; a group's plain loop: ``stages=0``, its default fetches
 the next tile's keys ahead), programs per SM (``programs_per_sm``), and queries a
 program (``group``: a verify step's tokens of one sequence sharing its key tiles) with their
-warps (``num_warps``), and the page copies (``tma``: each tile, one 64-row page, copied into
-shared memory by the TMA; ``stages`` then its pipeline's stages).
+warps (``num_warps``), the page copies (``tma``: each tile, one 64-row page, copied into
+shared memory by the TMA; ``stages`` then its pipeline's stages) and their fp8 MMA (``f8``:
+the page's e4m3 bytes against e4m3 query heads).
 
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR   # a CUDA GPU
     PYTHONPATH=src python3 benchmarks/score_probe.py --out DIR --tokens-per-seq 1,4 \
@@ -14,11 +15,13 @@ shared memory by the TMA; ``stages`` then its pipeline's stages).
 For rows of 4K, 16K and 64K entries (contexts 16K, 64K, 256K: every entry visible) of an fp8
 index key store (Flash's indexer: 64 heads x 128, 64 rows a block, blocks in shuffled order),
 1, 16 and 64 sequences of 1 query each (``--tokens-per-seq``: Q consecutive positions each,
-the last seeing every entry), every variant's scores must match the default's (the same -inf
-pattern; values to 1e-5, a wider tile may sum in another order; a variant that does not is
-reported and not timed); then each is timed as 10 calls captured in a CUDA graph, replayed
-(median of 7), beside the floor of the key bytes read once per sequence (at the copy bandwidth
-the probe measures). Writes ``score_probe.json`` and ``score_probe.md`` under DIR.
+the last seeing every entry), queries of the official FP4 simulation (as the layer's), every
+variant's scores must match the default's (the same -inf pattern; values to 1e-5, a wider
+tile may sum in another order, the fp8 MMA's to 1e-3 of the largest score: its
+accumulation; a variant that does not is reported and not timed); then each is timed as 10
+calls captured in a CUDA graph, replayed (median of 7), beside the floor of the key bytes read
+once per sequence (at the copy bandwidth the probe measures). Writes ``score_probe.json`` and
+``score_probe.md`` under DIR.
 
 The keys come from memory as in a layer's step: the 10 captured calls cycle through copies of
 the key store until they span at least ``ROTATE_BYTES`` (``--rotate`` overrides; 1: the same
@@ -43,6 +46,7 @@ from topk_probe import (  # benchmarks/ is the script's folder: sys.path[0]
 )
 
 from dsv4.kernels.indexer_topk import indexer_scores
+from dsv4.layers.quant_sim import indexer_quant_sim
 
 VARIANTS = {
     "default": {},
@@ -59,6 +63,7 @@ VARIANTS = {
     "tma group 4": dict(tma=True, group=4),
     "tma group 4 stages 3": dict(tma=True, group=4, stages=3),
     "tma group 4 1 / SM": dict(tma=True, group=4, programs_per_sm=1),
+    "tma f8": dict(tma=True, fp8_mma=True), "tma f8 group 4": dict(tma=True, fp8_mma=True, group=4),
 }
 """Name -> indexer_scores keywords. Left out for their spills (sm_90 compile, ``aot_sm90_regs.py
 steps``): 128-entry tiles at 4 warps, and since the keys sit on the MMA's M side (d61917b)
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         stores = [_store(n_seq, width, seed=width + n_seq + 1000 * i) for i in range(rotate)]
         keys, table = stores[0]
         g = torch.Generator().manual_seed(t)
-        q = torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16)
+        q = indexer_quant_sim(torch.randn(t, HEADS, DIM, generator=g).to("cuda", torch.bfloat16))
         w = torch.randn(t, HEADS, generator=g).to("cuda", torch.bfloat16)
         slot = torch.arange(n_seq, device="cuda").repeat_interleave(qn)
         pos = (4 * width - qn + torch.arange(qn)).repeat(n_seq).to("cuda")
@@ -151,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, kw in VARIANTS.items():
             fn = impls.get(name, indexer_scores)
             got = fn(*call_args, **kw)
+            rtol, atol = ((1e-3, 1e-3 * float(ref[vis].abs().max())) if kw.get("fp8_mma")
+                          else (1e-5, 1e-6))
             if not (torch.equal(torch.isfinite(got), vis)
-                    and torch.allclose(got[vis], ref[vis], rtol=1e-5, atol=1e-6)):
+                    and torch.allclose(got[vis], ref[vis], rtol=rtol, atol=atol)):
                 row[name] = "differs"
                 continue
             calls = itertools.cycle(rotations)

@@ -28,6 +28,7 @@ from dsv4.kernels.indexer_topk import (
     topk_entries,
 )
 from dsv4.layers.indexer import Indexer, stable_topk
+from dsv4.layers.quant_sim import fp4_block_sim
 
 from conftest import KERNEL_DEV, kernel_runs, needs_gpu
 
@@ -343,6 +344,43 @@ def test_page_copied_scores_give_the_same_scores(shape, group):
     got = indexer_scores(*args, tma=True, group=group, zero=zero, programs_per_sm=1)
     assert not zero.any()
     assert_same_scores(got, indexer_scores(*args))
+
+
+@kernel_runs
+@pytest.mark.parametrize("shape", ["verify", "ragged"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_mma_page_scores_match_float64(shape, group):
+    """``fp8_mma=True``: the pages' e4m3 bytes against e4m3 query heads in an fp8 MMA. On
+    queries of the official FP4 simulation (e2m1 grid points times power-of-two scales: exact
+    in e4m3 with the head's scale) the products are exact, so the scores match the float64
+    ones within the fp8 MMA's accumulation (2^-12 of the row's bound of |terms|; the bf16
+    path's bound is 1e-5), -inf where invisible, zeros from an unheld block."""
+    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
+                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, "fp8", lengths, counts, block_size=64, seed=7)
+    q, w = queries(cfg, step.num_tokens, seed=8)
+    q = fp4_block_sim(q.float() * 3).to(BF16)
+    width = step.max_visible(4) + 37
+    args = list(score_args(cfg, step, q, w, width))
+    table = args[5].clone()
+    table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
+    args[5] = table
+    got = indexer_scores(*args, tma=True, fp8_mma=True, group=group, programs_per_sm=1)
+    s64, tol = scores_f64(cfg, step, q, w, width)
+    unheld = (step.tok_slot == step.tok_slot[-1])[:, None] & torch.isfinite(s64)
+    unheld[:, :64] = False
+    unheld[:, 128:] = False
+    assert unheld.any()
+    assert_scores_match(got, torch.where(unheld, 0.0, s64), tol * 25)
+
+
+def test_fp8_mma_needs_page_copies_of_128_value_rows():
+    with pytest.raises(ValueError, match="fp8_mma needs tma=True and rows of 128 values"):
+        indexer_scores(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
+                       torch.zeros(1, 64 * 132, dtype=torch.uint8), "fp8", 64,
+                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), 8, 1.0, fp8_mma=True)
 
 
 @pytest.mark.parametrize("kw, message", [

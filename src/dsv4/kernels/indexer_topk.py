@@ -419,6 +419,32 @@ if triton_available():
         return tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
 
     @triton.jit
+    def _fp8_heads(qs, ws):
+        """Stacked head rows ``qs`` [R, D] as e4m3 with a power-of-two scale each, 2^ceil(log2(
+        amax / 448)) (the §6.1 rule; exact for rows of the official FP4 or fp8 simulations,
+        whose values are e2m1 / e4m3 grid points times power-of-two scales within 2^14 of the
+        row's largest), and the head weights ``ws`` [R] times those scales: relu(s * x) =
+        s * relu(x) for s > 0."""
+        qf = qs.to(tl.float32)
+        amax = tl.max(tl.abs(qf), axis=1)
+        sig = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0)))
+        q8 = (qf / sig[:, None]).to(tl.float8e4nv)
+        return q8, ws * sig
+
+    @triton.jit
+    def _fp8_tile_scores(e, sc, q8, ws, j, vis, QG: tl.constexpr, HP: tl.constexpr,
+                         BN: tl.constexpr):
+        """:func:`_stacked_tile_scores` of one page's e4m3 key bytes ``e`` [BN, 128] (uint8)
+        with their scales ``sc`` [BN] against e4m3 head rows ``q8`` (weights ``ws`` carrying
+        the rows' scales): one fp8 MMA, fp32 accumulation, the key scales applied to the
+        weighted head sums."""
+        k8 = e.to(tl.float8e4nv, bitcast=True)
+        logits = tl.dot(k8, tl.trans(q8))  # [BN, QG * HP]
+        weighted = tl.maximum(logits, 0.0) * ws[None, :]
+        s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2) * sc[:, None]
+        return tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+
+    @triton.jit
     def _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                             tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, B,
                             weight_scale, T, t0, lead, jb, H: tl.constexpr, HP: tl.constexpr,
@@ -550,7 +576,8 @@ if triton_available():
                            tiles, B, weight_scale, z_ptr, T, H: tl.constexpr,
                            HP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                            DT: tl.constexpr, PREC: tl.constexpr, ZERO: tl.constexpr,
-                           QG: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                           QG: tl.constexpr, STAGES: tl.constexpr, F8: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
         """:func:`_score_kernel` on an fp8 store whose tiles are its pages (``BN`` = rows a
         block): program (g, p) scores queries g * QG .. g * QG + QG - 1 over tiles p * tiles
         .. p * tiles + tiles - 1 of the lead's sequence, each tile's e4m3 bytes and scales
@@ -558,11 +585,15 @@ if triton_available():
         [blocks, BN * D / 128] descriptors) into shared memory STAGES-deep ahead of the MMA, at
         the block-table entry's page (-1, an unheld block: zeros, as the gather reads). The
         same dequantised keys and MMA as :func:`_group_scores`; a query of another sequence
-        in the group scores its tiles after, through the gather path."""
+        in the group scores its tiles after, through the gather path. F8 (D = 128): the keys'
+        e4m3 bytes go to an fp8 MMA as stored, against each head row quantised to e4m3 with a
+        power-of-two scale (:func:`_fp8_heads`); both scales, positive, multiply after it."""
         wait_for_prior_kernel(PDL)
         t0, lead, share, vis, vis_lead, qs, ws, rows = _group_queries(
             q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale, z_ptr, T,
             H, HP, D, DT, ZERO, QG)
+        if F8:
+            q8, ws = _fp8_heads(qs, ws)
         first = tl.program_id(1) * tiles
         n_vis = tl.minimum(tl.maximum((vis_lead + BN - 1) // BN - first, 0), tiles)
         tab = tab_ptr + lead.to(tl.int64) * stab
@@ -572,9 +603,12 @@ if triton_available():
             page = tl.load(tab + jb, mask=jb < max_logical, other=-1)
             e = tl.reshape(vals.load([page, 0, 0]), (BN, D))
             sc = tl.reshape(scales.load([page, 0]), (BN, NS))
-            k = _index_keys_from(e, sc, D, 1, BN, DT)  # as the gather's fp8 keys
             j = jb * BN + tl.arange(0, BN)
-            s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
+            if F8:
+                s = _fp8_tile_scores(e, tl.reshape(sc, (BN,)), q8, ws, j, vis, QG, HP, BN)
+            else:
+                k = _index_keys_from(e, sc, D, 1, BN, DT)  # as the gather's fp8 keys
+                s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
             tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
         for i in range(n_vis, tiles):
             j = (first + i) * BN + tl.arange(0, BN)
@@ -957,7 +991,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                    zero: torch.Tensor | None = None, block: int | None = None,
                    stages: int | None = None,
                    programs_per_sm: int | None = None, group: int | None = None,
-                   num_warps: int | None = None, tma: bool = False) -> torch.Tensor:
+                   num_warps: int | None = None, tma: bool = False,
+                   fp8_mma: bool = False) -> torch.Tensor:
     """Scores [T, width] fp32 (-inf where invisible) of every query ``q`` [T, H, D] (bf16; head
     dims contiguous) with head weights ``weights`` [T, H] over the entries 0 .. width - 1 of its
     sequence (slot ``tok_slot`` [T], position ``pos`` [T]) in the paged store ``keys``
@@ -973,7 +1008,12 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     a group of more than one query ``GROUP_WARPS``) and ``tma`` (an fp8 store of ``PAGE_ROWS``-
     row blocks only: each tile, one page, copied into shared memory by the TMA,
     :func:`_page_score_kernel`; ``stages`` then counts its pipeline's stages, 1 .. 8, default
-    ``PAGE_STAGES``; :func:`indexer_topk`'s choice where :func:`page_copies_apply`)."""
+    ``PAGE_STAGES``; :func:`indexer_topk`'s choice where :func:`page_copies_apply`).
+    ``fp8_mma`` (with ``tma``, rows of 128 values; not a default, not yet timed): the page's
+    e4m3 bytes go to an fp8 MMA as stored, against each query head quantised to e4m3 with a
+    power-of-two scale - exact products where the queries carry the official FP4 or the fp8
+    simulation (docs/spec.md §6.2), otherwise a rounding of q - accumulated at the fp8 MMA's
+    precision."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -991,6 +1031,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
                          f"{programs_per_sm!r}")
     if group is not None and (isinstance(group, bool) or group not in SCORE_GROUPS):
         raise ValueError(f"indexer_scores: group must be one of {SCORE_GROUPS}, got {group!r}")
+    if fp8_mma and not (tma and q.shape[-1] == 128):
+        raise ValueError(f"indexer_scores: fp8_mma needs tma=True and rows of 128 values, got "
+                         f"tma={tma!r} and rows of {q.shape[-1]}")
     if tma:
         _check_page_store(keys, fmt, rows_per_block, block, q.shape[-1], stages)
     elif group is not None and group > 1 and stages not in (None, 0, 2):
@@ -1034,7 +1077,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
             zero if zero is not None else s, t, H=h, HP=max(16, 1 << (h - 1).bit_length()),
             D=d, BN=bn, DT=tl.float32 if _INTERPRET else tl.bfloat16,
             PREC="ieee" if _INTERPRET else "tf32", ZERO=zero is not None, QG=qg,
-            STAGES=stages or PAGE_STAGES, num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS),
+            STAGES=stages or PAGE_STAGES, F8=fp8_mma,
+            num_warps=num_warps or (4 if qg == 1 else GROUP_WARPS),
             **pdl_args(q.device))
         return s
     launch(_score_kernel, (programs, -(-n_tiles // tiles)),
