@@ -334,8 +334,8 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                              Fp8GemmConfig(**{**small.__dict__, "block_m": 32}))]
                 if M >= 128:
                     # 128 x 128 tiles (8 warps, 4 stages: 201 registers, no spill in the sm_90
-                    # compile), split as the M > 64 rule splits: half the programs re-read
-                    # each weight tile from the L2 that the 64-token tile's do
+                    # compile), K split as the M > 64 rule splits: half as many programs as
+                    # with the 64-token tile read each weight tile
                     tiles = -(-M // 128) * (N // 128)
                     pre.append(("act8_prequant_m128", Fp8GemmConfig(
                         block_m=128, block_n=128, swap=False, num_warps=8, num_stages=4,

@@ -421,10 +421,10 @@ if triton_available():
     @triton.jit
     def _fp8_heads(qs, ws):
         """Stacked head rows ``qs`` [R, D] as e4m3 with a power-of-two scale each, 2^ceil(log2(
-        amax / 448)) (the §6.1 rule; exact for rows of the official FP4 or fp8 simulations,
-        whose values are e2m1 / e4m3 grid points times power-of-two scales within 2^14 of the
-        row's largest), and the head weights ``ws`` [R] times those scales: relu(s * x) =
-        s * relu(x) for s > 0."""
+        amax / 448)) (exact for rows of the official FP4 or fp8 simulations, whose values are
+        e2m1 / e4m3 grid points times power-of-two block scales: FP4 blocks within 2^14 of the
+        row's largest block scale), and the head weights ``ws`` [R] times those scales:
+        relu(s * x) = s * relu(x) for s > 0."""
         qf = qs.to(tl.float32)
         amax = tl.max(tl.abs(qf), axis=1)
         sig = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0)))
