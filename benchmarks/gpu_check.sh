@@ -17,7 +17,8 @@
 #                                         # tree's kernel as `baseline`
 #   bash benchmarks/gpu_check.sh score    # the indexer's score launch alone (benchmarks/
 #                                         # score_probe.py): gathered against page-copied
-#                                         # (tma) loads, one query and groups of 4 a program;
+#                                         # (tma) loads, one query and groups of 4 a program,
+#                                         # the page copies' fp8 MMA (tma f8);
 #                                         # SCORE_VARIANTS overrides
 #   bash benchmarks/gpu_check.sh routes   # where the fp8 GEMMs stop streaming: the GEMM probe's
 #                                         # kernels against the long calls' route at 128-1024
@@ -169,7 +170,7 @@ topk)  # a few variants: every one of the probe's would not finish in one call
 score)
     step score-probe/log.txt 200 python3 benchmarks/score_probe.py --out "$OUT/score-probe" \
         --widths 16384,65536 --seqs 16,64 --tokens-per-seq 1,4 \
-        --variants "${SCORE_VARIANTS:-default,group 4,tma,tma group 4,tma group 4 1 / SM}"
+        --variants "${SCORE_VARIANTS:-default,group 4,tma,tma f8,tma group 4,tma f8 group 4}"
     ;;
 routes)
     step gemm-routes/log.txt 200 python3 -m dsv4.bench.attention_kernels \
