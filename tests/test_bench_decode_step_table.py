@@ -100,3 +100,16 @@ def test_launch_origins_names_the_operators_and_undoes_the_step(tiny):
     text = launch_origins(layer, x[:2], torch.tensor([20, 20]), caches, "tiny C4")
     assert text.startswith("## tiny C4: where") and "aten::" in text
     assert [c.length for c in caches] == [20, 20]
+
+
+def test_every_strategy_runs_the_serving_index_keys():
+    """The decode-step rows and the model-decode stacks store the indexer keys as the serving
+    configuration does (fp8: the store the page-copied scores read; the bench once ran bf16
+    keys, where they never applied), in every strategy, so the selections agree."""
+    from dsv4 import DSV4Config
+    from dsv4.bench.model_decode import serving_config
+
+    serving = serving_config(DSV4Config.preset("tiny"))
+    assert serving.index_cache_dtype == "fp8"
+    assert {s.index_cache_dtype for s in STRATEGY_SPECS.values()} == {serving.index_cache_dtype}
+    assert STRATEGY_SPECS["default"].kv_cache_dtype == serving.kv_cache_dtype
