@@ -241,26 +241,16 @@ if triton_available():
         return xq
 
     @triton.jit
-    def _x_tile(x_ptrs, mask, X_CG: tl.constexpr):
-        """A tile of bf16 x (0 where masked); ``X_CG``: read past L1 (x written by other
-        programs of the same launch)."""
-        if X_CG:
-            xt = tl.load(x_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            xt = tl.load(x_ptrs, mask=mask, other=0.0)
-        return xt
-
-    @triton.jit
     def _gemm_tile(x_ptr, sxm, sxg, w_ptr, sc_ptr, stride_sc, y_ptr, sym, syg, ws_ptr, cnt_ptr,
                    M, R, Kg, m_ws, n_tiles, G, xs_ptr, sxs, pid_m, tile, split,
                    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
                    SWAP: tl.constexpr, SCALE_F32: tl.constexpr, FENCE: tl.constexpr,
                    DOT_DT: tl.constexpr, DOT_PREC: tl.constexpr, ACT_FP8: tl.constexpr,
-                   X_FP8: tl.constexpr, INTERP: tl.constexpr, X_CG: tl.constexpr = False):
+                   X_FP8: tl.constexpr, INTERP: tl.constexpr):
         """One program's share of the GEMM: K split ``split`` of output tile ``tile`` (group g
         = tile // n_tiles, its row tile n0 = (tile % n_tiles) * BN) for token tile ``pid_m``;
         with SPLIT_K > 1 the partial goes to the workspace and the last split to arrive sums
-        them in split order. Returns 1 where this program stored the output tile, else 0."""
+        them in split order."""
         BK: tl.constexpr = 128
         g = tile // n_tiles
         n0 = (tile % n_tiles) * BN  # first row within the group
@@ -302,14 +292,14 @@ if triton_available():
                     if X_FP8:
                         xq = _quantized_x(x_ptrs, m_mask[None, :], INTERP)
                     else:
-                        xt = _x_tile(x_ptrs, m_mask[None, :], X_CG).to(tl.float32)
+                        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(tl.float32)
                         xq, sx = act_quant_block(xt, 0, INTERP)
                     acc += tl.dot(w, xq, input_precision=DOT_PREC) * (sx * s)[None, :]
                 else:
                     if X_FP8:
                         xq = _quantized_x(x_ptrs, m_mask[:, None], INTERP)
                     else:
-                        xt = _x_tile(x_ptrs, m_mask[:, None], X_CG).to(tl.float32)
+                        xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(tl.float32)
                         xq, sx = act_quant_block(xt, 1, INTERP)
                     acc += tl.dot(xq, tl.trans(w), input_precision=DOT_PREC) * (sx * s)[:, None]
             else:
@@ -317,10 +307,10 @@ if triton_available():
                 # dot of a converted operand is wrong); the products are exact in fp32 either way
                 w = tl.load(w_ptrs, eviction_policy="evict_first").to(DOT_DT)
                 if SWAP:
-                    xt = _x_tile(x_ptrs, m_mask[None, :], X_CG).to(DOT_DT)
+                    xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0).to(DOT_DT)
                     acc += tl.dot(w, xt, input_precision=DOT_PREC) * s
                 else:
-                    xt = _x_tile(x_ptrs, m_mask[:, None], X_CG).to(DOT_DT)
+                    xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0).to(DOT_DT)
                     acc += tl.dot(xt, tl.trans(w), input_precision=DOT_PREC) * s
             w_ptrs += BK
             x_ptrs += BK
@@ -333,7 +323,6 @@ if triton_available():
             y_ptrs = y_ptr + offs_m[:, None] * sym + g * syg + cols[None, :]
             y_mask = m_mask[:, None] & (cols < R)[None, :]
             p_off = offs_m[:, None] * R + cols[None, :]
-        stored = tl.full([], 1, tl.int32)
         if SPLIT_K == 1:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
         else:
@@ -347,7 +336,6 @@ if triton_available():
             tl.debug_barrier()
             cnt_idx = pid_m * (G * n_tiles) + tile
             old = tl.atomic_add(cnt_ptr + cnt_idx, 1, sem="acq_rel", scope="gpu")
-            stored = (old == SPLIT_K - 1).to(tl.int32)
             if old == SPLIT_K - 1:  # last to arrive: sum in split order
                 if FENCE:
                     _fence_gpu()
@@ -357,7 +345,6 @@ if triton_available():
                                    cache_modifier=".cg")
                 tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(cnt_ptr + cnt_idx, 0, sem="relaxed", scope="gpu")
-        return stored
 
     @triton.jit(do_not_specialize=["M", "m_ws", "m_tiles"])
     def _fp8_gemm_kernel(

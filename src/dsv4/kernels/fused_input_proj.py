@@ -343,10 +343,9 @@ if _HAVE_TRITON:
                                   is_pure=False, pack=1)
 
     @triton.jit
-    def _prefetch_l2(addr, NBYTES):
-        # addr: int64 tensor of byte addresses (0 = skip); one bulk L2 prefetch per element of
-        # NBYTES bytes (a multiple of 16; a constexpr or a run-time int32)
-        nbytes = tl.zeros(addr.shape, tl.int32) + NBYTES
+    def _prefetch_l2(addr, NBYTES: tl.constexpr):
+        # addr: int64 tensor of byte addresses (0 = skip); one bulk L2 prefetch per element
+        nbytes = tl.full(addr.shape, NBYTES, tl.int32)
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.u64 p, $1, 0; "
             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
