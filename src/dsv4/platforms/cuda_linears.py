@@ -54,8 +54,9 @@ FP8_GEMM_MAX_TOKENS = 512
 """Calls of at most this many tokens use the weight-streaming kernels (4-17x faster than
 dequantise + GEMM at M = 1, 16, 64, benchmarks/results/2026-12-03-h200/gemm-probes/; the whole
 layer faster with them up to 512 tokens, H100, benchmarks/results/2026-12-07-h100/
-decode-step-verify/routes/); longer calls (prefill) dequantise in one pass and run a bf16 cuBLAS GEMM.
-The ``cuda`` platform's default for its plan's ``fp8_gemm_max_tokens`` (``cuda_plan.json``)."""
+decode-step-verify/routes/); longer calls (prefill) dequantise in one pass and run a bf16
+cuBLAS GEMM. The ``cuda`` platform's default for its plan's ``fp8_gemm_max_tokens``
+(``cuda_plan.json``)."""
 
 PREQUANT_MIN_TOKENS = 33
 """Under ``act_quant``, calls of at least this many tokens (and at most
