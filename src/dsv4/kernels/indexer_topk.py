@@ -414,8 +414,16 @@ if triton_available():
         stacked heads ``qs`` [QG * HP, D] with weights ``ws``; -inf from each query's ``vis``
         on. The keys sit on the MMA's M side: the head sum runs along each row."""
         logits = tl.dot(k, tl.trans(qs), input_precision=PREC)  # [BN, QG * HP]
+        return _weighted_rows(logits, ws, 1.0, j, vis, QG, HP, BN)
+
+    @triton.jit
+    def _weighted_rows(logits, ws, row_scale, j, vis, QG: tl.constexpr, HP: tl.constexpr,
+                       BN: tl.constexpr):
+        """[QG, BN] scores from one tile's logits [BN, QG * HP]: each query's sum over its
+        heads of ``ws`` times relu(logit), times ``row_scale`` (1, or [BN, 1] per entry);
+        -inf from each query's ``vis`` on."""
         weighted = tl.maximum(logits, 0.0) * ws[None, :]
-        s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2)
+        s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2) * row_scale
         return tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
 
     @triton.jit
@@ -438,11 +446,8 @@ if triton_available():
         with their scales ``sc`` [BN] against e4m3 head rows ``q8`` (weights ``ws`` carrying
         the rows' scales): one fp8 MMA, fp32 accumulation, the key scales applied to the
         weighted head sums."""
-        k8 = e.to(tl.float8e4nv, bitcast=True)
-        logits = tl.dot(k8, tl.trans(q8))  # [BN, QG * HP]
-        weighted = tl.maximum(logits, 0.0) * ws[None, :]
-        s = tl.sum(tl.reshape(weighted, (BN, QG, HP)), axis=2) * sc[:, None]
-        return tl.trans(tl.where(j[:, None] < vis[None, :], s, float("-inf")))
+        logits = tl.dot(e.to(tl.float8e4nv, bitcast=True), tl.trans(q8))  # [BN, QG * HP]
+        return _weighted_rows(logits, ws, sc[:, None], j, vis, QG, HP, BN)
 
     @triton.jit
     def _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
