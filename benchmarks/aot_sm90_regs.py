@@ -50,7 +50,7 @@ from dsv4.kernels import store_rows as sr
 
 TARGET = GPUTarget("cuda", 90, 32)
 DIV16 = {"sxm", "sxg", "sym", "syg", "R", "Kg", "K", "sqt", "sqh", "sot", "soh", "swi", "w_blk",
-         "sci", "c_blk", "H", "B", "so_m", "so_g", "sz_m", "sy_m", "Ka", "N"}
+         "sci", "c_blk", "H", "B"}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
 
