@@ -214,20 +214,27 @@ def test_inverse_rope_in_the_attention_launch(cpu_cuda_layer, monkeypatch, fmt):
 
 def test_the_decode_selection_is_by_ascending_entry(cpu_cuda_layer, monkeypatch):
     """The decode top-k hands each query's entries by ascending index (no sort: the attention
-    reads any order), -1 pads last."""
+    reads any order), -1 pads last; it vouches for the queries' e4m3 values (the fp8 MMA's
+    scores where the pages are copied) exactly when the numerics' simulation is on."""
     import dsv4.platforms.cuda as cuda
 
     cfg = DSV4Config.preset("tiny")
-    real, picked = cuda.indexer_topk, []
+    assert cfg.simulate_quant
+    real, picked, vouched = cuda.indexer_topk, [], []
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         picked.append(out.clone())
+        vouched.append(kw["fp8_queries"])
         return out
 
     monkeypatch.setattr(cuda, "indexer_topk", spy)
     _run(cpu_cuda_layer(cfg, 4, True), cfg.hidden_size)
     assert len(picked) == 6  # the batched decode steps
+    assert vouched == [True] * 6
+    vouched.clear()
+    _run(cpu_cuda_layer(cfg.replace(simulate_quant=False), 4, True), cfg.hidden_size)
+    assert vouched == [False] * 6
     for sel in picked:
         kept = torch.where(sel >= 0, sel, torch.iinfo(torch.long).max)
         assert torch.equal(kept, kept.sort(dim=1).values)

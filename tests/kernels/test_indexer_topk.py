@@ -90,13 +90,14 @@ def flash_ties_cfg() -> DSV4Config:
 def run_kernels(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor, *,
                 width: int | None = None, sort: bool = True,
                 workspace_bytes: int = 256 << 20, split: int | None = None,
-                group: int | None = None, tma: bool | None = None) -> torch.Tensor:
+                group: int | None = None, tma: bool | None = None,
+                fp8_queries: bool = False) -> torch.Tensor:
     store = step.pool.stores["idx_keys"]
     return indexer_topk(q, w, store.data, index_kernel_format(store.fmt), store.block_size,
                         store.table_dev, step.tok_slot, step.pos,
                         step.max_visible(4) if width is None else width, cfg.index_topk,
                         cfg.index_weight_scale, workspace_bytes=workspace_bytes, sort=sort,
-                        split=split, group=group, tma=tma)
+                        split=split, group=group, tma=tma, fp8_queries=fp8_queries)
 
 
 def torch_path(cfg: DSV4Config, step: CacheStep, q: torch.Tensor, w: torch.Tensor
@@ -373,6 +374,28 @@ def test_fp8_mma_page_scores_match_float64(shape, group):
     unheld[:, 128:] = False
     assert unheld.any()
     assert_scores_match(got, torch.where(unheld, 0.0, s64), tol * 25)
+
+
+@kernel_runs
+@pytest.mark.parametrize("tma", [True, None])
+def test_fp8_queries_select_within_the_fp8_mma_bound(tma):
+    """``indexer_topk(fp8_queries=True)`` on queries of the official FP4 simulation: with page
+    copies (forced, or by default on a GPU) the fp8 MMA's scores, so a valid selection within
+    its accumulation bound (that of :func:`test_fp8_mma_page_scores_match_float64`), in
+    chunks and with a split top-k; without them (the interpreter's default) the torch path's."""
+    cfg = tiny_cfg(16, 4600)
+    step = make_step(cfg, "fp8", [4500, 130, 37], [4, 3, 1], block_size=64, seed=11)
+    q, w = queries(cfg, step.num_tokens, seed=12)
+    q = fp4_block_sim(q.float() * 3).to(BF16)
+    s64, tol = scores_f64(cfg, step, q, w, step.max_visible(4))
+    copies = tma or (tma is None and DEV == "cuda")
+    want = torch_path(cfg, step, q, w)
+    for kw in (dict(), dict(workspace_bytes=4 * step.max_visible(4)), dict(split=2)):
+        got = run_kernels(cfg, step, q, w, tma=tma, fp8_queries=True, **kw)
+        if copies:
+            assert_valid_selection(got, s64, tol * 25, cfg.index_topk)
+        else:
+            assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
 
 
 def test_fp8_mma_needs_page_copies_of_128_value_rows():

@@ -1014,11 +1014,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     row blocks only: each tile, one page, copied into shared memory by the TMA,
     :func:`_page_score_kernel`; ``stages`` then counts its pipeline's stages, 1 .. 8, default
     ``PAGE_STAGES``; :func:`indexer_topk`'s choice where :func:`page_copies_apply`).
-    ``fp8_mma`` (with ``tma``, rows of 128 values; not a default, not yet timed): the page's
-    e4m3 bytes go to an fp8 MMA as stored, against each query head quantised to e4m3 with a
-    power-of-two scale - exact products where the queries carry the official FP4 or the fp8
-    simulation (docs/spec.md §6.2), otherwise a rounding of q - accumulated at the fp8 MMA's
-    precision."""
+    ``fp8_mma`` (with ``tma``, rows of 128 values; :func:`indexer_topk`'s choice where the
+    caller vouches for ``fp8_queries``): the page's e4m3 bytes go to an fp8 MMA as stored,
+    against each query head quantised to e4m3 with a power-of-two scale - exact products where
+    the queries carry the official FP4 or the fp8 simulation (docs/spec.md §6.2), otherwise a
+    rounding of q - accumulated at the fp8 MMA's precision."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -1176,7 +1176,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
                  pos: torch.Tensor, width: int, topk: int, weight_scale: float, *,
                  workspace_bytes: int = 256 << 20, sort: bool = True,
                  split: int | None = None, group: int | None = None,
-                 tma: bool | None = None) -> torch.Tensor:
+                 tma: bool | None = None, fp8_queries: bool = False) -> torch.Tensor:
     """Top-k entries [T, topk] int64 (-1 pads) per query: :func:`indexer_scores` then
     :func:`topk_entries`, in chunks of queries whose scores fit ``workspace_bytes``. ``width``
     bounds every query's visible entries (host arithmetic, e.g. ``step.max_visible(4)``).
@@ -1184,7 +1184,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
     arrival counts, so the step stays two launches. ``sort`` as in :func:`topk_entries`;
     ``tma``: score by page copies (default: where :func:`page_copies_apply`; they take one
     query a program, whatever ``group``); else ``group`` as in :func:`indexer_scores` (the
-    query chunks then hold whole groups)."""
+    query chunks then hold whole groups). ``fp8_queries``: the caller's word that every head
+    row of q is exact in e4m3 with a power-of-two scale (the indexer numerics' simulation,
+    docs/spec.md §6.2); the page copies of 128-value rows then score with the fp8 MMA
+    (:func:`indexer_scores`' ``fp8_mma``: H100, 2026-12-07, 64K entries, 16 sequences x 4
+    queries, the score launch 209.3 -> 103.7 us; docs/performance.md)."""
     t = q.shape[0]
     out = torch.empty(t, topk, device=q.device, dtype=torch.long)
     if t == 0:
@@ -1193,6 +1197,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         tma = page_copies_apply(keys, fmt, rows_per_block, q.shape[-1])
     if tma:
         group = 1
+    fp8_mma = bool(tma) and fp8_queries and q.shape[-1] == 128
     qg = group or 1
     chunk = min(t, max(qg, workspace_bytes // max(1, 4 * width) // qg * qg))
     if split is None:
@@ -1205,6 +1210,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, fmt
         arr = arrivals[:b - a] if arrivals is not None else None
         s = indexer_scores(q[a:b], weights[a:b], keys, fmt, rows_per_block, block_table,
                            tok_slot[a:b], pos[a:b], width, weight_scale, out=ws[:b - a],
-                           zero=arr, group=group, tma=tma)
+                           zero=arr, group=group, tma=tma, fp8_mma=fp8_mma)
         topk_entries(s, pos[a:b], topk, sort=sort, out=out[a:b], split=split, arrivals=arr)
     return out

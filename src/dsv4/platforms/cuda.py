@@ -112,6 +112,7 @@ from dsv4.platforms.cuda_elementwise import (
 )
 from dsv4.platforms.cuda_linears import (
     FP8_GEMM_MAX_TOKENS,
+    WO_A_MAX_TOKENS,
     Fp8LinearPlan,
     fp8_gemm,
     fp8_wo_a_wo_b,
@@ -155,6 +156,8 @@ class CudaPlan:
     fp8_gemm_max_tokens: int = FP8_GEMM_MAX_TOKENS
     """fp8 GEMM calls of at most this many tokens stream the fp8 weight; longer ones run cuBLAS
     on a dequantised copy (:mod:`dsv4.platforms.cuda_linears`)."""
+    wo_a_max_tokens: int = WO_A_MAX_TOKENS
+    """The same for ``wo_a`` (bf16 activations: its own limit)."""
 
     def overridden(self, changes: dict[str, int]) -> CudaPlan:
         """This plan with ``changes`` (field -> integer >= 0; a bench's candidate entry).
@@ -567,15 +570,17 @@ class CudaAttention(DeepseekV4Attention):
         # its key tiles in one scoring program - grouped by the padded layout's tokens per
         # sequence where there is one, so that every step of a captured bucket scores as its
         # graph does; an fp8 store's pages are copied by the TMA instead, one query a program,
-        # indexer_topk's page_copies_apply): the entries by ascending index (no sort: the
-        # attention reads any order)
+        # indexer_topk's page_copies_apply, scored by the fp8 MMA where the queries carry the
+        # numerics' simulation, whose values e4m3 holds exactly): the entries by ascending
+        # index (no sort: the attention reads any order)
         store = step.pool.stores["idx_keys"]
         per_seq = step.meta.query_bucket or max(step.counts)
         return indexer_topk(idx_q, idx_weights, store.data, fmt, store.block_size,
                             store.table_dev, step.tok_slot, step.pos, step.max_visible(4),
                             self.indexer.topk, self.indexer.weight_scale,
                             workspace_bytes=self.cfg.attention_workspace_bytes, sort=False,
-                            group=choose_score_group(per_seq))
+                            group=choose_score_group(per_seq),
+                            fp8_queries=self.cfg.simulate_quant)
 
     # ---- stage 5: attention and the output path ---------------------------------------
     @override
@@ -618,7 +623,8 @@ class CudaAttention(DeepseekV4Attention):
         path's for calls they do not take."""
         if self._fp8_ready("wo_a", o):
             return fp8_wo_a_wo_b(self, o, wo_b=self._fp8_ready("wo_b", o),
-                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens)
+                                 stream_max_tokens=self.plan.fp8_gemm_max_tokens,
+                                 wo_a_max_tokens=self.plan.wo_a_max_tokens)
         return self._wo_b_product(self._wo_a_grouped(o))
 
     # ---- stage 6: the rings -----------------------------------------------------------
