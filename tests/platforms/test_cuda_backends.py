@@ -28,6 +28,7 @@ from dsv4.platforms.cuda_attention import (
 from dsv4.platforms.cuda_linears import (
     FP8_GEMM_MAX_TOKENS,
     LINEARS,
+    WO_A_MAX_TOKENS,
     fp8_gemm,
     fp8_wo_a_wo_b,
     plan_fp8_linears,
@@ -96,6 +97,7 @@ def test_plan_reads_the_short_step_rule(tmp_path):
     assert CudaPlan.load(7168, path) == CudaPlan(16, 64, 0)
     # a field left out takes its default: the fp8 GEMMs stream up to FP8_GEMM_MAX_TOKENS
     assert CudaPlan.load(4096, path).fp8_gemm_max_tokens == FP8_GEMM_MAX_TOKENS
+    assert CudaPlan.load(4096, path).wo_a_max_tokens == WO_A_MAX_TOKENS
     path.write_text('{"default": {"fused_max_tokens": 16, "graph_max_tokens": 64, '
                     '"fp8_gemm_max_tokens": 256}}')
     assert CudaPlan.load(4096, path) == CudaPlan(16, 64, fp8_gemm_max_tokens=256)
@@ -119,11 +121,12 @@ def test_plan_takes_a_candidate_entry_and_names_a_bad_one():
 
 @pytest.mark.skipif(HAS_CUDA, reason="the cuda layer built on the CPU; the GPU runs the bench")
 def test_the_plan_sets_where_fp8_gemms_stop_streaming(tiny, monkeypatch):
-    """The plan's fp8_gemm_max_tokens moves the layer's fp8 GEMMs between the streaming route
-    and the dequantised copy: a call of 6 tokens with a limit of 4 makes the copies (wq_b, the
-    grouped wo_a, wo_b and the input stage's wqa_wkv), with 8 none; the same output within the
-    two routes' rounding. The cuda layer on the CPU (its kernels under the interpreter where it
-    runs, else their PyTorch fallbacks), a fresh layer for each limit."""
+    """The plan's fp8_gemm_max_tokens and wo_a_max_tokens move the layer's fp8 GEMMs between
+    the streaming route and the dequantised copy: a call of 6 tokens with limits of 4 makes the
+    copies (wq_b, the grouped wo_a, wo_b and the input stage's wqa_wkv), with 8 none, with 8
+    and wo_a's 4 only wo_a's; the same output within the two routes' rounding. The cuda layer
+    on the CPU (its kernels under the interpreter where it runs, else their PyTorch
+    fallbacks), a fresh layer for each limit."""
     from dsv4.platforms import cuda_linears
     from dsv4.testing.cpu_cuda_layer import build_cpu_cuda_layer, cpu_stand_ins
 
@@ -133,17 +136,20 @@ def test_the_plan_sets_where_fp8_gemms_stop_streaming(tiny, monkeypatch):
     t = 6
     x = random_x(t, tiny.hidden_size).to(BF16)
     counts, outs = [], []
-    for limit in (4, 8):
+    for limit, wo_a_limit in ((4, 4), (8, 8), (8, 4)):
         layer = build_cpu_cuda_layer(cfg, 4, kernels=_INTERPRET)
-        layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": limit})  # graphs stay off
+        layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": limit,  # graphs stay off
+                                            "wo_a_max_tokens": wo_a_limit})
         layer.fp8_plan = plan_fp8_linears(layer, True)  # the routes, whatever runs them here
         assert {"wq_b", "wo_a", "wo_b"} <= layer.fp8_plan.eligible
         with mock.patch.object(cuda_linears, "fp8_dequantize",
                                wraps=cuda_linears.fp8_dequantize) as spy:
             outs.append(layer(x, torch.arange(t), layer.new_cache(t)))
         counts.append(spy.call_count)
-    assert counts[0] >= 3 and counts[1] == 0, counts
-    assert rel_err(outs[0], outs[1]) < 2e-2
+        if (limit, wo_a_limit) == (8, 4):
+            assert spy.call_args.args[0] is layer.wo_a.weight
+    assert counts[0] >= 3 and counts[1] == 0 and counts[2] == 1, counts
+    assert rel_err(outs[0], outs[1]) < 2e-2 and rel_err(outs[2], outs[1]) < 2e-2
 
 
 @pytest.mark.parametrize("text, match", [

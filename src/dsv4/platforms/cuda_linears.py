@@ -20,7 +20,8 @@ Which layers take it is decided on the host, without device syncs (CUDA-graph ca
 :func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
 that moves weights rebinds them around the forward: the base path then runs, as for CUDA
 graphs). The token count picks the kernel: calls of at most the plan's ``fp8_gemm_max_tokens``
-(default :data:`FP8_GEMM_MAX_TOKENS`) tokens stream the fp8 weight; longer calls (prefill)
+(default :data:`FP8_GEMM_MAX_TOKENS`; ``wo_a``: ``wo_a_max_tokens``, default
+:data:`WO_A_MAX_TOKENS`) tokens stream the fp8 weight; longer calls (prefill)
 amortise one dequantised bf16 copy over their tokens and run cuBLAS on it, the base path's
 GEMM, with the copy made in one pass (:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base
 path's two PyTorch passes took ~140 us per weight and call at Flash sizes on the H200, ~1.4 ms
@@ -57,6 +58,15 @@ layer faster with them up to 512 tokens, H100, benchmarks/results/2026-12-07-h10
 decode-step-verify/routes/); longer calls (prefill) dequantise in one pass and run a bf16
 cuBLAS GEMM. The ``cuda`` platform's default for its plan's ``fp8_gemm_max_tokens``
 (``cuda_plan.json``)."""
+
+WO_A_MAX_TOKENS = 256
+"""``wo_a``'s own streaming limit (the plan's ``wo_a_max_tokens``): its activations stay bf16
+(docs/spec.md §6.3), and its grouped kernel's bf16 MMAs fall behind the dequantised copy
+sooner than the other GEMMs' fp8 MMAs do. H100, 2026-12-07, the GEMM probe, us per call,
+streaming / copy + cuBLAS: Flash 43.9 / 68.3 at 128 tokens, 75.8 / 73.6 at 256, 145.2 / 85.2
+at 512; Pro 76.8 / 134.6, 146.3 / 142.7, 283.5 / 169.3 (the act8 GEMMs at 512: Flash ``wq_b``
+62.3 / 90.5, Pro ``wo_b`` 201.2 / 299.0; ``benchmarks/results/2026-12-07-h100/gemm-probes/
+rows/``). 256 streams where the two tie, without the copy's bf16 buffer."""
 
 PREQUANT_MIN_TOKENS = 33
 """Under ``act_quant``, calls of at least this many tokens (and at most
@@ -176,20 +186,21 @@ def dequantised_grouped_gemm(og: torch.Tensor, weight: torch.Tensor, scale: torc
 
 
 def fp8_wo_a_wo_b(layer: DeepseekV4Attention, o: torch.Tensor, wo_b: bool,
-                  stream_max_tokens: int | None = None) -> torch.Tensor:
+                  stream_max_tokens: int | None = None,
+                  wo_a_max_tokens: int | None = None) -> torch.Tensor:
     """The output projection after inverse RoPE: ``wo_a`` grouped in one launch over this rank's
     output groups (g-major: group g = heads g*hpg .. g*hpg + hpg - 1), then ``wo_b`` (through
-    the fp8 kernel when ``wo_b``, else the base module). o [T, heads, d] bf16 -> [T, hidden].
-    Calls of more than ``stream_max_tokens`` tokens (:func:`fp8_gemm`): the base path's
-    grouped product on a one-pass dequantised ``wo_a``."""
+    the fp8 kernel when ``wo_b``, else the base module; streaming up to ``stream_max_tokens``
+    tokens as :func:`fp8_gemm`). o [T, heads, d] bf16 -> [T, hidden]. Calls of more than
+    ``wo_a_max_tokens`` (default :data:`WO_A_MAX_TOKENS`) tokens: the base path's grouped
+    product on a one-pass dequantised ``wo_a``."""
     lin = layer.wo_a
     assert lin.scale is not None
     og = o.reshape(o.shape[0], layer.o_groups, -1)
-    limit = FP8_GEMM_MAX_TOKENS if stream_max_tokens is None else stream_max_tokens
-    if o.shape[0] <= limit:
+    if o.shape[0] <= (WO_A_MAX_TOKENS if wo_a_max_tokens is None else wo_a_max_tokens):
         z = fp8_grouped_linear(og, lin.weight, lin.scale).flatten(1)
     else:
         z = dequantised_grouped_gemm(og, lin.weight, lin.scale)
     if wo_b:
-        return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant, limit)
+        return fp8_gemm(layer.wo_b, z, layer.cfg.act_quant, stream_max_tokens)
     return layer._wo_b_product(z)
