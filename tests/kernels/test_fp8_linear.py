@@ -202,9 +202,6 @@ ACT_CONFIGS = [
     Fp8GemmConfig(block_m=16, block_n=128, split_k=2, act_fp8=True),  # the M = 1 rule's wide tile
     # the M = 64 rule's non-swapped tile (the M > 64 table's)
     Fp8GemmConfig(block_m=64, block_n=128, split_k=2, swap=False, num_warps=8, act_fp8=True),
-    # 128-token tiles (the GEMM probe's act8_prequant_m128 rows at 128-1024 tokens)
-    Fp8GemmConfig(block_m=128, block_n=128, split_k=2, swap=False, num_warps=8, num_stages=4,
-                  act_fp8=True),
 ]
 
 

@@ -234,7 +234,6 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
         fp8_linear,
         fp8_linear_reference,
         quantize_activations,
-        sm_count,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
@@ -332,15 +331,6 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                     pre += [("act8_prequant_bm16", small),
                             ("act8_prequant_bm32",
                              Fp8GemmConfig(**{**small.__dict__, "block_m": 32}))]
-                if M >= 128:
-                    # 128 x 128 tiles (8 warps, 4 stages: 201 registers, no spill in the sm_90
-                    # compile), K split as the M > 64 rule splits: half as many programs as
-                    # with the 64-token tile read each weight tile
-                    tiles = -(-M // 128) * (N // 128)
-                    pre.append(("act8_prequant_m128", Fp8GemmConfig(
-                        block_m=128, block_n=128, swap=False, num_warps=8, num_stages=4,
-                        split_k=max(1, min(K // 128, 16, -(-sm_count(torch.device(dev))
-                                                           // tiles))), act_fp8=True)))
                 for tag, vc in pre:
                     impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: prequant(i, vc), ref_q))
         for impl, fn, want in impls:
