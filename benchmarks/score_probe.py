@@ -64,6 +64,11 @@ VARIANTS = {
     "tma group 4 stages 3": dict(tma=True, group=4, stages=3),
     "tma group 4 1 / SM": dict(tma=True, group=4, programs_per_sm=1),
     "tma f8": dict(tma=True, fp8_mma=True), "tma f8 group 4": dict(tma=True, fp8_mma=True, group=4),
+    "tma f8 8 warps": dict(tma=True, fp8_mma=True, num_warps=8),
+    "tma f8 2 / SM": dict(tma=True, fp8_mma=True, programs_per_sm=2),
+    "tma f8 8 / SM": dict(tma=True, fp8_mma=True, programs_per_sm=8),
+    "tma f8 stages 3": dict(tma=True, fp8_mma=True, stages=3),
+    "tma f8 stages 8": dict(tma=True, fp8_mma=True, stages=8),
 }
 """Name -> indexer_scores keywords. Left out for their spills (sm_90 compile, ``aot_sm90_regs.py
 steps``): 128-entry tiles at 4 warps, and since the keys sit on the MMA's M side (d61917b)
