@@ -269,7 +269,9 @@ def steps() -> bool:
     t = dict(ks_ptr="*fp32", s_ks="i32", pos_ptr="*i64", ape_ptr="*fp32", out_ptr="*fp32",
              s_out="i32")
     t = {**t, "ks2_ptr": "*fp32", "s_ks2": "i32", "ape2_ptr": "*fp32", "out2_ptr": "*fp32",
-         "s_out2": "i32"}
+         "s_out2": "i32", "v_ptr": "*i16", "s_v": "i32", "slot_ptr": "*i64", "row_ptr": "*i64",
+         "st_ptr": "*u8", "tab_ptr": "*i32", "st_tab": "i32", "n_seqs": "i32",
+         "max_logical": "i32", "B": "i32", "BLK": "i32"}
     for r, width in ((4, 1024), (128, 512), (4, 256)):
         ok &= _try(f"raw_rows R={r} WIDTH={width}", ce._raw_rows_kernel, t,
                    dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width), WIDTH2=0, BLOCK2=0),
@@ -277,6 +279,15 @@ def steps() -> bool:
     # a C4 layer's main (Flash 2 x 512) and indexer (2 x 128) compressor in one launch
     ok &= _try("raw_rows pair R=4 WIDTH=1024 WIDTH2=256", ce._raw_rows_kernel, t,
                dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512), dict(num_warps=4))
+    # ... with the window rows' store (fp8_ds_mla, d = 512) in programs (t, 2) / (t, 1)
+    kv = dict(FMT=2, D=512, DP=512, NOPE=448, NT=7, TP=8, ROPE=64, RP=64, SB=8, PADP=1,
+              IN_BF16=True)
+    ok &= _try("raw_rows pair + window store", ce._raw_rows_kernel, t,
+               dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512, STORE_COL=2, **kv),
+               dict(num_warps=4))
+    ok &= _try("raw_rows R=128 + window store", ce._raw_rows_kernel, t,
+               dict(R=128, WIDTH=512, BLOCK=1024, WIDTH2=0, BLOCK2=0, STORE_COL=1, **kv),
+               dict(num_warps=4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64",
              K1="i32", ring2_ptr="*fp32", rows2_ptr="*fp32", s_rows2="i32", dst2_ptr="*i64",
              src2_ptr="*i64", K2="i32")

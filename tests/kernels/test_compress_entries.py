@@ -419,6 +419,70 @@ def test_raw_rows_of_both_compressors_in_one_launch(preset):
 
 
 @kernel_runs
+@pytest.mark.parametrize("fmt,dim,rope", [("bf16", 128, 64), ("fp8_ds_mla", 128, 64),
+                                          ("fp8_ds_mla", 512, 64)])
+@pytest.mark.parametrize("pair", [False, True])
+def test_raw_rows_store_the_window_rows_in_their_launch(fmt, dim, rope, pair):
+    """``raw_rows`` / ``raw_rows_pair`` with ``store``: the same raw rows, and the store's
+    bytes those of ``store_rows`` - held rows crossing blocks, skipped pairs (row -1, a released
+    block, a slot holding nothing) and adversarial values (zero and boundary tiles)."""
+    from test_store_rows import FORMATS, adversarial, assert_same_bytes, pairs, twin_stores
+
+    from dsv4.kernels.compress_entries import RowStore, raw_rows, raw_rows_pair
+    from dsv4.kernels.store_rows import store_rows
+
+    make, tile, qmax = FORMATS[fmt]
+    a, b = twin_stores(make(dim, rope), 16, DEV, seed=5)
+    t = 24
+    slots, rows = (x.to(DEV) for x in pairs(16, t, seed=6))
+    values = adversarial(t, dim, tile, qmax, torch.bfloat16, seed=7).to(DEV)
+    cfg = DSV4Config.preset("tiny")
+    comps = [make_compressor(cfg, 4, idx, DEV)[0] for idx in (False, True)]
+    g = torch.Generator().manual_seed(8)
+    scores = [torch.randn(t, c.raw_width, generator=g).to(DEV) for c in comps]
+    pos = torch.randint(0, 10_000, (t,), generator=g).to(DEV)
+    store_rows(a, slots, rows, values)
+    job = RowStore(b, slots, rows, values)
+    if pair:
+        got = raw_rows_pair((comps[0], scores[0]), (comps[1], scores[1]), pos, store=job)
+        assert torch.equal(got[0], raw_rows(comps[0], scores[0], pos))
+        assert torch.equal(got[1], raw_rows(comps[1], scores[1], pos))
+    else:
+        assert torch.equal(raw_rows(comps[0], scores[0], pos, store=job),
+                           raw_rows(comps[0], scores[0], pos))
+    assert_same_bytes(a, b)
+
+
+@kernel_runs
+def test_raw_rows_refuse_rows_they_cannot_store():
+    """A store job that does not match the call (values of another width or count, float
+    slots) or that the store kernel cannot write is refused before anything is launched: the
+    store keeps its bytes."""
+    from test_store_rows import FORMATS, raw, twin_stores
+
+    from dsv4.kernels.compress_entries import RowStore, raw_rows
+
+    comp = make_compressor(DSV4Config.preset("tiny"), 4, False, DEV)[0]
+    t = 5
+    score, pos = torch.zeros(t, comp.raw_width, device=DEV), torch.arange(t, device=DEV)
+    store = twin_stores(FORMATS["fp8_ds_mla"][0](128, 64), 16, DEV)[0]
+    before = raw(store).clone()
+    idx = torch.zeros(t, dtype=torch.int64, device=DEV)
+    bad = [(RowStore(store, idx, idx, torch.zeros(t, 64, dtype=torch.bfloat16, device=DEV)),
+            "values must be \\[T=5, 128\\]"),
+           (RowStore(store, idx, idx, torch.zeros(t + 1, 128, dtype=torch.bfloat16,
+                                                  device=DEV)), "values must be"),
+           (RowStore(store, idx.float(), idx, torch.zeros(t, 128, dtype=torch.bfloat16,
+                                                          device=DEV)), "slots must be"),
+           (RowStore(store, idx, idx, torch.zeros(t, 128, dtype=torch.float64, device=DEV)),
+            "kv store")]
+    for job, message in bad:
+        with pytest.raises(ValueError, match=message):
+            raw_rows(comp, score, pos, store=job)
+    assert torch.equal(raw(store), before)
+
+
+@kernel_runs
 @pytest.mark.parametrize("k1,k2", [(6, 3), (2, 5), (0, 4), (3, 0), (0, 0)])
 def test_both_rings_kept_rows_in_one_launch(k1, k2):
     """Two rings (a C4 layer's main, 2048 wide, and indexer, 512) in one launch: each as its

@@ -118,9 +118,9 @@ def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
     """The launches the platform's stage overrides make per step (the step kernels that fuse
     several override points): the latent norms, then the query heads with the kv rows; both
     compressors' raw rows in one launch; the entries a step completes, both compressors' in
-    one; the flat rows in one (the window's with the selected or the visible entries'); both
-    rings in one. The outputs and stores equal the base path's
-    (``test_step_kernels_on_equal_off``)."""
+    one, which also stores the window rows (their own launch in an SWA layer); the flat rows
+    in one (the window's with the selected or the visible entries'); both rings in one. The
+    outputs and stores equal the base path's (``test_step_kernels_on_equal_off``)."""
     import dsv4.platforms.cuda as cuda
 
     cfg = DSV4Config.preset("tiny")
@@ -128,7 +128,7 @@ def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
                           "fused_query_heads_and_kv_rows", "raw_rows_pair", "raw_rows",
                           "keep_ring_rows_pair", "keep_ring_rows", "visible_entry_rows",
                           "entry_and_window_rows", "window_flat_rows", "compress_entries",
-                          "compress_entries_pair")
+                          "compress_entries_pair", "store_rows")
     _run(cpu_cuda_layer(cfg, ratio, True), cfg.hidden_size)
     steps = 8
     entries = [c for c in calls if c.startswith("compress_entries")]
@@ -140,8 +140,10 @@ def test_each_stage_is_its_launches(cpu_cuda_layer, monkeypatch, ratio):
     assert calls.count("fused_latent_norms") == steps
     assert calls.count("fused_query_heads_and_kv_rows") == steps
     if ratio == 0:
-        assert calls.count("window_flat_rows") == steps and len(calls) == 3 * steps
+        assert calls.count("window_flat_rows") == steps
+        assert calls.count("store_rows") == steps and len(calls) == 4 * steps
         return
+    assert "store_rows" not in calls  # the window rows: in the raw rows' launch
     # C128: every step selects every visible entry; C4: the 20-token prefill (5 entries,
     # index_topk 8), the indexer's top-k in the others
     visible = steps if ratio == 128 else 1

@@ -53,7 +53,8 @@ from dsv4.layers.rotary import RotaryEmbedding
 
 __all__ = ["EntryCompress", "compress_entries", "compress_entries_pair", "keep_ring_rows",
            "keep_ring_rows_pair", "keep_ring_rows_problem", "kernel_unsupported",
-           "launch_constants", "raw_rows", "raw_rows_pair", "raw_rows_problem", "sim_mode",
+           "launch_constants", "raw_rows", "raw_rows_pair", "raw_rows_problem", "RowStore",
+           "sim_mode",
            "store_constants"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
@@ -334,13 +335,32 @@ if triton_available():
     def _raw_rows_kernel(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, R: tl.constexpr,
                          WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
                          ks2_ptr=None, s_ks2=0, ape2_ptr=None, out2_ptr=None, s_out2=0,
-                         WIDTH2: tl.constexpr = 0, BLOCK2: tl.constexpr = 0):
+                         WIDTH2: tl.constexpr = 0, BLOCK2: tl.constexpr = 0,
+                         v_ptr=None, s_v=0, slot_ptr=None, row_ptr=None, st_ptr=None,
+                         tab_ptr=None, st_tab=0, n_seqs=0, max_logical=0, B=0, BLK=0,
+                         STORE_COL: tl.constexpr = 0, FMT: tl.constexpr = 0,
+                         D: tl.constexpr = 1, DP: tl.constexpr = 1, NOPE: tl.constexpr = 1,
+                         NT: tl.constexpr = 1, TP: tl.constexpr = 1, ROPE: tl.constexpr = 0,
+                         RP: tl.constexpr = 1, SB: tl.constexpr = 0, PADP: tl.constexpr = 1,
+                         IN_BF16: tl.constexpr = False):
         """Row t: [a | s + ape[pos mod R]] from the score GEMM's row [a | s] (fp32); with
-        WIDTH2 > 0 programs (t, 1) do the same for a second compressor of the same ratio."""
+        WIDTH2 > 0 programs (t, 1) do the same for a second compressor of the same ratio. With
+        STORE_COL > 0, programs (t, STORE_COL) write row t of ``v`` (the step's window rows)
+        into a paged store instead: :func:`dsv4.kernels.store_rows.store_row` as row
+        ``row[t]`` of slot ``slot[t]`` (``st_ptr`` ... ``BLK``, FMT ... IN_BF16 its
+        arguments)."""
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
-        if WIDTH2 > 0:  # noqa: SIM102 - a constexpr beside a runtime test
-            if tl.program_id(1) == 1:
+        col = tl.program_id(1)
+        stores = False
+        if STORE_COL > 0:
+            stores = col == STORE_COL
+        if stores:
+            store_row(st_ptr, v_ptr + t * s_v, tl.load(slot_ptr + t).to(tl.int64),
+                      tl.load(row_ptr + t).to(tl.int64), tab_ptr, st_tab, n_seqs, max_logical,
+                      B, BLK, FMT, D, DP, NOPE, NT, TP, ROPE, RP, SB, PADP, IN_BF16)
+        elif WIDTH2 > 0:  # noqa: SIM102 - a constexpr beside a runtime test
+            if col == 1:
                 _raw_row(ks2_ptr, s_ks2, pos_ptr, ape2_ptr, out2_ptr, s_out2, t, R, WIDTH2,
                          BLOCK2)
             else:
@@ -464,10 +484,52 @@ def raw_rows_problem(comp: Compressor, kv_score: torch.Tensor, positions: torch.
     return None
 
 
+class RowStore(NamedTuple):
+    """Rows for :func:`raw_rows` (or :func:`raw_rows_pair`) to store in its launch: what
+    :func:`dsv4.kernels.store_rows.store_rows` takes - ``values`` [T, store dim] (one row a
+    token of the raw rows' call) as row ``rows[t]`` of the sequence in slot ``slots[t]`` of
+    ``store`` ([T] int64 or int32 each; a pair whose row is < 0 or whose block is not held is
+    skipped)."""
+
+    store: PagedStore
+    slots: torch.Tensor
+    rows: torch.Tensor
+    values: torch.Tensor
+
+
+def _row_store_launch(job: RowStore, t: int, device: torch.device) -> dict[str, object]:
+    """The raw rows kernel's arguments and constants for storing ``job`` in its programs of
+    column STORE_COL (set by the caller); ValueError naming the problem where the store kernel
+    cannot take the rows or they do not match the call's ``t`` tokens."""
+    store, slots, rows, values = job
+    name = getattr(store, "name", "?")
+    target = store_row_target(store, values.dtype, device)
+    if isinstance(target, str):
+        raise ValueError(f"raw_rows kernel, {name} store: {target}")
+    if values.dim() != 2 or tuple(values.shape) != (t, store.fmt.dim):
+        raise ValueError(f"raw_rows kernel, {name} store: values must be [T={t}, "
+                         f"{store.fmt.dim}], got {tuple(values.shape)}")
+    for what, x in (("slots", slots), ("rows", rows)):
+        if (not isinstance(x, torch.Tensor) or x.shape != (t,) or x.device != device
+                or x.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"raw_rows kernel, {name} store: {what} must be int64 [T={t}] on "
+                             f"{device}, got {getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    v = values.view(torch.int16) if values.dtype == torch.bfloat16 else values
+    (st, table, st_tab, n_seqs, max_logical, b, blk), consts = target
+    return dict(v_ptr=v, s_v=v.stride(0), slot_ptr=slots.contiguous(), row_ptr=rows.contiguous(),
+                st_ptr=st, tab_ptr=table, st_tab=st_tab, n_seqs=n_seqs,
+                max_logical=max_logical, B=b, BLK=blk, **consts)
+
+
 def raw_rows_pair(first: tuple[Compressor, torch.Tensor], second: tuple[Compressor, torch.Tensor],
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  positions: torch.Tensor, store: RowStore | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`raw_rows` of two compressors of the same ratio (a C4 layer's main and indexer
-    compressor), each (compressor, its score GEMM's output), in one launch: the same rows."""
+    compressor), each (compressor, its score GEMM's output), in one launch: the same rows;
+    ``store`` as in :func:`raw_rows`."""
     outs = []
     for comp, score in (first, second):
         why = raw_rows_problem(comp, score, positions)
@@ -482,32 +544,39 @@ def raw_rows_pair(first: tuple[Compressor, torch.Tensor], second: tuple[Compress
                          f"scores be on one device ({k1.device} / {k2.device})")
     t = k1.shape[0]
     w1, w2 = c1.coff * c1.dim, c2.coff * c2.dim
+    stored = {} if store is None else {**_row_store_launch(store, t, k1.device), "STORE_COL": 2}
     if t:
-        launch(_raw_rows_kernel, (t, 2),
+        launch(_raw_rows_kernel, (t, 3 if stored else 2),
             k1, k1.stride(0), positions, c1.ape.contiguous(), outs[0], outs[0].stride(0),
             R=c1.ratio, WIDTH=w1, BLOCK=min(1024, triton.next_power_of_2(2 * w1)),
             ks2_ptr=k2, s_ks2=k2.stride(0), ape2_ptr=c2.ape.contiguous(), out2_ptr=outs[1],
             s_out2=outs[1].stride(0), WIDTH2=w2,
-            BLOCK2=min(1024, triton.next_power_of_2(2 * w2)), num_warps=4,
+            BLOCK2=min(1024, triton.next_power_of_2(2 * w2)), num_warps=4, **stored,
             **pdl_args(k1.device))
     return outs[0], outs[1]
 
 
-def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def raw_rows(comp: Compressor, kv_score: torch.Tensor, positions: torch.Tensor,
+             store: RowStore | None = None) -> torch.Tensor:
     """:meth:`Compressor.raw_rows` in fp32 as one launch (one program a token): [T, raw_width]
     float32 from the score GEMM's fp32 output ``kv_score`` [T, raw_width] (a row-strided view is
     read as it is) and ``positions`` [T]. The same one fp32 addition per score channel, so the
-    rows are bit-equal to the torch path's."""
+    rows are bit-equal to the torch path's. ``store``: the same launch also writes those rows
+    (a step's window rows, one a token) into their paged store, byte for byte what
+    :func:`~dsv4.kernels.store_rows.store_rows` writes - one launch a step instead of two
+    (ValueError, before anything is launched, where the store kernel cannot take them)."""
     why = raw_rows_problem(comp, kv_score, positions)
     if why is not None:
         raise ValueError(why)
     width = comp.coff * comp.dim
     t = kv_score.shape[0]
     out = torch.empty(t, 2 * width, dtype=torch.float32, device=kv_score.device)
+    stored = ({} if store is None
+              else {**_row_store_launch(store, t, kv_score.device), "STORE_COL": 1})
     if t:
-        launch(_raw_rows_kernel, (t,), kv_score, kv_score.stride(0), positions,
-               comp.ape.contiguous(), out, out.stride(0), R=comp.ratio, WIDTH=width,
-               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4,
+        launch(_raw_rows_kernel, (t, 2 if stored else 1), kv_score, kv_score.stride(0),
+               positions, comp.ape.contiguous(), out, out.stride(0), R=comp.ratio, WIDTH=width,
+               BLOCK=min(1024, triton.next_power_of_2(2 * width)), num_warps=4, **stored,
                **pdl_args(kv_score.device))
     return out
 

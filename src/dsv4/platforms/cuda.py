@@ -69,6 +69,7 @@ from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep
 from dsv4.kernels.compress_entries import (
     EntryCompress,
+    RowStore,
     compress_entries,
     compress_entries_pair,
     keep_ring_rows,
@@ -424,10 +425,16 @@ class CudaAttention(DeepseekV4Attention):
                      idx_kv_score: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if not self._step_kernels_enabled:
             return super()._write_cache(step, kv, kv_score, idx_kv_score)
-        raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score)
+        # the window rows stored by the raw rows' launch where the store kernel takes them
+        store = step.pool.stores["kv"]
+        window = (RowStore(store, step.tok_slot, step.pos, kv)
+                  if self._paged_kernels_ready(kv) and not store_rows_problem(store, kv)
+                  else None)
+        raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score, window)
+        if raw is None or window is None:  # not stored by that launch
+            self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
         if raw is None:  # a kernel refused a compressor's raw rows: the base's point for them
             raw = self._all_raw_rows(step, kv_score, idx_kv_score)
-        self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
         self._entries_in_kernels(step, raw)
         return raw
 
@@ -469,10 +476,11 @@ class CudaAttention(DeepseekV4Attention):
                              slots=e.slots, skip_slot=e.skip_slot)
 
     def _raw_rows_in_kernels(self, step: CacheStep, kv_score: torch.Tensor | None,
-                             idx_kv_score: torch.Tensor | None
+                             idx_kv_score: torch.Tensor | None, window: RowStore | None
                              ) -> dict[str, torch.Tensor] | None:
         """Every compressor's raw rows (``_raw_rows``' values) in one launch - a C4 layer's two
-        in one - or None where a kernel does not take them (the base path then runs)."""
+        in one - that also stores the ``window`` rows where given, or None where a kernel does
+        not take them (nothing launched: the base path then runs)."""
         jobs = self._compressor_jobs(kv_score, idx_kv_score)
         if (not jobs or not self._paged_kernels_ready(step.pos)
                 or self.acc_dtype != torch.float32
@@ -480,11 +488,11 @@ class CudaAttention(DeepseekV4Attention):
             return None
         if len(jobs) == 1:
             comp, name, score = jobs[0]
-            return {name: raw_rows(comp, score, step.pos)}
+            return {name: raw_rows(comp, score, step.pos, window)}
         (comp_a, name_a, score_a), (comp_b, name_b, score_b) = jobs
         if comp_a.ratio != comp_b.ratio:
             return None
-        rows_a, rows_b = raw_rows_pair((comp_a, score_a), (comp_b, score_b), step.pos)
+        rows_a, rows_b = raw_rows_pair((comp_a, score_a), (comp_b, score_b), step.pos, window)
         return {name_a: rows_a, name_b: rows_b}
 
     @override
