@@ -244,7 +244,9 @@ class StepPlan:
 
 def token_counts(seq_lens: Sequence[int] | None, n: int) -> list[int]:
     """The step's token count of each of ``n`` sequences (default 1: a decode step), checked."""
-    counts = [1] * n if seq_lens is None else list(seq_lens)
+    if seq_lens is None:
+        return [1] * n
+    counts = list(seq_lens)
     if len(counts) != n or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0
                                for c in counts):
         raise StepPlanError(f"seq_lens={counts} must give a positive token count for each of "
