@@ -352,8 +352,10 @@ def steps() -> bool:
           "scales": "tensordesc<fp32[1, 64]>"}
     for qg, warps in ((1, 4), (4, 8)):
         for f8 in (False, True):
+            # the fp8 MMA's pages typed as e4m3 (_page_descriptors(fp8_values=True))
+            tf8 = {**tp, "vals": "tensordesc<fp8e4nv[1, 64, 128]>"} if f8 else tp
             ok &= _try(f"indexer page score group={qg} warps={warps} f8={f8}",
-                       it._page_score_kernel, tp,
+                       it._page_score_kernel, tf8,
                        dict(H=64, HP=64, D=128, BN=64, DT=tl.bfloat16, PREC="tf32",
                             ZERO=True, QG=qg, STAGES=it.PAGE_STAGES, F8=f8),
                        dict(num_warps=warps))

@@ -972,13 +972,17 @@ def _check_page_store(keys: torch.Tensor, fmt: str, rows_per_block: int, block: 
         raise ValueError("indexer_scores(tma=True): " + "; ".join(bad))
 
 
-def _page_descriptors(keys: torch.Tensor, rows: int, d: int) -> tuple[object, object]:
-    """Tensor descriptors of an fp8 store's pages: the e4m3 bytes [blocks, rows, d] and the
-    float32 scales [blocks, rows * d / 128] of each block."""
+def _page_descriptors(keys: torch.Tensor, rows: int, d: int, fp8_values: bool = False
+                      ) -> tuple[object, object]:
+    """Tensor descriptors of an fp8 store's pages: the e4m3 bytes [blocks, rows, d] (typed as
+    e4m3 with ``fp8_values``: the fp8 MMA then reads the copied page from shared memory as its
+    operand, where uint8 bytes pass through registers for the bitcast) and the float32 scales
+    [blocks, rows * d / 128] of each block."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     nb, stride = keys.shape[0], keys.stride(0)
-    vals = torch.as_strided(keys, (nb, rows, d), (stride, d, 1))
+    vals = torch.as_strided(keys.view(torch.float8_e4m3fn) if fp8_values else keys,
+                            (nb, rows, d), (stride, d, 1))
     n = nb * stride
     flat = torch.as_strided(keys, (n,), (1,))
     f32 = flat.view(torch.float32)
@@ -1074,7 +1078,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     programs = -(-t // qg)
     tiles = choose_score_programs(n_tiles, programs, n_sm, programs_per_sm)
     if tma:
-        vals, scales = _page_descriptors(keys, rows_per_block, d)
+        vals, scales = _page_descriptors(keys, rows_per_block, d, fp8_values=fp8_mma)
         launch(_page_score_kernel, (programs, -(-n_tiles // tiles)),
             q, q.stride(0), q.stride(1), weights, weights.stride(0), s, s.stride(0), vals,
             scales, keys, keys.stride(0), table, table.stride(0), table.shape[1], tok_slot,
