@@ -51,11 +51,10 @@ from dsv4.layers.compressor import Compressor
 from dsv4.layers.quant_sim import INDEX_FP8_BLOCK
 from dsv4.layers.rotary import RotaryEmbedding
 
-__all__ = ["EntryCompress", "compress_entries", "compress_entries_pair", "keep_ring_rows",
-           "keep_ring_rows_pair", "keep_ring_rows_problem", "kernel_unsupported",
-           "launch_constants", "raw_rows", "raw_rows_pair", "raw_rows_problem", "RowStore",
-           "sim_mode",
-           "store_constants"]
+__all__ = ["EntryCompress", "RowStore", "compress_entries", "compress_entries_pair",
+           "keep_ring_rows", "keep_ring_rows_pair", "keep_ring_rows_problem",
+           "kernel_unsupported", "launch_constants", "raw_rows", "raw_rows_pair",
+           "raw_rows_problem", "sim_mode", "store_constants"]
 
 SIM_NONE, SIM_KV_FP8, SIM_INDEX_FP8, SIM_INDEX_FP4 = 0, 1, 2, 3
 KV_FP8_BLOCK = 64
@@ -512,8 +511,8 @@ def _row_store_launch(job: RowStore, t: int, device: torch.device) -> dict[str, 
     for what, x in (("slots", slots), ("rows", rows)):
         if (not isinstance(x, torch.Tensor) or x.shape != (t,) or x.device != device
                 or x.dtype not in (torch.int64, torch.int32)):
-            raise ValueError(f"raw_rows kernel, {name} store: {what} must be int64 [T={t}] on "
-                             f"{device}, got {getattr(x, 'dtype', type(x).__name__)} "
+            raise ValueError(f"raw_rows kernel, {name} store: {what} must be int64 or int32 "
+                             f"[T={t}] on {device}, got {getattr(x, 'dtype', type(x).__name__)} "
                              f"{tuple(getattr(x, 'shape', ()))}")
     if values.stride(1) != 1:
         values = values.contiguous()
