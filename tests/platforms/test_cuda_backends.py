@@ -163,6 +163,8 @@ def test_the_plan_sets_where_fp8_gemms_stop_streaming(tiny, monkeypatch):
      '"triton_attention_max_tokens": 1.5}}', "triton_attention_max_tokens must be"),
     ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '
      '"fp8_gemm_max_tokens": true}}', "fp8_gemm_max_tokens must be"),
+    ('{"default": {"fused_max_tokens": 8, "graph_max_tokens": 1, '
+     '"wo_a_max_tokens": -1}}', "wo_a_max_tokens must be"),
 ])
 def test_plan_refuses_a_malformed_table_naming_the_file(tmp_path, text, match):
     from dsv4.platforms.cuda import CudaPlan
