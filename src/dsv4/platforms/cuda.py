@@ -67,6 +67,7 @@ from dsv4.attention import DeepseekV4Attention
 from dsv4.cache.plan import StepPlan
 from dsv4.cache.pool import AttentionCache, CachePool
 from dsv4.cache.step import CacheStep
+from dsv4.cache.store import PagedStore
 from dsv4.kernels.compress_entries import (
     EntryCompress,
     RowStore,
@@ -428,8 +429,7 @@ class CudaAttention(DeepseekV4Attention):
         # the window rows stored by the raw rows' launch where the store kernel takes them
         store = step.pool.stores["kv"]
         window = (RowStore(store, step.tok_slot, step.pos, kv)
-                  if self._paged_kernels_ready(kv) and not store_rows_problem(store, kv)
-                  else None)
+                  if self._store_kernel_takes(store, kv) else None)
         raw = self._raw_rows_in_kernels(step, kv_score, idx_kv_score, window)
         if raw is None or window is None:  # not stored by that launch
             self._store_rows(step, "kv", step.tok_slot, step.pos, kv)
@@ -499,10 +499,15 @@ class CudaAttention(DeepseekV4Attention):
     def _store_rows(self, step: CacheStep, name: str, slots: torch.Tensor, rows: torch.Tensor,
                     values: torch.Tensor) -> None:
         store = step.pool.stores[name]
-        if self._paged_kernels_ready(values) and not store_rows_problem(store, values):
+        if self._store_kernel_takes(store, values):
             store_rows(store, slots, rows, values)
         else:
             super()._store_rows(step, name, slots, rows, values)
+
+    def _store_kernel_takes(self, store: PagedStore, values: torch.Tensor) -> bool:
+        """Whether the store kernel (``store_rows``, or ``store_row`` inside another launch)
+        writes ``values`` into ``store`` on this layer. Host-side, no sync."""
+        return self._paged_kernels_ready(values) and not store_rows_problem(store, values)
 
     # ---- stage 4: selection -----------------------------------------------------------
     @override
