@@ -324,6 +324,26 @@ def test_score_groups_give_the_same_scores(fmt, shape, stages):
     assert_scores_match(got, s64, tol)
 
 
+def page_case(shape: str, fp4_queries: bool = False
+              ) -> tuple[DSV4Config, CacheStep, torch.Tensor, torch.Tensor, int, list]:
+    """A page-copy scoring case of an fp8 store of 64-row blocks: (cfg, step, q, w, width,
+    :func:`score_args` with the longest sequence's second block not held), sequences of 1 + 3
+    tokens (``verify``) or ragged counts; ``fp4_queries``: q of the official FP4 simulation."""
+    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
+                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
+    cfg = tiny_cfg(8)
+    step = make_step(cfg, "fp8", lengths, counts, block_size=64, seed=7)
+    q, w = queries(cfg, step.num_tokens, seed=8)
+    if fp4_queries:
+        q = fp4_block_sim(q.float() * 3).to(BF16)
+    width = step.max_visible(4) + 37
+    args = list(score_args(cfg, step, q, w, width))
+    table = args[5].clone()
+    table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
+    args[5] = table
+    return cfg, step, q, w, width, args
+
+
 @kernel_runs
 @pytest.mark.parametrize("shape", ["verify", "ragged"])
 @pytest.mark.parametrize("group", [1, 4])
@@ -332,15 +352,7 @@ def test_page_copied_scores_give_the_same_scores(shape, group):
     as the gathering loads do: one query a program and groups, aligned with the sequences and
     cut across them, a block the table does not hold (zeros, as gathered) and the tiles past
     the visible end."""
-    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
-                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
-    cfg = tiny_cfg(8)
-    step = make_step(cfg, "fp8", lengths, counts, block_size=64, seed=7)
-    q, w = queries(cfg, step.num_tokens, seed=8)
-    args = list(score_args(cfg, step, q, w, step.max_visible(4) + 37))
-    table = args[5].clone()
-    table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
-    args[5] = table
+    _, step, _, _, _, args = page_case(shape)
     zero = torch.full((step.num_tokens,), 7, dtype=torch.int32, device=DEV)
     got = indexer_scores(*args, tma=True, group=group, zero=zero, programs_per_sm=1)
     assert not zero.any()
@@ -356,17 +368,7 @@ def test_fp8_mma_page_scores_match_float64(shape, group):
     in e4m3 with the head's scale) the products are exact, so the scores match the float64
     ones within the fp8 MMA's accumulation (2^-12 of the row's bound of |terms|; the bf16
     path's bound is 1e-5), -inf where invisible, zeros from an unheld block."""
-    lengths, counts = {"verify": ([90, 333, 1000], [4, 4, 4]),
-                       "ragged": ([90, 0, 333, 7, 1000], [1, 3, 2, 1, 5])}[shape]
-    cfg = tiny_cfg(8)
-    step = make_step(cfg, "fp8", lengths, counts, block_size=64, seed=7)
-    q, w = queries(cfg, step.num_tokens, seed=8)
-    q = fp4_block_sim(q.float() * 3).to(BF16)
-    width = step.max_visible(4) + 37
-    args = list(score_args(cfg, step, q, w, width))
-    table = args[5].clone()
-    table[step.tok_slot[-1], 1] = -1  # the longest sequence's second block: not held
-    args[5] = table
+    cfg, step, q, w, width, args = page_case(shape, fp4_queries=True)
     got = indexer_scores(*args, tma=True, fp8_mma=True, group=group, programs_per_sm=1)
     s64, tol = scores_f64(cfg, step, q, w, width)
     unheld = (step.tok_slot == step.tok_slot[-1])[:, None] & torch.isfinite(s64)
