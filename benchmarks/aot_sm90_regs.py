@@ -272,13 +272,18 @@ def steps() -> bool:
          "s_out2": "i32", "v_ptr": "*i16", "s_v": "i32", "slot_ptr": "*i64", "row_ptr": "*i64",
          "st_ptr": "*u8", "tab_ptr": "*i32", "st_tab": "i32", "n_seqs": "i32",
          "max_logical": "i32", "B": "i32", "BLK": "i32"}
+    # the pointers a launch leaves out are None there: constexpr None here, as Triton
+    # specialises them (a branch that reads one must not be compiled)
+    no_store = dict(v_ptr=None, slot_ptr=None, row_ptr=None, st_ptr=None, tab_ptr=None)
+    no_second = dict(ks2_ptr=None, ape2_ptr=None, out2_ptr=None)
     for r, width in ((4, 1024), (128, 512), (4, 256)):
         ok &= _try(f"raw_rows R={r} WIDTH={width}", ce._raw_rows_kernel, t,
-                   dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width), WIDTH2=0, BLOCK2=0),
-                   dict(num_warps=4))
+                   dict(R=r, WIDTH=width, BLOCK=min(1024, 2 * width), WIDTH2=0, BLOCK2=0,
+                        **no_store, **no_second), dict(num_warps=4))
     # a C4 layer's main (Flash 2 x 512) and indexer (2 x 128) compressor in one launch
     ok &= _try("raw_rows pair R=4 WIDTH=1024 WIDTH2=256", ce._raw_rows_kernel, t,
-               dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512), dict(num_warps=4))
+               dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512, **no_store),
+               dict(num_warps=4))
     # ... with the window rows' store (fp8_ds_mla, d = 512) in programs (t, 2) / (t, 1)
     kv = dict(FMT=2, D=512, DP=512, NOPE=448, NT=7, TP=8, ROPE=64, RP=64, SB=8, PADP=1,
               IN_BF16=True)
@@ -286,7 +291,8 @@ def steps() -> bool:
                dict(R=4, WIDTH=1024, BLOCK=1024, WIDTH2=256, BLOCK2=512, STORE_COL=2, **kv),
                dict(num_warps=4))
     ok &= _try("raw_rows R=128 + window store", ce._raw_rows_kernel, t,
-               dict(R=128, WIDTH=512, BLOCK=1024, WIDTH2=0, BLOCK2=0, STORE_COL=1, **kv),
+               dict(R=128, WIDTH=512, BLOCK=1024, WIDTH2=0, BLOCK2=0, STORE_COL=1, **kv,
+                    **no_second),
                dict(num_warps=4))
     t = dict(ring_ptr="*fp32", rows_ptr="*fp32", s_rows="i32", dst_ptr="*i64", src_ptr="*i64",
              K1="i32", ring2_ptr="*fp32", rows2_ptr="*fp32", s_rows2="i32", dst2_ptr="*i64",

@@ -351,14 +351,29 @@ if triton_available():
         wait_for_prior_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1)
-        stores = False
+        # the store's branch is compiled only where STORE_COL > 0 (its pointers are None else)
         if STORE_COL > 0:
-            stores = col == STORE_COL
-        if stores:
-            store_row(st_ptr, v_ptr + t * s_v, tl.load(slot_ptr + t).to(tl.int64),
-                      tl.load(row_ptr + t).to(tl.int64), tab_ptr, st_tab, n_seqs, max_logical,
-                      B, BLK, FMT, D, DP, NOPE, NT, TP, ROPE, RP, SB, PADP, IN_BF16)
-        elif WIDTH2 > 0:  # noqa: SIM102 - a constexpr beside a runtime test
+            if col == STORE_COL:
+                store_row(st_ptr, v_ptr + t * s_v, tl.load(slot_ptr + t).to(tl.int64),
+                          tl.load(row_ptr + t).to(tl.int64), tab_ptr, st_tab, n_seqs,
+                          max_logical, B, BLK, FMT, D, DP, NOPE, NT, TP, ROPE, RP, SB, PADP,
+                          IN_BF16)
+            else:
+                _raw_rows_column(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, col, R,
+                                 WIDTH, BLOCK, ks2_ptr, s_ks2, ape2_ptr, out2_ptr, s_out2,
+                                 WIDTH2, BLOCK2)
+        else:
+            _raw_rows_column(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, col, R, WIDTH,
+                             BLOCK, ks2_ptr, s_ks2, ape2_ptr, out2_ptr, s_out2, WIDTH2, BLOCK2)
+        let_next_kernel_launch(PDL)
+
+    @triton.jit
+    def _raw_rows_column(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, col,
+                         R: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, ks2_ptr,
+                         s_ks2, ape2_ptr, out2_ptr, s_out2, WIDTH2: tl.constexpr,
+                         BLOCK2: tl.constexpr):
+        """Row t of the first compressor (column 0) or, with WIDTH2 > 0, the second (1)."""
+        if WIDTH2 > 0:  # noqa: SIM102 - a constexpr beside a runtime test
             if col == 1:
                 _raw_row(ks2_ptr, s_ks2, pos_ptr, ape2_ptr, out2_ptr, s_out2, t, R, WIDTH2,
                          BLOCK2)
@@ -366,7 +381,6 @@ if triton_available():
                 _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R, WIDTH, BLOCK)
         else:
             _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R, WIDTH, BLOCK)
-        let_next_kernel_launch(PDL)
 
     @triton.jit
     def _raw_row(ks_ptr, s_ks, pos_ptr, ape_ptr, out_ptr, s_out, t, R: tl.constexpr,
