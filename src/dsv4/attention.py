@@ -32,7 +32,7 @@ from dsv4.layers.rotary import RotaryEmbedding
 from dsv4.layers.weight_layout import WeightLayout, set_layout
 from dsv4.offload import BaseOffloader, resolve_offloader
 from dsv4.parallel import execute_in_parallel
-from dsv4.stages import OVERRIDE_POINTS, InputProjections, Selection
+from dsv4.stages import OVERRIDE_POINTS, InputProjections, QueryAndRows, Selection
 from dsv4.tensor_parallel import TPInfo, local_sizes, resolve_tp
 from dsv4.weights import load_layer_weights, official_weight_specs
 
@@ -357,10 +357,12 @@ class DeepseekV4Attention(nn.Module):
         of :mod:`dsv4.stages`, in order - device work only, so that a CUDA graph can capture
         it (the step's end, :meth:`CacheStep.commit`, is the caller's)."""
         proj = self._run_parallel_input_projections(x)
-        qr, q, kv = self._query_and_kv_rows(proj.qr_kv, step.pos)
-        raw = self._write_cache(step, kv, proj.kv_score, proj.idx_kv_score)
-        selection = self._select(step, qr, proj.idx_weights)
-        y = self._tp_all_reduce(self._attend_and_project(q, step, selection))
+        qk = self._query_and_kv_rows(proj.qr_kv, step.pos)
+        raw = self._write_cache(step, qk.rows, proj.kv_score, proj.idx_kv_score)
+        selection = self._select(step, qk.qr, proj.idx_weights)
+        if qk.heads_ready is not None:  # the branch point: the heads' side stream joins here
+            torch.cuda.current_stream(qk.heads.device).wait_event(qk.heads_ready)
+        y = self._tp_all_reduce(self._attend_and_project(qk.heads, step, selection))
         self._keep_rings(step, raw)  # last: a failure above leaves every cache as it was
         return y
 
@@ -481,18 +483,18 @@ class DeepseekV4Attention(nn.Module):
                                 outs.get("idx_weights"))
 
     # ---- stage 2: query heads and kv rows -----------------------------------------------
-    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage 2 (docs/spec.md §5.2-§5.4): (qr, q, kv) - the normalised q latent
-        [T, q_lora_rank] (the indexer's query reads it in stage 4), the query heads
-        [T, heads, head_dim] and the window rows [T, head_dim] this step stores.
+    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor) -> QueryAndRows:
+        """Stage 2 (docs/spec.md §5.2-§5.4): the normalised q latent qr [T, q_lora_rank] (the
+        indexer's query reads it in stage 4), the query heads [T, heads, head_dim] and the
+        window rows [T, head_dim] this step stores (:class:`~dsv4.stages.QueryAndRows`).
 
-        May change: the kernels, and how many launches (e.g. the heads' and the rows' RoPE in
-        one).
+        May change: the kernels, how many launches (e.g. the heads' and the rows' RoPE in
+        one), and where the heads run: on a side stream that waited for qr, beside stages 3-4,
+        with ``heads_ready`` the event recorded after them (the step's branch point).
         Must keep: the values of :meth:`_latent_norms`, :meth:`_query_heads` and
         :meth:`_kv_rows`; the GEMM through :meth:`_wq_b_gemm`."""
         qr, kv = self._latent_norms(qr_kv)
-        return qr, self._query_heads(qr, pos), self._kv_rows(kv, pos)
+        return QueryAndRows(qr, self._query_heads(qr, pos), self._kv_rows(kv, pos))
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``

@@ -4,7 +4,8 @@ A step of :class:`dsv4.attention.DeepseekV4Attention` is six stages, called in t
 (docs/spec.md §8.3):
 
 1. ``_run_parallel_input_projections(x)``: the four GEMMs that read x (:class:`InputProjections`);
-2. ``_query_and_kv_rows(qr_kv, pos)``: the latent norms, the query heads, the window's kv rows;
+2. ``_query_and_kv_rows(qr_kv, pos)``: the latent norms, the query heads, the window's kv rows
+   (:class:`QueryAndRows`);
 3. ``_write_cache(step, kv, kv_score, idx_kv_score)``: the kv rows and every compressed entry
    the step completes into the paged stores; returns the raw rows the rings keep;
 4. ``_select(step, qr, idx_weights)``: what each query attends to (:class:`Selection`): its
@@ -20,6 +21,10 @@ several points into one. A stage override answers for the fine points it replace
 that overrides a fine point must also be the one whose stage calls it (the contract checker,
 :mod:`dsv4.testing.contract`, reports a fine point whose stage was replaced above it). Nothing
 is passed between stages except their return values.
+
+The step has one branch point: stage 2 may leave the query heads computing on a side stream
+(:attr:`QueryAndRows.heads_ready`). Stages 3 and 4 do not read them and run beside that work;
+the step makes its stream wait for the heads before stage 5, their only reader.
 
 Above the stages, one call-level point: ``_run_pool(x, pool, caches, counts)`` runs a plain
 call's tokens of one pool as steps (eagerly, by default); a platform may run the same steps
@@ -44,6 +49,21 @@ class InputProjections(NamedTuple):
     """[T, 2 * coff * index_head_dim] fp32: the indexer compressor's ``[kv | score]`` (C4)."""
     idx_weights: torch.Tensor | None
     """[T, index_n_heads] in the layer dtype: the indexer's head weights, unscaled (C4)."""
+
+
+class QueryAndRows(NamedTuple):
+    """What stage 2 returns."""
+
+    qr: torch.Tensor
+    """[T, q_lora_rank] in the layer dtype: the normalised q latent (the indexer's query reads
+    it in stage 4)."""
+    heads: torch.Tensor
+    """[T, heads, head_dim] in the layer dtype: the query heads (stage 5 reads them)."""
+    rows: torch.Tensor
+    """[T, head_dim]: the window rows this step stores (stage 3)."""
+    heads_ready: torch.cuda.Event | None = None
+    """None where ``heads`` are complete in the step's stream order; else the event a side
+    stream recorded after the heads' launches (the step waits for it before stage 5)."""
 
 
 class Selection(NamedTuple):

@@ -426,6 +426,48 @@ def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio
     assert_decode_graph_equals_eager(layer, caches, x)
 
 
+@cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_the_query_heads_branch_gives_the_one_stream_step(tiny, ratio):
+    """Stage 2's branch point: within ``multi_stream_token_threshold`` the ``wq_b`` GEMM and the
+    heads run on aux stream 0 (``heads_ready`` set) beside stages 3-4, the GEMM on its side
+    stream's own split-K workspace; the outputs and the stored bytes equal the one-stream
+    step's (threshold 0) bit for bit - prefill, eager, and the plain decode calls' graphs."""
+    cfg = tiny.replace(kv_cache_dtype="fp8_ds_mla")
+    layer, _ = _cuda_pair(cfg, ratio, "triton")
+    qr_kv = random_x(3, cfg.q_lora_rank + cfg.head_dim).to("cuda", BF16)
+    pos = torch.tensor([5, 70, 300], device="cuda")
+    branch = layer._query_and_kv_rows(qr_kv, pos)
+    assert branch.heads_ready is not None
+    torch.cuda.current_stream().wait_event(branch.heads_ready)
+    layer.cfg = layer.cfg.replace(multi_stream_token_threshold=0)
+    one = layer._query_and_kv_rows(qr_kv, pos)
+    assert one.heads_ready is None
+    for a, b in zip(branch[:3], one[:3], strict=True):
+        assert torch.equal(a, b)
+
+    n, steps = 150, 6
+    x = random_x(n + 3 * steps, cfg.hidden_size).to("cuda", BF16)
+
+    def run(threshold):
+        layer.cfg = layer.cfg.replace(multi_stream_token_threshold=threshold)
+        caches = layer.new_caches(3, n + steps + 1)
+        for i, c in enumerate(caches):
+            layer(x[i:n + i], torch.arange(n), c)
+        ys = [layer(x[n + 3 * i:n + 3 * i + 3], torch.full((3,), n + i), caches)
+              for i in range(steps)]
+        torch.cuda.synchronize()
+        return torch.cat(ys), {k: s.data.clone() for k, s in caches[0].pool.stores.items()}
+
+    y_branch, stores_branch = run(1024)
+    y_one, stores_one = run(0)
+    assert torch.equal(y_branch, y_one)
+    assert stores_branch.keys() == stores_one.keys()
+    for k in stores_one:
+        assert torch.equal(stores_branch[k], stores_one[k]), k
+
+
 def _variants_for_test(cfg, device):
     return [("fp8 cache", cfg.replace(kv_cache_dtype="fp8_ds_mla"))]
 

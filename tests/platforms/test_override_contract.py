@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from dsv4 import DeepseekV4Attention, platforms, process_weights_after_loading
 from dsv4.platforms.preshuffle import PreshuffleAttention
-from dsv4.stages import InputProjections
+from dsv4.stages import InputProjections, QueryAndRows
 from dsv4.testing.contract import expected_points, path_violations, structural_violations
 from dsv4.testing.verify import build_pair, conformance
 
@@ -134,7 +134,8 @@ def test_a_fine_point_under_a_stage_replaced_above_it_is_reported(tiny, make_lay
         @override
         def _query_and_kv_rows(self, qr_kv, pos):
             qr, kv = self._latent_norms(qr_kv)
-            return qr, self._query_heads(qr, pos), DeepseekV4Attention._kv_rows(self, kv, pos)
+            return QueryAndRows(qr, self._query_heads(qr, pos),
+                                DeepseekV4Attention._kv_rows(self, kv, pos))
 
     class Sub(Fused):
         @override

@@ -424,6 +424,17 @@ def sm_count(device: torch.device) -> int:
 
 
 _WORKSPACES: dict[str, SplitKWorkspace] = {}
+"""Each device's split-K workspace: the launches of the step's own stream (one at a time)."""
+
+_SIDE_WORKSPACES: dict[tuple[str, int], SplitKWorkspace] = {}
+
+
+def side_stream_workspace(stream: torch.cuda.Stream) -> SplitKWorkspace:
+    """The split-K workspace of launches on ``stream``, a side stream whose launches run while
+    others run on the step's stream (a stage's branch): its own, since two launches running at
+    once on one workspace would race on its partials and counters. One per side stream (the
+    launches on it are ordered)."""
+    return _SIDE_WORKSPACES.setdefault((str(stream.device), stream.stream_id), SplitKWorkspace())
 
 
 def _launch(x3: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y3: torch.Tensor,

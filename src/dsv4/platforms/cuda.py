@@ -15,7 +15,12 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   launch) and ``wo_b`` run through weight-streaming GEMMs that read e4m3 + ue8m0 scales in place
   (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
 * Stage 2: the latent norms are one launch, the query heads' RMS + RoPE and the kv rows' RoPE
-  (+ fp8 simulation) one more (:mod:`dsv4.platforms.cuda_elementwise`).
+  (+ fp8 simulation) one more (:mod:`dsv4.platforms.cuda_elementwise`). Where the input
+  stage's aux streams run (T <= multi_stream_token_threshold), the ``wq_b`` GEMM and the heads'
+  launch run on aux stream 0 instead, beside the kv rows, the cache writes and the selection
+  on the step's stream (the step's branch point, :class:`~dsv4.stages.QueryAndRows`): the
+  GEMM's weights stream while those small launches run (H100: -3 to -13 us a C4 step,
+  benchmarks/results/2026-12-07-h100/).
 * Stage 3: the cache writes are one launch per store (block-table lookup and the format's
   encode in the kernel, the same bytes: :mod:`dsv4.kernels.store_rows`); a C4 layer's two
   compressors' raw rows are one launch, and each compressor's entries one, which also stores
@@ -81,6 +86,7 @@ from dsv4.kernels.compress_entries import (
     raw_rows_pair,
     raw_rows_problem,
 )
+from dsv4.kernels.fp8_linear import side_stream_workspace
 from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import (
@@ -109,7 +115,9 @@ from dsv4.platforms.cuda_elementwise import (
     elementwise_usable,
     fused_indexer_query,
     fused_inverse_rope,
+    fused_kv_rows,
     fused_latent_norms,
+    fused_query_heads,
     fused_query_heads_and_kv_rows,
 )
 from dsv4.platforms.cuda_linears import (
@@ -127,7 +135,7 @@ from dsv4.runner import (
     capture_graph,
     shared_mempool,
 )
-from dsv4.stages import InputProjections, Selection
+from dsv4.stages import InputProjections, QueryAndRows, Selection
 
 logger = logging.getLogger(__name__)
 
@@ -404,20 +412,49 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- stage 2: query heads and kv rows ---------------------------------------------
     @override
-    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor) -> QueryAndRows:
         # two launches around the wq_b GEMM: both latent norms, then the heads' RMS + RoPE
         # with the kv rows' RoPE (+ fp8 simulation)
         if not self._elementwise_ready(qr_kv):
             return super()._query_and_kv_rows(qr_kv, pos)
         qr, kv = fused_latent_norms(self, qr_kv)
-        heads, rows = fused_query_heads_and_kv_rows(self, self._wq_b_gemm(qr), kv, pos)
-        return qr, heads, rows
+        side = self._heads_stream(qr)
+        if side is None:
+            heads, rows = fused_query_heads_and_kv_rows(self, self._wq_b_gemm(qr), kv, pos)
+            return QueryAndRows(qr, heads, rows)
+        # the branch: the heads on the side stream once qr is there; the step joins before
+        # stage 5. Each tensor that one stream allocated and the other reads is recorded on
+        # the reader, so that the allocator does not hand its memory out before that use.
+        main = torch.cuda.current_stream(qr.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            heads = fused_query_heads(self, self._wq_b_gemm(qr), pos)
+        qr.record_stream(side)
+        pos.record_stream(side)
+        heads.record_stream(main)
+        ready = torch.cuda.Event()
+        ready.record(side)
+        return QueryAndRows(qr, heads, fused_kv_rows(self, kv, pos), ready)
+
+    def _heads_stream(self, qr: torch.Tensor) -> torch.cuda.Stream | None:
+        """The side stream that computes this step's query heads (the input stage's aux stream
+        0, free again after that stage), or None: no aux streams, or more tokens than
+        ``multi_stream_token_threshold`` (calls long enough to fill the GPU on their own).
+        Host-side, no sync."""
+        if self.aux_streams is None or not qr.is_cuda:
+            return None
+        t = qr.shape[0]
+        return self.aux_streams[0] if 0 < t <= self.cfg.multi_stream_token_threshold else None
 
     @override
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self._fp8_ready("wq_b", qr):
-            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self.plan.fp8_gemm_max_tokens)
+            # on the heads' side stream (stage 2's branch), its own split-K workspace: the
+            # step's stream may run a split-K GEMM at the same time (the indexer's wq_b)
+            stream = torch.cuda.current_stream(qr.device)
+            side = stream if stream == self._heads_stream(qr) else None
+            return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self.plan.fp8_gemm_max_tokens,
+                            None if side is None else side_stream_workspace(side))
         return super()._wq_b_gemm(qr)
 
     # ---- stage 3: cache writes and compression ----------------------------------------

@@ -58,6 +58,22 @@ def fused_query_heads_and_kv_rows(layer: DeepseekV4Attention, q: torch.Tensor,
                               fp8_block=KV_FP8_BLOCK if sim else 0)
 
 
+def fused_query_heads(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
+                      ) -> torch.Tensor:
+    """The query heads alone (the heads' part of :func:`fused_query_heads_and_kv_rows`), one
+    launch: for a stage that computes them on a side stream, apart from the kv rows."""
+    heads = q.unflatten(-1, (layer.n_heads, layer.head_dim))
+    return rope_heads(heads, pos, _inv_freq(layer), norm_eps=layer.cfg.rms_norm_eps)
+
+
+def fused_kv_rows(layer: DeepseekV4Attention, kv: torch.Tensor, pos: torch.Tensor
+                  ) -> torch.Tensor:
+    """The kv rows alone (the rows' part of :func:`fused_query_heads_and_kv_rows`), one
+    launch."""
+    return rope_heads(kv, pos, _inv_freq(layer), fp8_dims=layer.head_dim - layer.rope_dim,
+                      fp8_block=KV_FP8_BLOCK if layer.cfg.simulate_quant else 0)
+
+
 def fused_indexer_query(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
                         ) -> torch.Tensor:
     """RoPE + the indexer numerics (``cfg.index_numerics`` under ``simulate_quant``: none,

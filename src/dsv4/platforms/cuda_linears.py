@@ -50,6 +50,7 @@ from dsv4.layers.weight_layout import get_layout
 
 if TYPE_CHECKING:
     from dsv4.attention import DeepseekV4Attention
+    from dsv4.kernels.fused_input_proj import SplitKWorkspace
 
 FP8_GEMM_MAX_TOKENS = 512
 """Calls of at most this many tokens use the weight-streaming kernels (4-17x faster than
@@ -145,23 +146,27 @@ def _has(layer: DeepseekV4Attention, name: str) -> bool:
 
 
 def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
-             stream_max_tokens: int | None = None) -> torch.Tensor:
+             stream_max_tokens: int | None = None,
+             workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
     kernel (at most ``stream_max_tokens`` tokens, default :data:`FP8_GEMM_MAX_TOKENS`; the
     platform passes its plan's), or (longer calls) a one-pass dequantised copy and cuBLAS.
     ``act_quant``: x quantised as §6.3 says first - inside the streaming kernel (fp8 MMAs), or
-    ``fp8_block_sim``'s values (:func:`dequantised_gemm`) before cuBLAS."""
+    ``fp8_block_sim``'s values (:func:`dequantised_gemm`) before cuBLAS. ``workspace``: the
+    streaming kernel's split-K workspace (default: the device's; a side stream's launches pass
+    :func:`~dsv4.kernels.fp8_linear.side_stream_workspace`)."""
     assert lin.scale is not None
     n, k = lin.weight.shape
     m = x.shape[0]
     if m <= (FP8_GEMM_MAX_TOKENS if stream_max_tokens is None else stream_max_tokens):
         if not act_quant:
-            return fp8_linear(x, lin.weight, lin.scale)
+            return fp8_linear(x, lin.weight, lin.scale, workspace=workspace)
         cfg = choose_fp8_config(m, n, k, sm_count(x.device), act_fp8=True)
         if m < PREQUANT_MIN_TOKENS:
-            return fp8_linear(x, lin.weight, lin.scale, config=cfg)
+            return fp8_linear(x, lin.weight, lin.scale, config=cfg, workspace=workspace)
         xq, sx = quantize_activations(x)
-        return fp8_linear(xq, lin.weight, lin.scale, config=cfg, x_scales=sx)
+        return fp8_linear(xq, lin.weight, lin.scale, config=cfg, workspace=workspace,
+                          x_scales=sx)
     return dequantised_gemm(x, lin.weight, lin.scale, act_quant)
 
 
