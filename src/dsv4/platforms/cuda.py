@@ -451,10 +451,11 @@ class CudaAttention(DeepseekV4Attention):
         if self._fp8_ready("wq_b", qr):
             # on the heads' side stream (stage 2's branch), its own split-K workspace: the
             # step's stream may run a split-K GEMM at the same time (the indexer's wq_b)
-            stream = torch.cuda.current_stream(qr.device)
-            side = stream if stream == self._heads_stream(qr) else None
+            side = self._heads_stream(qr)
+            workspace = (side_stream_workspace(side) if side is not None
+                         and torch.cuda.current_stream(qr.device) == side else None)
             return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self.plan.fp8_gemm_max_tokens,
-                            None if side is None else side_stream_workspace(side))
+                            workspace)
         return super()._wq_b_gemm(qr)
 
     # ---- stage 3: cache writes and compression ----------------------------------------
