@@ -231,6 +231,10 @@ class CudaAttention(DeepseekV4Attention):
         self._step_kernels_enabled = True
         self._step_runner: DecodeRunner | None = None
         """Plain decode calls' graphs (made on first use, dropped when weights change)."""
+        self._heads_ready = torch.cuda.Event()
+        """Recorded on the side stream after the query heads (stage 2's branch): the layer's
+        own, reused every step, as the input stage's events are (stable fork / join edges for
+        graph capture, no event made per call)."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -432,9 +436,8 @@ class CudaAttention(DeepseekV4Attention):
         qr.record_stream(side)
         pos.record_stream(side)
         heads.record_stream(main)
-        ready = torch.cuda.Event()
-        ready.record(side)
-        return QueryAndRows(qr, heads, fused_kv_rows(self, kv, pos), ready)
+        self._heads_ready.record(side)
+        return QueryAndRows(qr, heads, fused_kv_rows(self, kv, pos), self._heads_ready)
 
     def _heads_stream(self, qr: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream that computes this step's query heads (the input stage's aux stream
