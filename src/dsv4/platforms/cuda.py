@@ -417,8 +417,10 @@ class CudaAttention(DeepseekV4Attention):
     # ---- stage 2: query heads and kv rows ---------------------------------------------
     @override
     def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor) -> QueryAndRows:
-        # two launches around the wq_b GEMM: both latent norms, then the heads' RMS + RoPE
-        # with the kv rows' RoPE (+ fp8 simulation)
+        # the latent norms in one launch; then, on the step's stream, the wq_b GEMM and one
+        # launch of the heads' RMS + RoPE with the kv rows' RoPE (+ fp8 simulation) - or, within
+        # the token threshold, the GEMM and the heads' launch on the side stream and the rows'
+        # launch here
         if not self._elementwise_ready(qr_kv):
             return super()._query_and_kv_rows(qr_kv, pos)
         qr, kv = fused_latent_norms(self, qr_kv)
