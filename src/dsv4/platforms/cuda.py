@@ -19,7 +19,7 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   stage's aux streams run (T <= multi_stream_token_threshold), the ``wq_b`` GEMM and the heads'
   launch run on aux stream 0 instead, beside the kv rows, the cache writes and the selection
   on the step's stream (the step's branch point, :class:`~dsv4.stages.QueryAndRows`): the
-  GEMM's weights stream while those small launches run (a C4 step 2-12 us faster on an H100,
+  GEMM's weights stream while those small launches run (a C4 step 2-13 us faster on an H100,
   benchmarks/results/2026-12-07-h100/decode-step-verify/heads-branch/).
 * Stage 3: the cache writes are one launch per store (block-table lookup and the format's
   encode in the kernel, the same bytes: :mod:`dsv4.kernels.store_rows`); a C4 layer's two
