@@ -214,3 +214,41 @@ def test_a_mixed_batch_reaches_forward_mqa_once(tiny, make_layer):
     layer = make_layer(tiny, 4)
     x = random_x(20, tiny.hidden_size).bfloat16()
     assert path_violations(layer, x) == []
+
+
+def test_the_step_waits_for_the_heads_branch_before_attention(tiny, make_layer, monkeypatch):
+    """The step's branch point: where stage 2 returns a ``heads_ready`` event, the step makes its
+    stream wait for that event after stages 3-4 and before stage 5 (the heads' only reader).
+    On the CPU, with a stand-in stream that records the wait among the stages' calls."""
+    order: list[str] = []
+    event = object()
+
+    class FakeStream:
+        def wait_event(self, e):
+            assert e is event
+            order.append("wait")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+
+    class Branched(DeepseekV4Attention):
+        @override
+        def _query_and_kv_rows(self, qr_kv, pos):
+            qk = super()._query_and_kv_rows(qr_kv, pos)
+            return qk._replace(heads_ready=event)
+
+    layer = Branched(tiny, tiny.layer_of_ratio(4))
+    layer.load_state_dict(make_layer(tiny, 4).state_dict())
+    reference = make_layer(tiny, 4)
+    x = random_x(12, tiny.hidden_size).bfloat16()
+    stages = ["_write_cache", "_select", "_attend_and_project", "_keep_rings"]
+    for name in stages:
+        real = getattr(layer, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            order.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(layer, name, spy)
+    y = layer(x, torch.arange(12), layer.new_cache(12))
+    assert order == ["_write_cache", "_select", "wait", "_attend_and_project", "_keep_rings"]
+    assert torch.equal(y, reference(x, torch.arange(12), reference.new_cache(12)))
