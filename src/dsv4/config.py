@@ -129,7 +129,9 @@ class DSV4Config:
     every platform's GEMMs. Off: bf16 activations (the §9 "small error" against the official
     numerics). A runtime option: never written to ``config.json``."""
     multi_stream_token_threshold: int = 1024
-    """Input-GEMM stream overlap is enabled only for calls with at most this many tokens."""
+    """Streams overlap only in steps of at most this many tokens: the input GEMMs on the aux
+    streams (upstream's plan), and a platform's stage-2 branch (the ``cuda`` platform's query
+    heads on a side stream, :class:`dsv4.stages.QueryAndRows`); 0: one stream."""
     kv_cache_dtype: str = "auto"
     """Stored format of window rows and compressed entries: ``auto`` (the layer dtype, exact),
     ``bf16``, or ``fp8_ds_mla`` (FlashMLA's 584-byte DeepSeek-V4 layout)."""
