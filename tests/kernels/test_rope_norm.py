@@ -63,18 +63,6 @@ def positions(t: int, seed: int = 0) -> torch.Tensor:
     return pos.to(DEV)
 
 
-def heads_alone(lay, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The query heads' RMS + RoPE in a launch of their own (``rope_heads``)."""
-    heads = q.unflatten(-1, (lay.n_heads, lay.head_dim))
-    return rope_heads(heads, pos, lay.rotary.inv_freq, norm_eps=lay.cfg.rms_norm_eps)
-
-
-def rows_alone(lay, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The kv rows' RoPE (+ the fp8 simulation) in a launch of their own (``rope_heads``)."""
-    return rope_heads(kv, pos, lay.rotary.inv_freq, fp8_dims=lay.head_dim - lay.rope_dim,
-                      fp8_block=ew.KV_FP8_BLOCK if lay.cfg.simulate_quant else 0)
-
-
 def check(got: torch.Tensor, want: torch.Tensor, quant: bool = False,
           max_mismatch: float = 0.02) -> float:
     """Equal up to one bf16 ulp (plus an fp32 cancellation term) per element; simulated
@@ -141,7 +129,7 @@ def test_query_heads(shape, t):
     lay._wq_b_gemm = lambda qr: q
     pos = positions(t)
     want = DeepseekV4Attention._query_heads(lay, None, pos)
-    check(heads_alone(lay, q, pos), want)
+    check(ew.fused_query_heads(lay, q, pos), want)
 
 
 @kernel_runs
@@ -154,7 +142,7 @@ def test_kv_rows(shape, simulate, ratio):
     kv = rand(t, lay.head_dim, seed=shape, scale=2.0)
     pos = positions(t)
     want = DeepseekV4Attention._kv_rows(lay, kv, pos)
-    got = rows_alone(lay, kv, pos)
+    got = ew.fused_kv_rows(lay, kv, pos)
     nope = lay.head_dim - lay.rope_dim
     assert torch.equal(got[:, :nope], want[:, :nope])  # unrotated: the same inputs
     check(got, want)
@@ -172,8 +160,8 @@ def test_query_heads_and_kv_rows_in_one_launch(shape, simulate, t):
     kv = rand(t, 2 * lay.head_dim, seed=shape + 1, scale=2.0)[:, ::2]  # strided rows
     pos = positions(t, seed=shape)
     heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)
-    assert torch.equal(heads, heads_alone(lay, q, pos))
-    assert torch.equal(rows, rows_alone(lay, kv, pos))
+    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
+    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
     with pytest.raises(ValueError, match="row must be"):
         ew.fused_query_heads_and_kv_rows(lay, q, kv[:, :-2], pos)
 
@@ -301,7 +289,7 @@ def test_gpu_model_shapes(model, t, ratio):
         errs[f"indexer {numerics}"] = check(ew.fused_indexer_query(lay, iq, pos), want,
                                             quant=numerics is not None)
         kv = rand(t, c.head_dim, seed=2, scale=2.0)
-        errs[f"kv {numerics}"] = check(rows_alone(lay, kv, pos),
+        errs[f"kv {numerics}"] = check(ew.fused_kv_rows(lay, kv, pos),
                                        DeepseekV4Attention._kv_rows(lay, kv, pos))
     qr_kv = rand(t, c.q_lora_rank + c.head_dim, seed=3, scale=3.0)
     for g, w in zip(ew.fused_latent_norms(lay, qr_kv),
@@ -309,11 +297,11 @@ def test_gpu_model_shapes(model, t, ratio):
         errs["latent"] = check(g, w)
     q = rand(t, c.num_attention_heads * c.head_dim, seed=4, scale=2.0)
     lay._wq_b_gemm = lambda qr: q
-    errs["query"] = check(heads_alone(lay, q, pos),
+    errs["query"] = check(ew.fused_query_heads(lay, q, pos),
                           DeepseekV4Attention._query_heads(lay, None, pos))
     heads, rows = ew.fused_query_heads_and_kv_rows(lay, q, kv, pos)  # one launch, same bits
-    assert torch.equal(heads, heads_alone(lay, q, pos))
-    assert torch.equal(rows, rows_alone(lay, kv, pos))
+    assert torch.equal(heads, ew.fused_query_heads(lay, q, pos))
+    assert torch.equal(rows, ew.fused_kv_rows(lay, kv, pos))
     o = rand(t, c.num_attention_heads, c.head_dim, seed=5)
     want = lay.rotary.rotate(o, pos, torch.float32, inverse=True)
     errs["inverse"] = check(ew.fused_inverse_rope(lay, o.clone(), pos), want)

@@ -52,10 +52,9 @@ def fused_query_heads_and_kv_rows(layer: DeepseekV4Attention, q: torch.Tensor,
     ``simulate_quant`` the fp8 block-64 simulation of the nope dims - in one launch (a column
     of programs for the rows)."""
     heads = q.unflatten(-1, (layer.n_heads, layer.head_dim))
-    sim = layer.cfg.simulate_quant
+    dims, block = _kv_row_sim(layer)
     return rope_heads_and_row(heads, kv, pos, _inv_freq(layer), norm_eps=layer.cfg.rms_norm_eps,
-                              fp8_dims=layer.head_dim - layer.rope_dim,
-                              fp8_block=KV_FP8_BLOCK if sim else 0)
+                              fp8_dims=dims, fp8_block=block)
 
 
 def fused_query_heads(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
@@ -70,8 +69,14 @@ def fused_kv_rows(layer: DeepseekV4Attention, kv: torch.Tensor, pos: torch.Tenso
                   ) -> torch.Tensor:
     """The kv rows alone (the rows' part of :func:`fused_query_heads_and_kv_rows`), one
     launch."""
-    return rope_heads(kv, pos, _inv_freq(layer), fp8_dims=layer.head_dim - layer.rope_dim,
-                      fp8_block=KV_FP8_BLOCK if layer.cfg.simulate_quant else 0)
+    dims, block = _kv_row_sim(layer)
+    return rope_heads(kv, pos, _inv_freq(layer), fp8_dims=dims, fp8_block=block)
+
+
+def _kv_row_sim(layer: DeepseekV4Attention) -> tuple[int, int]:
+    """The kv rows' fp8 simulation as ``rope_heads`` takes it, (fp8_dims, fp8_block): the nope
+    dims, in blocks of ``KV_FP8_BLOCK`` under ``simulate_quant`` (block 0: none)."""
+    return layer.head_dim - layer.rope_dim, KV_FP8_BLOCK if layer.cfg.simulate_quant else 0
 
 
 def fused_indexer_query(layer: DeepseekV4Attention, q: torch.Tensor, pos: torch.Tensor
