@@ -357,11 +357,12 @@ class DeepseekV4Attention(nn.Module):
         of :mod:`dsv4.stages`, in order - device work only, so that a CUDA graph can capture
         it (the step's end, :meth:`CacheStep.commit`, is the caller's)."""
         proj = self._run_parallel_input_projections(x)
-        qk = self._query_and_kv_rows(proj.qr_kv, step.pos)
+        qk = self._query_and_kv_rows(proj.qr_kv, step)
         raw = self._write_cache(step, qk.rows, proj.kv_score, proj.idx_kv_score)
-        selection = self._select(step, qk.qr, proj.idx_weights)
-        if qk.heads_ready is not None:  # the branch point: the heads' side stream joins here
-            torch.cuda.current_stream(qk.heads.device).wait_event(qk.heads_ready)
+        # the branch point's side streams join before their readers: stage 4, stage 5
+        _join(qk.index_query_ready, x)
+        selection = self._select(step, qk.index_query, proj.idx_weights)
+        _join(qk.heads_ready, x)
         y = self._tp_all_reduce(self._attend_and_project(qk.heads, step, selection))
         self._keep_rings(step, raw)  # last: a failure above leaves every cache as it was
         return y
@@ -483,18 +484,23 @@ class DeepseekV4Attention(nn.Module):
                                 outs.get("idx_weights"))
 
     # ---- stage 2: query heads and kv rows -----------------------------------------------
-    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor) -> QueryAndRows:
-        """Stage 2 (docs/spec.md §5.2-§5.4): the normalised q latent qr [T, q_lora_rank] (the
-        indexer's query reads it in stage 4), the query heads [T, heads, head_dim] and the
-        window rows [T, head_dim] this step stores (:class:`~dsv4.stages.QueryAndRows`).
+    def _query_and_kv_rows(self, qr_kv: torch.Tensor, step: CacheStep) -> QueryAndRows:
+        """Stage 2 (docs/spec.md §5.2-§5.4, §5.7): from the normalised q latent, the query
+        heads [T, heads, head_dim] and, where the C4 indexer decides this step
+        (:meth:`_indexer_decides`), the indexer's query; from the normalised kv, the window
+        rows [T, head_dim] this step stores (:class:`~dsv4.stages.QueryAndRows`).
 
         May change: the kernels, how many launches (e.g. the heads' and the rows' RoPE in
-        one), and where the heads run: on a side stream that waited for qr, beside stages 3-4,
-        with ``heads_ready`` the event recorded after them (the step's branch point).
-        Must keep: the values of :meth:`_latent_norms`, :meth:`_query_heads` and
-        :meth:`_kv_rows`; the GEMM through :meth:`_wq_b_gemm`."""
+        one), and where the heads and the indexer's query run: on side streams that waited
+        for the latent, beside stages 3-4, each with the event recorded after it
+        (``heads_ready``, ``index_query_ready``: the step's branch point).
+        Must keep: the values of :meth:`_latent_norms`, :meth:`_query_heads`, :meth:`_kv_rows`
+        and :meth:`_indexer_query`; the GEMMs through :meth:`_wq_b_gemm` and
+        :meth:`_indexer_wq_b_gemm`; no indexer query where the indexer does not decide."""
         qr, kv = self._latent_norms(qr_kv)
-        return QueryAndRows(qr, self._query_heads(qr, pos), self._kv_rows(kv, pos))
+        index_query = self._indexer_query(qr, step.pos) if self._indexer_decides(step) else None
+        return QueryAndRows(self._query_heads(qr, step.pos), self._kv_rows(kv, step.pos),
+                            index_query)
 
     def _latent_norms(self, qr_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qr, kv): ``q_norm`` of the q latent and ``kv_norm`` of the kv row, from ``qr_kv``
@@ -542,6 +548,38 @@ class DeepseekV4Attention(nn.Module):
             nope = self.head_dim - self.rope_dim
             kv = torch.cat((fp8_block_sim(kv[:, :nope]), kv[:, nope:]), dim=-1)
         return kv
+
+    def _indexer_decides(self, step: CacheStep) -> bool:
+        """Whether the C4 indexer has a choice in this step: some query sees more than
+        ``index_topk`` entries. Where none does (contexts up to 4 * index_topk tokens: 2K for
+        Flash, 4K for Pro), every query takes all its visible entries whatever the scores (the
+        indexer's contract), so the indexer's query, scores and top-k are skipped and the
+        selection is every visible entry, ascending: the same set (attention does not depend on
+        the order but for fp32 rounding). Host arithmetic, no sync."""
+        return self.indexer is not None and self.indexer.has_choice(step.max_visible(4))
+
+    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
+        """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
+        index_head_dim] in the layer dtype (ratio-4 layers only).
+
+        May change: the kernel (as :meth:`_wq_b_gemm`).
+        Must keep: the layer dtype out, the head-major column order, the §6.3 activation
+        quantisation under ``cfg.act_quant``, and no RoPE or other numerics simulation here
+        (the indexer applies them)."""
+        assert self.indexer is not None
+        return self.indexer.wq_b(self._fp8_linear_input(qr))
+
+    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's queries q_I [T, index_n_heads, index_head_dim]: :meth:`_indexer_wq_b_gemm`
+        of the normalised latent ``qr``, RoPE at ``pos``, then the indexer numerics' simulation
+        (``cfg.index_numerics`` under ``simulate_quant``, docs/spec.md §6.2).
+
+        May change: the kernels after the GEMM.
+        Must keep: the GEMM through :meth:`_indexer_wq_b_gemm`, the numerics the config names."""
+        assert self.indexer is not None
+        numerics = self.cfg.index_numerics if self.cfg.simulate_quant else None
+        return self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
+                                         self.acc_dtype, numerics)
 
     # ---- stage 3: cache writes and compression ------------------------------------------
     def _write_cache(self, step: CacheStep, kv: torch.Tensor, kv_score: torch.Tensor | None,
@@ -639,8 +677,8 @@ class DeepseekV4Attention(nn.Module):
                                   self.cfg.index_numerics)
 
     # ---- stage 4: selection -------------------------------------------------------------
-    def _select(self, step: CacheStep, qr: torch.Tensor, idx_weights: torch.Tensor | None
-                ) -> Selection:
+    def _select(self, step: CacheStep, index_query: torch.Tensor | None,
+                idx_weights: torch.Tensor | None) -> Selection:
         """Stage 4 (docs/spec.md §5.5, §5.7): what each query attends to - its window rows and
         its compressed entries (C4: the indexer's top-k, where it has a choice; C128 and C4
         steps where it has none: every visible entry), as flat store rows
@@ -649,27 +687,20 @@ class DeepseekV4Attention(nn.Module):
         May change: the kernels, and how many launches (e.g. the entries' and the window's
         flat rows in one).
         Must keep: the values of :meth:`_window_rows`, of the entries (the indexer's contract,
-        :meth:`_indexer_select`; :meth:`_visible_entries`) and of :meth:`_entry_rows`; the
-        indexer's query through :meth:`_indexer_query`; int64 or int32 rows."""
+        :meth:`_indexer_select`, which reads stage 2's ``index_query``;
+        :meth:`_visible_entries`) and of :meth:`_entry_rows`; int64 or int32 rows."""
         window = self._window_rows(step)
         r = self.compress_ratio
         if r == 0:
             return Selection(window, None, None)
         if self._indexer_decides(step):
-            assert idx_weights is not None
-            entries = self._indexer_select(step, self._indexer_query(qr, step.pos), idx_weights)
+            if index_query is None or idx_weights is None:
+                raise RuntimeError(f"layer {self.layer_id}: the indexer decides this step but "
+                                   "stage 2 gave no index query or stage 1 no index weights")
+            entries = self._indexer_select(step, index_query, idx_weights)
         else:
             entries = self._visible_entries(step, r)
         return Selection(window, entries, self._entry_rows(step, entries))
-
-    def _indexer_decides(self, step: CacheStep) -> bool:
-        """Whether the C4 indexer has a choice in this step: some query sees more than
-        ``index_topk`` entries. Where none does (contexts up to 4 * index_topk tokens: 2K for
-        Flash, 4K for Pro), every query takes all its visible entries whatever the scores (the
-        indexer's contract), so the indexer's query, scores and top-k are skipped and the
-        selection is every visible entry, ascending: the same set (attention does not depend on
-        the order but for fp32 rounding). Host arithmetic, no sync."""
-        return self.indexer is not None and self.indexer.has_choice(step.max_visible(4))
 
     def _window_rows(self, step: CacheStep) -> torch.Tensor:
         """[T, window] int64 flat rows of the ``kv`` store each query sees: positions
@@ -679,29 +710,6 @@ class DeepseekV4Attention(nn.Module):
         May change: how they are computed; int32 where the platform's attention reads them.
         Must keep: the values and their order."""
         return step.window_rows(self.window)
-
-    def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
-        """Indexer query up-projection ``qr @ indexer.wq_b^T``: [T, index_n_heads *
-        index_head_dim] in the layer dtype (ratio-4 layers only).
-
-        May change: the kernel (as :meth:`_wq_b_gemm`).
-        Must keep: the layer dtype out, the head-major column order, the §6.3 activation
-        quantisation under ``cfg.act_quant``, and no RoPE or other numerics simulation here
-        (the indexer applies them)."""
-        assert self.indexer is not None
-        return self.indexer.wq_b(self._fp8_linear_input(qr))
-
-    def _indexer_query(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The indexer's queries q_I [T, index_n_heads, index_head_dim]: :meth:`_indexer_wq_b_gemm`
-        of the normalised latent ``qr``, RoPE at ``pos``, then the indexer numerics' simulation
-        (``cfg.index_numerics`` under ``simulate_quant``, docs/spec.md §6.2).
-
-        May change: the kernels after the GEMM.
-        Must keep: the GEMM through :meth:`_indexer_wq_b_gemm`, the numerics the config names."""
-        assert self.indexer is not None
-        numerics = self.cfg.index_numerics if self.cfg.simulate_quant else None
-        return self.indexer.rotate_query(self._indexer_wq_b_gemm(qr), pos, self.rotary,
-                                         self.acc_dtype, numerics)
 
     def _indexer_select(self, step: CacheStep, idx_q: torch.Tensor, idx_weights: torch.Tensor
                         ) -> torch.Tensor:
@@ -981,6 +989,13 @@ def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
     if not incompatible.missing_keys:
         module._weights_loaded = True
     module._after_weights_changed()
+
+
+def _join(event: torch.cuda.Event | None, x: torch.Tensor) -> None:
+    """Make the current stream wait for a side stream's ``event`` (None: nothing to wait for,
+    the work ran in stream order)."""
+    if event is not None:
+        torch.cuda.current_stream(x.device).wait_event(event)
 
 
 def _every_visible_entry(pos: torch.Tensor, n: int, r: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsv4 import DeepseekV4Attention, process_weights_after_loading
+from dsv4.cache.step import CacheStep
 from dsv4.kernels.fused_input_proj import triton_available
 from dsv4.kernels.launch import _INTERPRET
 from dsv4.platforms import build_attention
@@ -431,22 +432,31 @@ def test_whole_decode_step_graph_with_fp8_gemms_and_triton_attention(tiny, ratio
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_the_query_heads_branch_gives_the_one_stream_step(tiny, ratio):
     """Stage 2's branch point: within ``multi_stream_token_threshold`` the ``wq_b`` GEMM and the
-    heads run on aux stream 0 (``heads_ready`` set) beside stages 3-4, the GEMM on its side
+    heads run on aux stream 0 (``heads_ready`` set) and, where the C4 indexer decides, its query
+    on aux stream 1 (``index_query_ready`` set), beside stages 3-4, each GEMM on its side
     stream's own split-K workspace; every output equals the one-stream layer's (threshold 0,
     same weights) bit for bit - a prefill, then decode steps (the first eager, the rest the
     plain calls' graph replays) whose attention reads every row the steps stored."""
     cfg = tiny.replace(kv_cache_dtype="fp8_ds_mla")
     layer, _ = _cuda_pair(cfg, ratio, "triton")
+    caches = layer.new_caches(3, 400)
+    for c, n in zip(caches, [5, 70, 300], strict=True):
+        layer(random_x(n, cfg.hidden_size).to("cuda", BF16), torch.arange(n), c)
+    step = CacheStep.plan(caches[0].pool, caches, [1, 1, 1])
+    assert layer._indexer_decides(step) == (ratio == 4)  # 300 tokens: 75 entries > top-8
     qr_kv = random_x(3, cfg.q_lora_rank + cfg.head_dim).to("cuda", BF16)
-    pos = torch.tensor([5, 70, 300], device="cuda")
-    branch = layer._query_and_kv_rows(qr_kv, pos)
+    branch = layer._query_and_kv_rows(qr_kv, step)
     assert branch.heads_ready is not None
-    torch.cuda.current_stream().wait_event(branch.heads_ready)
+    assert (branch.index_query_ready is not None) == (branch.index_query is not None) == (
+        ratio == 4)
+    for event in (branch.heads_ready, branch.index_query_ready):
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
     layer.cfg = layer.cfg.replace(multi_stream_token_threshold=0)
-    one = layer._query_and_kv_rows(qr_kv, pos)
-    assert one.heads_ready is None
+    one = layer._query_and_kv_rows(qr_kv, step)
+    assert one.heads_ready is None and one.index_query_ready is None
     for a, b in zip(branch[:3], one[:3], strict=True):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
 
     n, steps = 150, 6
     x = random_x(n + 3 * steps, cfg.hidden_size).to("cuda", BF16)

@@ -132,10 +132,10 @@ def test_a_fine_point_under_a_stage_replaced_above_it_is_reported(tiny, make_lay
 
     class Fused(DeepseekV4Attention):
         @override
-        def _query_and_kv_rows(self, qr_kv, pos):
+        def _query_and_kv_rows(self, qr_kv, step):  # (an SWA layer: no indexer query)
             qr, kv = self._latent_norms(qr_kv)
-            return QueryAndRows(qr, self._query_heads(qr, pos),
-                                DeepseekV4Attention._kv_rows(self, kv, pos))
+            return QueryAndRows(self._query_heads(qr, step.pos),
+                                DeepseekV4Attention._kv_rows(self, kv, step.pos))
 
     class Sub(Fused):
         @override
@@ -216,25 +216,26 @@ def test_a_mixed_batch_reaches_forward_mqa_once(tiny, make_layer):
     assert path_violations(layer, x) == []
 
 
-def test_the_step_waits_for_the_heads_branch_before_attention(tiny, make_layer, monkeypatch):
-    """The step's branch point: where stage 2 returns a ``heads_ready`` event, the step makes its
-    stream wait for that event after stages 3-4 and before stage 5 (the heads' only reader).
-    On the CPU, with a stand-in stream that records the wait among the stages' calls."""
+def test_the_step_waits_for_each_branch_before_its_reader(tiny, make_layer, monkeypatch):
+    """The step's branch point: where stage 2 returns events, the step makes its stream wait
+    for ``index_query_ready`` after stage 3 and before stage 4 (the indexer's query's reader),
+    for ``heads_ready`` after stage 4 and before stage 5 (the heads' reader). On the CPU, with a
+    stand-in stream that records the waits among the stages' calls."""
     order: list[str] = []
-    event = object()
+    events = {"heads": object(), "index query": object()}
 
     class FakeStream:
         def wait_event(self, e):
-            assert e is event
-            order.append("wait")
+            order.append("wait " + next(k for k, v in events.items() if v is e))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
 
     class Branched(DeepseekV4Attention):
         @override
-        def _query_and_kv_rows(self, qr_kv, pos):
-            qk = super()._query_and_kv_rows(qr_kv, pos)
-            return qk._replace(heads_ready=event)
+        def _query_and_kv_rows(self, qr_kv, step):
+            qk = super()._query_and_kv_rows(qr_kv, step)
+            return qk._replace(heads_ready=events["heads"],
+                               index_query_ready=events["index query"])
 
     layer = Branched(tiny, tiny.layer_of_ratio(4))
     layer.load_state_dict(make_layer(tiny, 4).state_dict())
@@ -250,5 +251,6 @@ def test_the_step_waits_for_the_heads_branch_before_attention(tiny, make_layer, 
 
         monkeypatch.setattr(layer, name, spy)
     y = layer(x, torch.arange(12), layer.new_cache(12))
-    assert order == ["_write_cache", "_select", "wait", "_attend_and_project", "_keep_rings"]
+    assert order == ["_write_cache", "wait index query", "_select", "wait heads",
+                     "_attend_and_project", "_keep_rings"]
     assert torch.equal(y, reference(x, torch.arange(12), reference.new_cache(12)))

@@ -15,18 +15,20 @@ kernels allow, every launch graph-capturable (decisions on the host, no device s
   launch) and ``wo_b`` run through weight-streaming GEMMs that read e4m3 + ue8m0 scales in place
   (:mod:`dsv4.platforms.cuda_linears`: plan, numerics, fallbacks).
 * Stage 2: the latent norms are one launch, the query heads' RMS + RoPE and the kv rows' RoPE
-  (+ fp8 simulation) one more (:mod:`dsv4.platforms.cuda_elementwise`). Where the input
-  stage's aux streams run (T <= multi_stream_token_threshold), the ``wq_b`` GEMM and the heads'
-  launch run on aux stream 0 instead, beside the kv rows, the cache writes and the selection
-  on the step's stream (the step's branch point, :class:`~dsv4.stages.QueryAndRows`): the
-  GEMM's weights stream while those small launches run (a C4 step 2-13 us faster on an H100,
+  (+ fp8 simulation) one more (:mod:`dsv4.platforms.cuda_elementwise`); where the C4 indexer
+  decides, its query is one launch after its GEMM. Where the input stage's aux streams run
+  (T <= multi_stream_token_threshold), the ``wq_b`` GEMM and the heads' launch run on aux
+  stream 0 instead, the indexer's GEMM and query on aux stream 1, beside the kv rows and the
+  cache writes on the step's stream (the step's branch point,
+  :class:`~dsv4.stages.QueryAndRows`): the GEMMs' weights stream while those small launches
+  run (the heads' branch: a C4 step 2-13 us faster on an H100,
   benchmarks/results/2026-12-07-h100/decode-step-verify/heads-branch/).
 * Stage 3: the cache writes are one launch per store (block-table lookup and the format's
   encode in the kernel, the same bytes: :mod:`dsv4.kernels.store_rows`); a C4 layer's two
   compressors' raw rows are one launch, and each compressor's entries one, which also stores
   them (:mod:`dsv4.kernels.compress_entries`).
-* Stage 4: the indexer's query is one launch after its GEMM; its selection (bf16 queries, an
-  index key format the kernels read) runs in Triton over the paged ``idx_keys`` store -
+* Stage 4: the indexer's selection (bf16 queries, an index key format the kernels read) runs
+  in Triton over the paged ``idx_keys`` store -
   decode-sized steps (at most ``KERNEL_MAX_TOKENS`` queries, or at most ``VERIFY_MAX_TOKENS`` per
   sequence: decode and verify steps of any batch) in two launches
   (:mod:`dsv4.kernels.indexer_topk`), larger steps with query tiles of one sequence sharing the
@@ -87,7 +89,7 @@ from dsv4.kernels.compress_entries import (
     raw_rows_problem,
 )
 from dsv4.kernels.fp8_linear import side_stream_workspace
-from dsv4.kernels.fused_input_proj import _INTERPRET, triton_available
+from dsv4.kernels.fused_input_proj import _INTERPRET, SplitKWorkspace, triton_available
 from dsv4.kernels.indexer_prefill import select_prefill
 from dsv4.kernels.indexer_topk import (
     KERNEL_MAX_TOKENS,
@@ -232,9 +234,11 @@ class CudaAttention(DeepseekV4Attention):
         self._step_runner: DecodeRunner | None = None
         """Plain decode calls' graphs (made on first use, dropped when weights change)."""
         self._heads_ready = torch.cuda.Event()
-        """Recorded on the side stream after the query heads (stage 2's branch): the layer's
-        own, reused every step, as the input stage's events are (stable fork / join edges for
-        graph capture, no event made per call)."""
+        """Recorded on aux stream 0 after the query heads (stage 2's branch): the layer's own,
+        reused every step, as the input stage's events are (stable fork / join edges for graph
+        capture, no event made per call)."""
+        self._index_query_ready = torch.cuda.Event()
+        """As ``_heads_ready``, on aux stream 1 after the indexer's query."""
 
     def use_fp8_gemms(self, enabled: bool) -> None:
         """Turn the fp8 weight-streaming GEMMs on (the default) or off (the base path:
@@ -416,51 +420,69 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- stage 2: query heads and kv rows ---------------------------------------------
     @override
-    def _query_and_kv_rows(self, qr_kv: torch.Tensor, pos: torch.Tensor) -> QueryAndRows:
+    def _query_and_kv_rows(self, qr_kv: torch.Tensor, step: CacheStep) -> QueryAndRows:
         # the latent norms in one launch; then, on the step's stream, the wq_b GEMM and one
-        # launch of the heads' RMS + RoPE with the kv rows' RoPE (+ fp8 simulation) - or, within
-        # the token threshold, the GEMM and the heads' launch on the side stream and the rows'
-        # launch here
+        # launch of the heads' RMS + RoPE with the kv rows' RoPE (+ fp8 simulation), and the
+        # indexer's query where it decides - or, within the token threshold, the heads (GEMM
+        # and launch) on aux stream 0, the indexer's query on aux stream 1 and the rows' launch
+        # here
         if not self._elementwise_ready(qr_kv):
-            return super()._query_and_kv_rows(qr_kv, pos)
+            return super()._query_and_kv_rows(qr_kv, step)
+        pos = step.pos
         qr, kv = fused_latent_norms(self, qr_kv)
-        side = self._heads_stream(qr)
-        if side is None:
+        decides = self._indexer_decides(step)
+        if not self._branches(qr):
             heads, rows = fused_query_heads_and_kv_rows(self, self._wq_b_gemm(qr), kv, pos)
-            return QueryAndRows(qr, heads, rows)
-        # the branch: the heads on the side stream once qr is there; the step joins before
-        # stage 5. Each tensor that one stream allocated and the other reads is recorded on
-        # the reader, so that the allocator does not hand its memory out before that use.
-        main = torch.cuda.current_stream(qr.device)
+            index_query = self._indexer_query(qr, pos) if decides else None
+            return QueryAndRows(heads, rows, index_query)
+        assert self.aux_streams is not None
+        heads = self._branch(self.aux_streams[0], self._heads_ready, (qr, pos),
+                             lambda: fused_query_heads(self, self._wq_b_gemm(qr), pos))
+        index_query = (self._branch(self.aux_streams[1], self._index_query_ready, (qr, pos),
+                                    lambda: self._indexer_query(qr, pos)) if decides else None)
+        return QueryAndRows(heads, fused_kv_rows(self, kv, pos), index_query, self._heads_ready,
+                            self._index_query_ready if decides else None)
+
+    @staticmethod
+    def _branch(side: torch.cuda.Stream, done: torch.cuda.Event,
+                reads: tuple[torch.Tensor, ...], work: Callable[[], torch.Tensor]
+                ) -> torch.Tensor:
+        """Run ``work`` on ``side`` once the step's stream has made ``reads``; record ``done``
+        after it (the step waits for it before the result's reader). Each tensor that one
+        stream allocated and the other uses is recorded on its user, so that the allocator
+        does not hand its memory out before that use."""
+        main = torch.cuda.current_stream(reads[0].device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            heads = fused_query_heads(self, self._wq_b_gemm(qr), pos)
-        qr.record_stream(side)
-        pos.record_stream(side)
-        heads.record_stream(main)
-        self._heads_ready.record(side)
-        return QueryAndRows(qr, heads, fused_kv_rows(self, kv, pos), self._heads_ready)
+            out = work()
+        for t in reads:
+            t.record_stream(side)
+        out.record_stream(main)
+        done.record(side)
+        return out
 
-    def _heads_stream(self, qr: torch.Tensor) -> torch.cuda.Stream | None:
-        """The side stream that computes this step's query heads (the input stage's aux stream
-        0, free again after that stage), or None: no aux streams, or more tokens than
-        ``multi_stream_token_threshold`` (calls long enough to fill the GPU on their own).
-        Host-side, no sync."""
-        if self.aux_streams is None or not qr.is_cuda:
-            return None
+    def _branches(self, qr: torch.Tensor) -> bool:
+        """Whether stage 2 branches this step: aux streams (the input stage's, free again after
+        it) and at most ``multi_stream_token_threshold`` tokens (calls long enough to fill the
+        GPU on their own run on one stream). Host-side, no sync."""
         t = qr.shape[0]
-        return self.aux_streams[0] if 0 < t <= self.cfg.multi_stream_token_threshold else None
+        return (self.aux_streams is not None and qr.is_cuda
+                and 0 < t <= self.cfg.multi_stream_token_threshold)
+
+    def _gemm_workspace(self, x: torch.Tensor) -> SplitKWorkspace | None:
+        """The split-K workspace of a GEMM launched now: a side stream's own while the launch
+        is on one of the aux streams (a branch: the step's stream may run a split-K GEMM at the
+        same time), else the shared one (None). Host-side, no sync."""
+        if self.aux_streams is None or not x.is_cuda:
+            return None
+        cur = torch.cuda.current_stream(x.device)
+        return side_stream_workspace(cur) if any(cur == a for a in self.aux_streams) else None
 
     @override
     def _wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self._fp8_ready("wq_b", qr):
-            # on the heads' side stream (stage 2's branch), its own split-K workspace: the
-            # step's stream may run a split-K GEMM at the same time (the indexer's wq_b)
-            side = self._heads_stream(qr)
-            workspace = (side_stream_workspace(side) if side is not None
-                         and torch.cuda.current_stream(qr.device) == side else None)
             return fp8_gemm(self.wq_b, qr, self.cfg.act_quant, self.plan.fp8_gemm_max_tokens,
-                            workspace)
+                            self._gemm_workspace(qr))
         return super()._wq_b_gemm(qr)
 
     # ---- stage 3: cache writes and compression ----------------------------------------
@@ -557,12 +579,12 @@ class CudaAttention(DeepseekV4Attention):
 
     # ---- stage 4: selection -----------------------------------------------------------
     @override
-    def _select(self, step: CacheStep, qr: torch.Tensor, idx_weights: torch.Tensor | None
-                ) -> Selection:
+    def _select(self, step: CacheStep, index_query: torch.Tensor | None,
+                idx_weights: torch.Tensor | None) -> Selection:
         # the flat rows in one launch: the window's alone (SWA), with the selected entries'
         # (the indexer's top-k), or with every visible entry and its rows
         if not self._paged_kernels_ready(step.pos):
-            return super()._select(step, qr, idx_weights)
+            return super()._select(step, index_query, idx_weights)
         dtype = self._flat_row_dtype(step)
         window = (step.pool.stores["kv"], self.window)
         r = self.compress_ratio
@@ -571,8 +593,8 @@ class CudaAttention(DeepseekV4Attention):
             return Selection(rows, None, None)
         store = step.pool.stores["compressed"]
         if self._indexer_decides(step):
-            assert idx_weights is not None
-            entries = self._indexer_select(step, self._indexer_query(qr, step.pos), idx_weights)
+            assert index_query is not None and idx_weights is not None
+            entries = self._indexer_select(step, index_query, idx_weights)
             entry_rows, win = entry_and_window_rows(store, entries, step.pos, step.tok_slot,
                                                     window, dtype)
             return Selection(win, entries, entry_rows)
@@ -595,7 +617,7 @@ class CudaAttention(DeepseekV4Attention):
     def _indexer_wq_b_gemm(self, qr: torch.Tensor) -> torch.Tensor:
         if self.indexer is not None and self._fp8_ready("indexer.wq_b", qr):
             return fp8_gemm(self.indexer.wq_b, qr, self.cfg.act_quant,
-                            self.plan.fp8_gemm_max_tokens)
+                            self.plan.fp8_gemm_max_tokens, self._gemm_workspace(qr))
         return super()._indexer_wq_b_gemm(qr)
 
     @override
