@@ -694,13 +694,19 @@ class DeepseekV4Attention(nn.Module):
         if r == 0:
             return Selection(window, None, None)
         if self._indexer_decides(step):
-            if index_query is None or idx_weights is None:
-                raise RuntimeError(f"layer {self.layer_id}: the indexer decides this step but "
-                                   "stage 2 gave no index query or stage 1 no index weights")
-            entries = self._indexer_select(step, index_query, idx_weights)
+            entries = self._indexer_select(step, *self._indexer_inputs(index_query, idx_weights))
         else:
             entries = self._visible_entries(step, r)
         return Selection(window, entries, self._entry_rows(step, entries))
+
+    def _indexer_inputs(self, index_query: torch.Tensor | None, idx_weights: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 4's indexer inputs in a step where the indexer decides: stage 2's query and
+        stage 1's head weights; RuntimeError where a stage left one out."""
+        if index_query is None or idx_weights is None:
+            raise RuntimeError(f"layer {self.layer_id}: the indexer decides this step but "
+                               "stage 2 gave no index query or stage 1 no index weights")
+        return index_query, idx_weights
 
     def _window_rows(self, step: CacheStep) -> torch.Tensor:
         """[T, window] int64 flat rows of the ``kv`` store each query sees: positions

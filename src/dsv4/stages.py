@@ -8,8 +8,9 @@ A step of :class:`dsv4.attention.DeepseekV4Attention` is six stages, called in t
    and, where the C4 indexer decides, its query (:class:`QueryAndRows`);
 3. ``_write_cache(step, kv, kv_score, idx_kv_score)``: the kv rows and every compressed entry
    the step completes into the paged stores; returns the raw rows the rings keep;
-4. ``_select(step, index_query, idx_weights)``: what each query attends to (:class:`Selection`): its
-   window rows and its compressed entries (the indexer's top-k, or every visible entry);
+4. ``_select(step, index_query, idx_weights)``: what each query attends to
+   (:class:`Selection`): its window rows and its compressed entries (the indexer's top-k, or
+   every visible entry);
 5. ``_attend_and_project(q, step, selection)``: sparse MQA with the sink, then the output path;
 6. ``_keep_rings(step, raw)``: the compressors' rings keep this step's raw rows (last, so that a
    failure before leaves every cache as it was).

@@ -254,3 +254,22 @@ def test_the_step_waits_for_each_branch_before_its_reader(tiny, make_layer, monk
     assert order == ["_write_cache", "wait index query", "_select", "wait heads",
                      "_attend_and_project", "_keep_rings"]
     assert torch.equal(y, reference(x, torch.arange(12), reference.new_cache(12)))
+
+
+def test_a_stage_2_that_leaves_out_the_index_query_fails_loudly(tiny, make_layer):
+    """Where the C4 indexer decides (a prefill past 4 * index_topk tokens), stage 4 reads stage
+    2's index query: a platform whose stage 2 leaves it out gets an error naming the stage, and
+    the cache keeps what it held."""
+
+    class Forgetful(DeepseekV4Attention):
+        @override
+        def _query_and_kv_rows(self, qr_kv, step):
+            return super()._query_and_kv_rows(qr_kv, step)._replace(index_query=None)
+
+    layer = Forgetful(tiny, tiny.layer_of_ratio(4))
+    layer.load_state_dict(make_layer(tiny, 4).state_dict())
+    n = 4 * tiny.index_topk + 8
+    cache = layer.new_cache(n)
+    with pytest.raises(RuntimeError, match="stage 2 gave no index query"):
+        layer(random_x(n, tiny.hidden_size).bfloat16(), torch.arange(n), cache)
+    assert cache.length == 0

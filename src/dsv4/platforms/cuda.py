@@ -593,8 +593,7 @@ class CudaAttention(DeepseekV4Attention):
             return Selection(rows, None, None)
         store = step.pool.stores["compressed"]
         if self._indexer_decides(step):
-            assert index_query is not None and idx_weights is not None
-            entries = self._indexer_select(step, index_query, idx_weights)
+            entries = self._indexer_select(step, *self._indexer_inputs(index_query, idx_weights))
             entry_rows, win = entry_and_window_rows(store, entries, step.pos, step.tok_slot,
                                                     window, dtype)
             return Selection(win, entries, entry_rows)
