@@ -130,8 +130,9 @@ class DSV4Config:
     numerics). A runtime option: never written to ``config.json``."""
     multi_stream_token_threshold: int = 1024
     """Streams overlap only in steps of at most this many tokens: the input GEMMs on the aux
-    streams (upstream's plan), and a platform's stage-2 branch (the ``cuda`` platform's query
-    heads on a side stream, :class:`dsv4.stages.QueryAndRows`); 0: one stream."""
+    streams (upstream's plan), and a platform's stage-2 branches (the ``cuda`` platform's query
+    heads and C4 indexer query on side streams, :class:`dsv4.stages.QueryAndRows`); 0: one
+    stream."""
     kv_cache_dtype: str = "auto"
     """Stored format of window rows and compressed entries: ``auto`` (the layer dtype, exact),
     ``bf16``, or ``fp8_ds_mla`` (FlashMLA's 584-byte DeepSeek-V4 layout)."""
