@@ -158,6 +158,8 @@ class CacheStep:
     counts: list[int]
     meta: StepMetadata
     _keepalive: torch.Tensor | None = field(default=None, repr=False)
+    _most_visible: dict[int, int] = field(default_factory=dict, repr=False)
+    """:meth:`max_visible` of the whole step, by ratio (its stages ask more than once)."""
 
     @property
     def pos(self) -> torch.Tensor:
@@ -222,8 +224,14 @@ class CacheStep:
         caps = self.meta.visible_caps
         if caps is not None:
             return caps[ratio]
+        whole = a == 0 and b is None
+        if whole and ratio in self._most_visible:
+            return self._most_visible[ratio]
         p = self.pos_host[a:b]
-        return int((p.max() + 1) // ratio) if p.numel() else 0
+        n = int((p.max() + 1) // ratio) if p.numel() else 0
+        if whole:
+            self._most_visible[ratio] = n
+        return n
 
     def single_sequence(self, a: int, b: int) -> int | None:
         """The index (into ``caches``) of the one sequence tokens a .. b - 1 belong to, or None."""
