@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from dsv4.kernels.fp8_linear import (
+    MIN_BLOCKS_PER_PROGRAM,
+    SPLITS,
     Fp8GemmConfig,
     choose_fp8_config,
     fp8_dequantize,
@@ -123,36 +128,77 @@ PROBED = {"flash wq_b": (32768, 1024), "flash wo_a": (8192, 4096), "flash wo_b":
           "pro wo_b": (7168, 16384), "pro idx": (8192, 1536)}
 
 
-def test_act_fp8_row_tile_rule():
-    """Under act_fp8 at M <= 16 and 32 < M <= 64: 128-row tiles (half the split) where they
-    still give 1.5 programs per SM - of the H200 probes' Flash / Pro shapes, the ones where
-    they won; at M = 64 the others take the M > 64 table's non-swapped tile (won there)."""
-    big = {"flash wq_b", "pro wq_b", "pro wo_b"}
-    for M in (1, 16, 64):
-        wide = {name for name, (n, k) in PROBED.items()
-                if choose_fp8_config(M, n, k, act_fp8=True).block_n == 128}
-        assert wide == (big if M < 64 else set(PROBED)), M
+def test_no_program_streams_fewer_than_the_minimum_blocks():
+    for M in (1, 4, 16, 17, 32, 33, 64, 65, 128, 129, 300):
         for name, (n, k) in PROBED.items():
-            a = choose_fp8_config(M, n, k, act_fp8=True)
-            assert a.swap == (M < 64 or name in big), (M, name)
-            assert a == (choose_fp8_config(65, n, k, act_fp8=True) if not a.swap else a)
-    assert choose_fp8_config(1, 7168, 16384, act_fp8=True).split_k == 4  # 8 at 64 rows
-    assert choose_fp8_config(64, 7168, 16384, act_fp8=True).split_k == 4
-    # bf16 activations at M = 64: no split where the 64-row tiles nearly fill the SMs
-    splits = {name: choose_fp8_config(64, n, k).split_k for name, (n, k) in PROBED.items()}
-    assert {name for name, sp in splits.items() if sp > 1} == {"flash wo_b", "pro wo_b"}
-    assert choose_fp8_config(16, 8192, 1024).split_k == 4  # measured only at M = 64
-    # act8 above 64 rows (and the M = 64 shapes that take that tile): 4 pipeline stages; the
-    # swapped tiles and bf16 activations keep 3
-    for name, (n, k) in PROBED.items():
-        assert choose_fp8_config(128, n, k, act_fp8=True).num_stages == 4
-        assert choose_fp8_config(128, n, k).num_stages == 3
-        a = choose_fp8_config(64, n, k, act_fp8=True)
-        assert a.num_stages == (3 if a.swap else 4), name
-        assert choose_fp8_config(16, n, k, act_fp8=True).num_stages == 3
-    # 16 < M <= 32 was not probed: the bf16 table's tile
-    a, c = choose_fp8_config(32, 7168, 16384, act_fp8=True), choose_fp8_config(32, 7168, 16384)
-    assert (a.block_n, a.split_k, a.swap) == (c.block_n, c.split_k, c.swap)
+            for act in (False, True):
+                c = choose_fp8_config(M, n, k, act_fp8=act)
+                assert c.split_k in SPLITS, (M, name, act)
+                assert c.split_k == 1 or k // 128 // c.split_k >= MIN_BLOCKS_PER_PROGRAM, \
+                    (M, name, act, c)
+        # the indexer's wq_b (K = 1024): a whole row per program at every M
+        assert choose_fp8_config(M, 8192, 1024, act_fp8=True).split_k == 1
+
+
+def test_choose_config_rules():
+    """The table's rules (docs in :func:`choose_fp8_config`), on the Flash / Pro shapes."""
+    for M in (33, 64, 128):  # 64 x 64 tiles of 4 warps and 4 stages; swapped for bf16 x only
+        for name, (n, k) in PROBED.items():
+            a, c = choose_fp8_config(M, n, k, act_fp8=True), choose_fp8_config(M, n, k)
+            assert (a.block_m, a.block_n, a.num_warps, a.num_stages, a.swap) == \
+                (64, 64, 4, 4, False), (M, name)
+            assert (c.block_m, c.block_n, c.num_warps, c.swap) == (64, 64, 4, True), (M, name)
+    # about 2 programs per SM at 64 tokens
+    assert choose_fp8_config(64, 4096, 8192, act_fp8=True).split_k == 4  # Flash wo_b
+    assert choose_fp8_config(64, 7168, 16384, act_fp8=True).split_k == 2  # Pro wo_b
+    assert choose_fp8_config(64, 8192, 4096).split_k == 2  # Flash wo_a
+    assert choose_fp8_config(64, 16384, 4096).split_k == 1  # Pro wo_a
+    # 16 < M <= 32 under act_fp8: 128-row tiles, 64 where a whole row per program leaves few
+    a = choose_fp8_config(32, 7168, 16384, act_fp8=True)
+    assert (a.block_m, a.block_n, a.split_k, a.swap) == (32, 128, 4, True)
+    assert choose_fp8_config(32, 65536, 1536, act_fp8=True).block_n == 128
+    assert choose_fp8_config(32, 8192, 1024, act_fp8=True).block_n == 64
+    # <= 16 tokens: 128-row tiles for the q projections only
+    wide = {name for name, (n, k) in PROBED.items()
+            if choose_fp8_config(16, n, k, act_fp8=True).block_n == 128}
+    assert wide == {"flash wq_b", "pro wq_b"}
+    # 4 stages at <= 32 tokens only for an unsplit act_fp8 row of >= 12 blocks
+    assert choose_fp8_config(16, 65536, 1536, act_fp8=True).num_stages == 4
+    assert choose_fp8_config(16, 8192, 1536, act_fp8=True).num_stages == 4
+    assert choose_fp8_config(16, 32768, 1024, act_fp8=True).num_stages == 3
+    assert choose_fp8_config(16, 7168, 16384, act_fp8=True).num_stages == 3
+    assert choose_fp8_config(16, 65536, 1536).num_stages == 3
+    # above 128 tokens: 64 x 128 non-swapped tiles of 8 warps
+    a = choose_fp8_config(300, 4096, 8192, act_fp8=True)
+    assert (a.block_m, a.block_n, a.num_warps, a.swap, a.num_stages) == (64, 128, 8, False, 4)
+    assert choose_fp8_config(300, 4096, 8192).num_stages == 3
+
+
+SWEEP = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-12-07-h100"
+         / "gemm-tiles" / "sweep.json")
+
+
+def test_the_table_against_its_sweep():
+    """On every cell of the H100 tile sweep the table picks a tile that was measured, within
+    12 % of the best one there and at most 5 % slower than the table it replaced."""
+    rows = json.loads(SWEEP.read_text())["rows"]
+    shapes = {(r["model"], r["gemm"]): (r["N"], r["K"], r["G"]) for r in rows}
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        if "us" in r:
+            key = tuple(r["cfg"][f] for f in ("block_m", "block_n", "split_k", "swap",
+                                               "num_warps", "num_stages"))
+            cell = cells.setdefault((r["model"], r["gemm"], r["M"]), {})
+            cell[key] = r["us"]
+            if r["tag"] == "current":
+                cell["before"] = r["us"]
+    assert len(cells) == 40
+    for (model, gemm, M), cell in cells.items():
+        n, k, g = shapes[(model, gemm)]
+        c = choose_fp8_config(M, n, k, act_fp8=g == 1)
+        us = cell[(c.block_m, c.block_n, c.split_k, c.swap, c.num_warps, c.num_stages)]
+        best = min(v for key, v in cell.items() if key != "before")
+        assert us <= 1.12 * best and us <= 1.05 * cell["before"], (model, gemm, M, c, us)
 
 
 # ---------------------------------------------------------------------------------- kernel

@@ -129,66 +129,75 @@ class Fp8GemmConfig:
     act_fp8: bool = False  # activations quantised to e4m3 per 128 (§6.3): fp8 x fp8 MMAs
 
 
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+"""The split-K counts :func:`choose_fp8_config` picks from (rounded down to one of them): the
+ones its tile sweep measured."""
+
+MIN_BLOCKS_PER_PROGRAM = 8
+"""No split leaves a program fewer 128-wide K blocks than this: shorter programs never fill
+their pipeline, and each split adds a partial's write and read (H100 sweep, 2026-12-07: the
+indexer's ``wq_b``, K = 1024, at 64 tokens 10.4 us with 2 splits, 5.7 with none)."""
+
+
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
                       ) -> Fp8GemmConfig:
-    """Small table by M. ``n_rows`` = all weight rows (G*R), ``K`` = the per-row length;
-    ``act_fp8``: the activations quantised in the kernel (§6.3; H200 probes, 2026-12-03:
-    faster than bf16 activations on every Flash / Pro shape at M = 1 and 16, and at M = 64 with
-    the row tiles of the rule below); the same tiles, but 128 rows where enough of them keep
-    the SMs busy and, at 32 < M <= 64 elsewhere, the M > 64 tile.
+    """The tiles of an ``M``-token call: a small table by M. ``n_rows`` = all weight rows
+    (G*R), ``K`` = the per-row length, ``act_fp8``: the activations quantised to e4m3 (§6.3;
+    from 33 tokens the cuda platform passes them quantised once, ``x_scales``).
 
-    M <= 64: swapped tiles of 64 weight rows (fp8 programs are slow per byte: small tiles, see
-    docs/performance.md), K split so that about 3 programs per SM stream equal bytes, and so
-    that no program streams more than 16 K blocks (at M = 64 none where the tiles nearly fill
-    the SMs) (H200, M=1, the GEMM probes of 2026-12-02: Pro
-    ``wo_b``, K 16384, 4 -> 8 splits 55.5 -> 48.0 us; 128-row tiles, 32-row tiles and 4 / 6
-    pipeline stages lost on every shape). M > 64: 64 x 128 tiles, split only when the tiles
-    alone leave SMs idle; with act8, 4 pipeline stages.
+    From the tile sweep of every Flash / Pro C4 GEMM as the layer calls it, at 4, 16, 32, 64
+    and 128 tokens (H100, 2026-12-07, ``benchmarks/results/2026-12-07-h100/gemm-tiles/``,
+    ~1600 tiles; the table's choice there is within 6 % of the best tile measured except
+    where the results' README says otherwise):
+
+    * M <= 16: swapped tiles (weight rows on the MMA's M side) of 16 tokens x 64 rows, K
+      split so that about 3 programs per SM stream equal bytes; under ``act_fp8``, 128-row
+      tiles at half the split where they still give 1.5 programs per SM (the q projections).
+    * 16 < M <= 32: 32-token swapped tiles; under ``act_fp8`` 128 rows, about 2 programs per
+      SM, each streaming at least 16 K blocks (Pro ``wo_b`` 61.0 -> 52.1 us, Flash 21.4 ->
+      19.9).
+    * 32 < M <= 128: 64 x 64 tiles of 4 warps and 4 pipeline stages, non-swapped under
+      ``act_fp8`` (swapped for bf16 activations, ``wo_a``), about 2 programs per SM (at 64
+      tokens Flash ``wo_b`` 22.1 -> 19.6 us, ``wo_a`` 30.1 -> 25.5, Pro ``wo_b`` 59.8 ->
+      53.0; the 64 x 128 tile of 8 warps this replaced lost on every shape).
+    * M > 128: 64 x 128 non-swapped tiles, split only where the tiles alone leave SMs idle
+      (not in the sweep; the long calls' route takes over at the platform's
+      ``fp8_gemm_max_tokens``).
+
+    Everywhere: no program streams fewer than :data:`MIN_BLOCKS_PER_PROGRAM` K blocks, and
+    4 pipeline stages where an ``act_fp8`` program at most 32 tokens streams a whole row of
+    at least 12 blocks (Pro ``wq_b`` 42.8 -> 40.2 us at 16 tokens; a split program lost with
+    them).
     """
     nkb = K // BLOCK
-    if M <= 64:
-        bm = 16 if M <= 16 else 32 if M <= 32 else 64
-        c = Fp8GemmConfig(block_m=bm, block_n=64, swap=True, num_warps=4, num_stages=3)
-        target = 3 * n_sm
+
+    def split_for(programs: float, min_blocks: int = MIN_BLOCKS_PER_PROGRAM) -> int:
+        want = max(1, min(int(programs), nkb // min_blocks, 16))
+        return max(s for s in SPLITS if s <= want)
+
+    if M > 128:
+        tiles = -(-M // 64) * (n_rows // 128)
+        return Fp8GemmConfig(block_m=64, block_n=128, split_k=split_for(-(-n_sm // tiles)),
+                             swap=False, num_warps=8, num_stages=4 if act_fp8 else 3,
+                             act_fp8=act_fp8)
+    if M > 32:
+        tiles = -(-M // 64) * (n_rows // 64)
+        return Fp8GemmConfig(block_m=64, block_n=64, split_k=split_for(round(2 * n_sm / tiles)),
+                             swap=not act_fp8, num_warps=4, num_stages=4, act_fp8=act_fp8)
+    bm = 16 if M <= 16 else 32
+    if act_fp8 and M > 16:
+        bn = 128
+        split = split_for(round(2 * n_sm / (n_rows // bn)), min_blocks=16)
+        if split == 1 and n_rows // bn < 1.5 * n_sm:
+            bn = 64  # a whole row per program: 64-row tiles, twice the programs (indexer)
     else:
-        c = Fp8GemmConfig(block_m=64, block_n=128, swap=False, num_warps=8, num_stages=3)
-        target = n_sm
-    tiles = -(-M // c.block_m) * (n_rows // c.block_n)
-    split = -(-target // tiles)
-    if M <= 64:
-        split = max(split, -(-nkb // 16))
-    split = max(1, min(nkb, split, 16))
-    if not act_fp8 and 32 < M <= 64 and tiles >= 0.9 * n_sm:
-        # M = 64, bf16 activations: no split where the tiles alone nearly fill the SMs (H200,
-        # 2026-12-03: indexer wq_b Flash 17.9 -> 9.6 us, Pro 20.5 -> 13.2; Pro wo_a 48.9 ->
-        # 37.8; Flash wo_a 32.4 -> 31.0; with fewer tiles it lost: Pro wo_b, 112 tiles, 91.3
-        # -> 108.1; the threshold lies between those 112 and 128 tiles)
-        split = 1
-    bn = c.block_n
-    if act_fp8 and (M <= 16 or 32 < M <= 64):
-        if (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
-            # 128-row tiles at half the split where that still gives 1.5 programs per SM
-            # (H200 act8 probes, 2026-12-03: M = 1 Pro wo_b 42.7 -> 37.2 us, Flash wq_b
-            # 12.0 -> 11.4; M = 16 Pro wo_b 46.1 -> 37.9; M = 64 Pro wo_b 100.0 -> 67.5, Flash
-            # wq_b 28.3 -> 18.1. At M <= 16 the shapes it would leave with fewer programs -
-            # Flash wo_b, both wo_a, the indexer wq_b - lost or tied)
-            bn, split = 128, max(1, split // 2)
-        elif M > 32:
-            # M = 64 on those fewer-row shapes: the M > 64 table's 64 x 128 non-swapped tile
-            # (2026-12-03: Flash wo_a 36.1 -> 24.5 us, wo_b 38.4 -> 30.1, indexer wq_b 17.2 ->
-            # 11.3; Pro wo_a 55.1 -> 34.6, indexer 20.6 -> 13.4). 16 < M <= 32: not probed.
-            return choose_fp8_config(65, n_rows, K, n_sm, act_fp8=True)
-    stages = c.num_stages
-    if act_fp8 and M > 64:
-        # 4 pipeline stages for the act8 M > 64 tile (H100, 2026-12-07, verify steps of 16 x
-        # (1 + 7) tokens, one C4 layer at context 512: Flash 203.5 -> 200.1 us, Pro 333.1 ->
-        # 324.5; a second call 203.6 -> 200.4, 333.5 -> 324.0). At 64 tokens a call 4 stages
-        # for every act8 tile tied (Flash / Pro M = 64 decode 151.2 / 236.6 -> 150.2 / 238.0,
-        # 16 x (1 + 3) at 64K 368.9 / 465.8 -> 366.4 / 468.8); that M takes this tile on the
-        # shapes of fewer rows (the call with 65 above) and keeps 3 stages on the others.
-        stages = 4
-    return Fp8GemmConfig(**{**c.__dict__, "block_n": bn, "split_k": split,
-                            "num_stages": stages, "act_fp8": act_fp8})
+        bn = 64
+        split = split_for(-(-3 * n_sm // (n_rows // bn)))
+        if act_fp8 and (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
+            bn, split = 128, split_for(split // 2)
+    stages = 4 if act_fp8 and split == 1 and nkb >= 12 else 3
+    return Fp8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap=True, num_warps=4,
+                         num_stages=stages, act_fp8=act_fp8)
 
 
 # ---------------------------------------------------------------------------------- kernel

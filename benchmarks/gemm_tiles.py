@@ -1,0 +1,150 @@
+"""The fp8 GEMMs' tile sweep: every fp8 GEMM of a Flash / Pro C4 layer as the layer calls it
+(``wq_b``, ``wo_b``, the indexer's ``wq_b``: act8, x quantised once from 33 tokens; ``wo_a``
+grouped, bf16 x) at the token counts given, over candidate tiles (swapped 16 / 32 / 64 x 64 /
+128, non-swapped 64 x 64 / 128 of 4 or 8 warps, splits of ``SPLITS``, 3 or 4 stages); CUDA-graph
+replay, weights rotated beyond L2. Each row: the tile, us per call, and its output's largest
+difference from the table's choice (tag ``current``). The evidence of
+:func:`dsv4.kernels.fp8_linear.choose_fp8_config` (``benchmarks/results/2026-12-07-h100/
+gemm-tiles/``). On a CUDA machine, from the repository root:
+
+    for i in $(seq 0 13); do python3 benchmarks/gemm_tiles.py compile 14 $i 16 64 & done; wait
+    python3 benchmarks/gemm_tiles.py time OUT.json 16 64
+
+``compile N I M...``: worker I of N compiles its share of the tiles (Triton's cache), so the
+timing run compiles nothing; ``time OUT.json M...``: times them all, one shape after another,
+rewriting OUT.json after each.
+"""
+import json
+import math
+import sys
+import time
+
+import torch
+
+from dsv4.bench.attention_kernels import GEMMS, ROTATE_BYTES
+from dsv4.kernels.fp8_linear import (
+    SPLITS,
+    Fp8GemmConfig,
+    choose_fp8_config,
+    fp8_grouped_linear,
+    fp8_linear,
+    quantize_activations,
+)
+
+
+def candidates(M, N, K, G):
+    nkb = K // 128
+    R = N // G
+    act = G == 1
+    cur = choose_fp8_config(M, N, K, 132, act_fp8=act)
+    out = [("current", cur)]
+    seen = {cur}
+    bms = [16] if M <= 16 else [16, 32, 64] if M <= 64 else [64]
+    for split in SPLITS:
+        if split > nkb:
+            continue
+        for st in (3, 4):
+            for bn in (64, 128):
+                if R % bn:
+                    continue
+                for bm in bms:
+                    c = Fp8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap=True,
+                                      num_warps=4, num_stages=st, act_fp8=act)
+                    if c not in seen:
+                        seen.add(c)
+                        out.append((f"s{bm}x{bn}k{split}st{st}", c))
+                if M > 16:
+                    for w in (4, 8):
+                        c = Fp8GemmConfig(block_m=64, block_n=bn, split_k=split, swap=False,
+                                          num_warps=w, num_stages=st, act_fp8=act)
+                        if c not in seen:
+                            seen.add(c)
+                            out.append((f"n64x{bn}k{split}st{st}w{w}", c))
+    return out
+
+
+def shapes():
+    for model, rows in GEMMS.items():
+        for name, N, K, G in rows:
+            yield model, name, N, K, G
+
+
+def caller(M, N, K, G, w, s, x):
+    if G > 1:
+        return lambda cfg: fp8_grouped_linear(x, w, s, config=cfg)
+    if M >= 33:
+        q, sx = quantize_activations(x)
+        return lambda cfg: fp8_linear(q, w, s, config=cfg, x_scales=sx)
+    return lambda cfg: fp8_linear(x, w, s, config=cfg)
+
+
+def make(M, N, K, G, gen, rot):
+    ws = []
+    for _ in range(rot):
+        w = (torch.randn(N, K, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
+        e = torch.randint(115, 125, (N // 128, K // 128), device="cuda", generator=gen)
+        ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    xshape = (M, G, K) if G > 1 else (M, K)  # weight [N = G * R, K = Kg]
+    xs = [torch.randn(*xshape, device="cuda", generator=gen).to(torch.bfloat16)
+          for _ in range(rot)]
+    return ws, xs
+
+
+def main():
+    mode = sys.argv[1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if mode == "compile":
+        n, i = int(sys.argv[2]), int(sys.argv[3])
+        ms = [int(a) for a in sys.argv[4:]]
+        jobs = [(M, sh, c) for M in ms for sh in shapes()
+                for c in candidates(M, sh[2], sh[3], sh[4])]
+        made = {}
+        for j, (M, (model, name, N, K, G), (_tag, cfg)) in enumerate(jobs):
+            if j % n != i:
+                continue
+            if (M, name, model) not in made:
+                made.clear()
+                ws, xs = make(M, N, K, G, gen, 1)
+                made[(M, name, model)] = caller(M, N, K, G, ws[0][0], ws[0][1], xs[0])
+            made[(M, name, model)](cfg)
+        torch.cuda.synchronize()
+        return
+    from dsv4.bench.input_proj import time_graph
+    out = sys.argv[2]
+    ms = [int(a) for a in sys.argv[3:]]
+    rows = []
+    t0 = time.time()
+    for M in ms:
+        for model, name, N, K, G in shapes():
+            wbytes = N * K
+            rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
+            ws, xs = make(M, N, K, G, gen, rot)
+            calls = [caller(M, N, K, G, w, s, x) for (w, s), x in zip(ws, xs, strict=True)]
+            ref = calls[0](choose_fp8_config(M, N, K, 132, act_fp8=G == 1)).float()
+            best = None
+            for tag, cfg in candidates(M, N, K, G):
+                try:
+                    y = calls[0](cfg).float()
+                    err = ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                    us = time_graph([lambda c=c, cfg=cfg: c(cfg) for c in calls])
+                except Exception as ex:  # noqa: BLE001
+                    rows.append(dict(model=model, gemm=name, M=M, tag=tag, error=repr(ex)[:200]))
+                    continue
+                r = dict(model=model, gemm=name, N=N, K=K, G=G, M=M, tag=tag, us=us, err=err,
+                         cfg=dict(cfg.__dict__))
+                rows.append(r)
+                if best is None or us < best["us"]:
+                    best = r
+            cur = next(r for r in rows if r["model"] == model and r["gemm"] == name
+                       and r["M"] == M and r["tag"] == "current")
+            print(f"{model:5s} {name:8s} M={M:3d} current {cur['us']:6.1f} us  best "
+                  f"{best['us']:6.1f} {best['tag']} err {best['err']:.1e}  "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            with open(out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
+            del ws, xs, calls
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
