@@ -129,14 +129,14 @@ PROBED = {"flash wq_b": (32768, 1024), "flash wo_a": (8192, 4096), "flash wo_b":
 
 
 def test_no_program_streams_fewer_than_the_minimum_blocks():
-    for M in (1, 4, 16, 17, 32, 33, 64, 65, 128, 129, 300):
+    for M in (33, 48, 64, 65, 100, 128):
         for name, (n, k) in PROBED.items():
             for act in (False, True):
                 c = choose_fp8_config(M, n, k, act_fp8=act)
                 assert c.split_k in SPLITS, (M, name, act)
                 assert c.split_k == 1 or k // 128 // c.split_k >= MIN_BLOCKS_PER_PROGRAM, \
                     (M, name, act, c)
-        # the indexer's wq_b (K = 1024): a whole row per program at every M
+        # the indexer's wq_b (K = 1024): a whole row per program
         assert choose_fp8_config(M, 8192, 1024, act_fp8=True).split_k == 1
 
 
@@ -153,21 +153,21 @@ def test_choose_config_rules():
     assert choose_fp8_config(64, 7168, 16384, act_fp8=True).split_k == 2  # Pro wo_b
     assert choose_fp8_config(64, 8192, 4096).split_k == 2  # Flash wo_a
     assert choose_fp8_config(64, 16384, 4096).split_k == 1  # Pro wo_a
-    # 16 < M <= 32 under act_fp8: 128-row tiles, 64 where a whole row per program leaves few
-    a = choose_fp8_config(32, 7168, 16384, act_fp8=True)
-    assert (a.block_m, a.block_n, a.split_k, a.swap) == (32, 128, 4, True)
-    assert choose_fp8_config(32, 65536, 1536, act_fp8=True).block_n == 128
-    assert choose_fp8_config(32, 8192, 1024, act_fp8=True).block_n == 64
-    # <= 16 tokens: 128-row tiles for the q projections only
-    wide = {name for name, (n, k) in PROBED.items()
-            if choose_fp8_config(16, n, k, act_fp8=True).block_n == 128}
-    assert wide == {"flash wq_b", "pro wq_b"}
-    # 4 stages at <= 32 tokens only for an unsplit act_fp8 row of >= 12 blocks
-    assert choose_fp8_config(16, 65536, 1536, act_fp8=True).num_stages == 4
-    assert choose_fp8_config(16, 8192, 1536, act_fp8=True).num_stages == 4
-    assert choose_fp8_config(16, 32768, 1024, act_fp8=True).num_stages == 3
-    assert choose_fp8_config(16, 7168, 16384, act_fp8=True).num_stages == 3
-    assert choose_fp8_config(16, 65536, 1536).num_stages == 3
+    # <= 32 tokens: swapped tiles of 3 stages; 128-row tiles only for the q projections at
+    # <= 16 tokens under act_fp8; the indexer's wq_b split (it shares the SMs with the heads'
+    # GEMM on a side stream: unsplit lost in the layer at 64K)
+    for M in (1, 4, 16, 17, 32):
+        wide = {name for name, (n, k) in PROBED.items()
+                if choose_fp8_config(M, n, k, act_fp8=True).block_n == 128}
+        assert wide == ({"flash wq_b", "pro wq_b", "pro wo_b"} if M <= 16 else set()), M
+        for name, (n, k) in PROBED.items():
+            for act in (False, True):
+                c = choose_fp8_config(M, n, k, act_fp8=act)
+                assert c.swap and c.num_stages == 3 and c.num_warps == 4, (M, name)
+                assert c.block_m == (16 if M <= 16 else 32)
+                assert k // 128 // c.split_k <= 16 or c.block_n == 128, (M, name)
+        assert choose_fp8_config(M, 8192, 1024, act_fp8=True).split_k == 4
+    assert choose_fp8_config(1, 7168, 16384, act_fp8=True).split_k == 4  # 8 at 64 rows
     # above 128 tokens: 64 x 128 non-swapped tiles of 8 warps
     a = choose_fp8_config(300, 4096, 8192, act_fp8=True)
     assert (a.block_m, a.block_n, a.num_warps, a.swap, a.num_stages) == (64, 128, 8, False, 4)
@@ -179,8 +179,10 @@ SWEEP = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "2026-
 
 
 def test_the_table_against_its_sweep():
-    """On every cell of the H100 tile sweep the table picks a tile that was measured, within
-    12 % of the best one there and at most 5 % slower than the table it replaced."""
+    """On every cell of the H100 tile sweep above 32 tokens the table picks a tile that was
+    measured, within 10 % of the best one there and at most 2 % slower than the tiles it
+    replaced; at <= 32 tokens it keeps those tiles (the sweep's winners there lost in the
+    layer, :func:`choose_fp8_config`)."""
     rows = json.loads(SWEEP.read_text())["rows"]
     shapes = {(r["model"], r["gemm"]): (r["N"], r["K"], r["G"]) for r in rows}
     cells: dict[tuple, dict] = {}
@@ -191,14 +193,18 @@ def test_the_table_against_its_sweep():
             cell = cells.setdefault((r["model"], r["gemm"], r["M"]), {})
             cell[key] = r["us"]
             if r["tag"] == "current":
-                cell["before"] = r["us"]
+                cell["before"] = key
     assert len(cells) == 40
     for (model, gemm, M), cell in cells.items():
         n, k, g = shapes[(model, gemm)]
         c = choose_fp8_config(M, n, k, act_fp8=g == 1)
-        us = cell[(c.block_m, c.block_n, c.split_k, c.swap, c.num_warps, c.num_stages)]
-        best = min(v for key, v in cell.items() if key != "before")
-        assert us <= 1.12 * best and us <= 1.05 * cell["before"], (model, gemm, M, c, us)
+        key = (c.block_m, c.block_n, c.split_k, c.swap, c.num_warps, c.num_stages)
+        before = cell.pop("before")
+        if M <= 32:
+            assert key == before, (model, gemm, M, c)
+            continue
+        us, best = cell[key], min(cell.values())
+        assert us <= 1.10 * best and us <= 1.02 * cell[before], (model, gemm, M, c, us)
 
 
 # ---------------------------------------------------------------------------------- kernel

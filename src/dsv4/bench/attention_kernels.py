@@ -304,10 +304,10 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                     ("st4", dict(num_stages=4)), ("st6", dict(num_stages=6))):
                 vc = Fp8GemmConfig(**{**c.__dict__, **change})
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref))
-            if M > 16:  # the M > 64 table's non-swapped 64 x 128 tile (won for act8 at M = 64)
-                vc = choose_fp8_config(65, N, K)
+            if M > 16:  # the M > 128 table's non-swapped 64 x 128 tile of 8 warps
+                vc = choose_fp8_config(129, N, K)
                 impls.append(("dsv4_fp8_mlarge", lambda i, vc=vc: ours(i, cfg=vc), ref))
-            # act8 tiles around the bf16 table's choice c; act8_mlarge (M > 16): the M > 64
+            # act8 tiles around the bf16 table's choice c; act8_mlarge (M > 16): the M > 128
             # table's non-swapped tile
             act_probes = [(tag, Fp8GemmConfig(**{**c.__dict__, "act_fp8": True, **change}))
                            for tag, change in (
@@ -315,14 +315,14 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                                ("act8_bn128", dict(block_n=128,
                                                    split_k=max(1, c.split_k // 2))))]
             if M > 16:
-                act_probes.append(("act8_mlarge", choose_fp8_config(65, N, K, act_fp8=True)))
+                act_probes.append(("act8_mlarge", choose_fp8_config(129, N, K, act_fp8=True)))
             for tag, vc in act_probes:
                 impls.append((f"dsv4_fp8_{tag}", lambda i, vc=vc: ours(i, cfg=vc), ref_q))
             if G == 1:  # x quantised once by its own launch (timed with the GEMM), then the
-                # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 64 tile
+                # act8 GEMM on e4m3 x: the act8 table's tiles, the bf16 table's, the M > 128 tile
                 pre = [("act8_prequant", act8), ("act8_prequant_bf16tiles", c)]
                 if M > 16:
-                    pre.append(("act8_prequant_mlarge", choose_fp8_config(65, N, K)))
+                    pre.append(("act8_prequant_mlarge", choose_fp8_config(129, N, K)))
                     # the one-token table's tile (16 tokens; its 128-row form holds 76
                     # registers in the sm_90 compile, the 64-token one 234) and 32 tokens:
                     # M / 16 or M / 32 programs share each weight tile, adjacent in the grid,

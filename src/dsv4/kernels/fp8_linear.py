@@ -130,13 +130,13 @@ class Fp8GemmConfig:
 
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-"""The split-K counts :func:`choose_fp8_config` picks from (rounded down to one of them): the
-ones its tile sweep measured."""
+"""The split-K counts :func:`choose_fp8_config` picks from 33 to 128 tokens (rounded down to one
+of them): the ones its tile sweep measured."""
 
 MIN_BLOCKS_PER_PROGRAM = 8
-"""No split leaves a program fewer 128-wide K blocks than this: shorter programs never fill
-their pipeline, and each split adds a partial's write and read (H100 sweep, 2026-12-07: the
-indexer's ``wq_b``, K = 1024, at 64 tokens 10.4 us with 2 splits, 5.7 with none)."""
+"""From 33 to 128 tokens no split leaves a program fewer 128-wide K blocks than this: shorter
+programs never fill their pipeline, and each split adds a partial's write and read (H100 sweep,
+2026-12-07: the indexer's ``wq_b``, K = 1024, at 64 tokens 10.4 us in 2 splits, 5.7 in one)."""
 
 
 def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: bool = False
@@ -145,59 +145,49 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     (G*R), ``K`` = the per-row length, ``act_fp8``: the activations quantised to e4m3 (§6.3;
     from 33 tokens the cuda platform passes them quantised once, ``x_scales``).
 
-    From the tile sweep of every Flash / Pro C4 GEMM as the layer calls it, at 4, 16, 32, 64
-    and 128 tokens (H100, 2026-12-07, ``benchmarks/results/2026-12-07-h100/gemm-tiles/``,
-    ~1600 tiles; the table's choice there is within 6 % of the best tile measured except
-    where the results' README says otherwise):
-
-    * M <= 16: swapped tiles (weight rows on the MMA's M side) of 16 tokens x 64 rows, K
-      split so that about 3 programs per SM stream equal bytes; under ``act_fp8``, 128-row
-      tiles at half the split where they still give 1.5 programs per SM (the q projections).
-    * 16 < M <= 32: 32-token swapped tiles; under ``act_fp8`` 128 rows, about 2 programs per
-      SM, each streaming at least 16 K blocks (Pro ``wo_b`` 61.0 -> 52.1 us, Flash 21.4 ->
-      19.9).
+    * M <= 32: swapped tiles (weight rows on the MMA's M side) of 16 or 32 tokens x 64 rows, K
+      split so that about 3 programs per SM stream equal bytes and none streams more than 16
+      K blocks; at most 16 tokens under ``act_fp8``, 128-row tiles at half that split where
+      they still give 1.5 programs per SM (the q projections, Pro ``wo_b``). 3 pipeline stages (H200 GEMM
+      probes, 2026-12-03).
     * 32 < M <= 128: 64 x 64 tiles of 4 warps and 4 pipeline stages, non-swapped under
-      ``act_fp8`` (swapped for bf16 activations, ``wo_a``), about 2 programs per SM (at 64
-      tokens Flash ``wo_b`` 22.1 -> 19.6 us, ``wo_a`` 30.1 -> 25.5, Pro ``wo_b`` 59.8 ->
-      53.0; the 64 x 128 tile of 8 warps this replaced lost on every shape).
-    * M > 128: 64 x 128 non-swapped tiles, split only where the tiles alone leave SMs idle
-      (not in the sweep; the long calls' route takes over at the platform's
-      ``fp8_gemm_max_tokens``).
+      ``act_fp8`` (swapped for bf16 activations: ``wo_a``), about 2 programs per SM, none
+      under :data:`MIN_BLOCKS_PER_PROGRAM` K blocks. From the tile sweep of every Flash / Pro
+      C4 GEMM as the layer calls it (H100, 2026-12-07, ``benchmarks/results/2026-12-07-h100/
+      gemm-tiles/``): at 64 tokens Flash ``wo_b`` 22.1 -> 19.6 us, ``wo_a`` 30.1 -> 25.5, the
+      indexer's ``wq_b`` 10.4 -> 5.7, Pro ``wo_b`` 59.8 -> 53.0 against the tiles this
+      replaced (64 x 128 of 8 warps, or swapped), within 10 % of the sweep's best tile on every
+      shape at 64 and 128 tokens; in the layer, one C4 layer's graph, a step of 64 tokens 10-20
+      us faster (``decode-step-verify/gemm-tiles/``).
+    * M > 128: 64 x 128 non-swapped tiles of 8 warps, split only where the tiles alone leave
+      SMs idle; 4 stages under ``act_fp8`` (verify steps of 128 tokens, 2026-12-07). The long
+      calls' route takes over at the platform's ``fp8_gemm_max_tokens``.
 
-    Everywhere: no program streams fewer than :data:`MIN_BLOCKS_PER_PROGRAM` K blocks, and
-    4 pipeline stages where an ``act_fp8`` program at most 32 tokens streams a whole row of
-    at least 12 blocks (Pro ``wq_b`` 42.8 -> 40.2 us at 16 tokens; a split program lost with
-    them).
+    The sweep's own winners at <= 32 tokens (the indexer's ``wq_b`` unsplit, 4 stages for Pro's
+    ``wq_b``, 128-row tiles at 17-32 tokens) lost in the layer at 64K context: one-token steps
+    3.5-13 us slower, where the indexer's GEMM runs on a side stream beside the q heads' GEMM
+    (at 512, Pro 2-4 us faster). They are not taken.
     """
     nkb = K // BLOCK
 
-    def split_for(programs: float, min_blocks: int = MIN_BLOCKS_PER_PROGRAM) -> int:
-        want = max(1, min(int(programs), nkb // min_blocks, 16))
-        return max(s for s in SPLITS if s <= want)
-
     if M > 128:
         tiles = -(-M // 64) * (n_rows // 128)
-        return Fp8GemmConfig(block_m=64, block_n=128, split_k=split_for(-(-n_sm // tiles)),
-                             swap=False, num_warps=8, num_stages=4 if act_fp8 else 3,
-                             act_fp8=act_fp8)
+        return Fp8GemmConfig(block_m=64, block_n=128,
+                             split_k=max(1, min(nkb, -(-n_sm // tiles), 16)), swap=False,
+                             num_warps=8, num_stages=4 if act_fp8 else 3, act_fp8=act_fp8)
     if M > 32:
         tiles = -(-M // 64) * (n_rows // 64)
-        return Fp8GemmConfig(block_m=64, block_n=64, split_k=split_for(round(2 * n_sm / tiles)),
+        want = max(1, min(round(2 * n_sm / tiles), nkb // MIN_BLOCKS_PER_PROGRAM, 16))
+        return Fp8GemmConfig(block_m=64, block_n=64, split_k=max(s for s in SPLITS if s <= want),
                              swap=not act_fp8, num_warps=4, num_stages=4, act_fp8=act_fp8)
     bm = 16 if M <= 16 else 32
-    if act_fp8 and M > 16:
-        bn = 128
-        split = split_for(round(2 * n_sm / (n_rows // bn)), min_blocks=16)
-        if split == 1 and n_rows // bn < 1.5 * n_sm:
-            bn = 64  # a whole row per program: 64-row tiles, twice the programs (indexer)
-    else:
-        bn = 64
-        split = split_for(-(-3 * n_sm // (n_rows // bn)))
-        if act_fp8 and (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
-            bn, split = 128, split_for(split // 2)
-    stages = 4 if act_fp8 and split == 1 and nkb >= 12 else 3
+    tiles = n_rows // 64
+    split = max(1, min(max(-(-3 * n_sm // tiles), -(-nkb // 16)), nkb, 16))
+    bn = 64
+    if act_fp8 and M <= 16 and (n_rows // 128) * max(1, split // 2) >= 1.5 * n_sm:
+        bn, split = 128, max(1, split // 2)
     return Fp8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap=True, num_warps=4,
-                         num_stages=stages, act_fp8=act_fp8)
+                         num_stages=3, act_fp8=act_fp8)
 
 
 # ---------------------------------------------------------------------------------- kernel
