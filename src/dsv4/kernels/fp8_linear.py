@@ -148,8 +148,8 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
     * M <= 32: swapped tiles (weight rows on the MMA's M side) of 16 or 32 tokens x 64 rows, K
       split so that about 3 programs per SM stream equal bytes and none streams more than 16
       K blocks; at most 16 tokens under ``act_fp8``, 128-row tiles at half that split where
-      they still give 1.5 programs per SM (the q projections, Pro ``wo_b``). 3 pipeline stages (H200 GEMM
-      probes, 2026-12-03).
+      they still give 1.5 programs per SM (the q projections, Pro ``wo_b``). 3 pipeline
+      stages (H200 GEMM probes, 2026-12-03).
     * 32 < M <= 128: 64 x 64 tiles of 4 warps and 4 pipeline stages, non-swapped under
       ``act_fp8`` (swapped for bf16 activations: ``wo_a``), about 2 programs per SM, none
       under :data:`MIN_BLOCKS_PER_PROGRAM` K blocks. From the tile sweep of every Flash / Pro
