@@ -5,7 +5,8 @@ grouped, bf16 x) at the token counts given, over candidate tiles (swapped 16 / 3
 replay, weights rotated beyond L2. Each row: the tile, us per call, and its output's largest
 difference from the table's choice (tag ``current``). The evidence of
 :func:`dsv4.kernels.fp8_linear.choose_fp8_config` (``benchmarks/results/2026-12-07-h100/
-gemm-tiles/``). On a CUDA machine, from the repository root:
+gemm-tiles/``). On a CUDA machine, from the repository root, dsv4 importable (installed, or
+``PYTHONPATH=src``); ``bash benchmarks/gpu_check.sh tiles`` runs both steps:
 
     for i in $(seq 0 13); do python3 benchmarks/gemm_tiles.py compile 14 $i 16 64 & done; wait
     python3 benchmarks/gemm_tiles.py time OUT.json 16 64

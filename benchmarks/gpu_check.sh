@@ -26,6 +26,9 @@
 #                                         # with --plan fp8_gemm_max_tokens=128 (the limit
 #                                         # before 2026-12-07) and ROUTE_LIMITS (default 256
 #                                         # 512 1024; the table has 512)
+#   bash benchmarks/gpu_check.sh tiles    # the fp8 GEMMs' tile sweep (benchmarks/gemm_tiles.py)
+#                                         # at TILE_MS tokens (default "16 64"; the table's
+#                                         # other evidence: TILE_MS="4 32 128")
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -56,9 +59,9 @@
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | topk | score | routes | models) ;;
+suite | decode | prefill | kernels | topk | score | routes | tiles | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|tiles|models" >&2
     exit 2
     ;;
 esac
@@ -181,6 +184,17 @@ routes)
             --reps 3 --draft-tokens 0,1,3,7 --stagger --plan "fp8_gemm_max_tokens=$lim" \
             --out "$OUT/decode-step-routes/$lim"
     done
+    ;;
+tiles)  # the fp8 GEMMs' tile sweep: Triton's compiles in 14 processes first, then the timing
+    MS=(${TILE_MS:-16 64})
+    mkdir -p "$OUT/gemm-tiles"
+    for i in $(seq 0 13); do
+        timeout 200 python3 benchmarks/gemm_tiles.py compile 14 "$i" "${MS[@]}" \
+            >"$OUT/gemm-tiles/compile$i.log" 2>&1 &
+    done
+    wait
+    step gemm-tiles/log.txt 300 python3 benchmarks/gemm_tiles.py time \
+        "$OUT/gemm-tiles/sweep.json" "${MS[@]}"
     ;;
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
