@@ -151,8 +151,9 @@ def choose_fp8_config(M: int, n_rows: int, K: int, n_sm: int = 132, act_fp8: boo
       they still give 1.5 programs per SM (the q projections, Pro ``wo_b``). 3 pipeline
       stages (H200 GEMM probes, 2026-12-03).
     * 32 < M <= 128: 64 x 64 tiles of 4 warps and 4 pipeline stages, non-swapped under
-      ``act_fp8`` (swapped for bf16 activations: ``wo_a``), about 2 programs per SM, none
-      under :data:`MIN_BLOCKS_PER_PROGRAM` K blocks. From the tile sweep of every Flash / Pro
+      ``act_fp8`` (swapped for bf16 activations: ``wo_a``; the other GEMMs on bf16 x, with
+      ``act_quant`` off, take that tile unmeasured), about 2 programs per SM, none under
+      :data:`MIN_BLOCKS_PER_PROGRAM` K blocks. From the tile sweep of every Flash / Pro
       C4 GEMM as the layer calls it (H100, 2026-12-07, ``benchmarks/results/2026-12-07-h100/
       gemm-tiles/``): at 64 tokens Flash ``wo_b`` 22.1 -> 19.6 us, ``wo_a`` 30.1 -> 25.5, the
       indexer's ``wq_b`` 10.4 -> 5.7, Pro ``wo_b`` 59.8 -> 53.0 against the tiles this
