@@ -13,7 +13,9 @@ gemm-tiles/``). On a CUDA machine, from the repository root, dsv4 importable (in
 
 ``compile N I M...``: worker I of N compiles its share of the tiles (Triton's cache), so the
 timing run compiles nothing; ``time OUT.json M...``: times them all, one shape after another,
-rewriting OUT.json after each.
+rewriting OUT.json after each; ``pair OUT.json M...``: the query heads' and the indexer's
+``wq_b`` on two side streams at once, as the layer's stage 2 runs them, over the indexer's
+tiles (:func:`pair_rows`).
 """
 import json
 import math
@@ -70,13 +72,13 @@ def shapes():
             yield model, name, N, K, G
 
 
-def caller(M, N, K, G, w, s, x):
+def caller(M, N, K, G, w, s, x, workspace=None):
     if G > 1:
-        return lambda cfg: fp8_grouped_linear(x, w, s, config=cfg)
+        return lambda cfg: fp8_grouped_linear(x, w, s, config=cfg, workspace=workspace)
     if M >= 33:
         q, sx = quantize_activations(x)
-        return lambda cfg: fp8_linear(q, w, s, config=cfg, x_scales=sx)
-    return lambda cfg: fp8_linear(x, w, s, config=cfg)
+        return lambda cfg: fp8_linear(q, w, s, config=cfg, x_scales=sx, workspace=workspace)
+    return lambda cfg: fp8_linear(x, w, s, config=cfg, workspace=workspace)
 
 
 def make(M, N, K, G, gen, rot):
@@ -113,6 +115,9 @@ def main():
     from dsv4.bench.input_proj import time_graph
     out = sys.argv[2]
     ms = [int(a) for a in sys.argv[3:]]
+    if mode == "pair":
+        pair_rows(ms, out, gen, time_graph)
+        return
     rows = []
     t0 = time.time()
     for M in ms:
@@ -144,6 +149,65 @@ def main():
             with open(out, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
             del ws, xs, calls
+            torch.cuda.empty_cache()
+
+
+def pair_rows(ms, out, gen, time_graph):
+    """Stage 2 of a C4 step as the cuda platform runs it: the query heads' ``wq_b`` on one side
+    stream beside the indexer's ``wq_b`` on another (both on the same x, each with its own
+    split-K workspace), forked from and joined to the step's stream in one graph. Per model
+    and M, the pair's time with the heads' GEMM at the table's tile and the indexer's at each
+    of its candidates: which tile wins where the two share the SMs (alone, the indexer's GEMM
+    wins unsplit; in the layer at 64K that lost)."""
+    from dsv4.kernels.fp8_linear import side_stream_workspace
+
+    rows = []
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    wa, wb = side_stream_workspace(sa), side_stream_workspace(sb)
+    t0 = time.time()
+    for M in ms:
+        for model, specs in GEMMS.items():
+            (hn, k), (n_idx, _) = [(N, K) for name, N, K, _ in specs
+                                   if name in ("wq_b", "idx_wq_b")]
+            rot = max(1, min(16, math.ceil(ROTATE_BYTES / ((hn + n_idx) * k))))
+            hw, _ = make(M, hn, k, 1, gen, rot)
+            iw, xs = make(M, n_idx, k, 1, gen, rot)
+            heads = [caller(M, hn, k, 1, w, s, x, wa) for (w, s), x in zip(hw, xs, strict=True)]
+            index = [caller(M, n_idx, k, 1, w, s, x, wb) for (w, s), x in zip(iw, xs, strict=True)]
+            head_cfg = choose_fp8_config(M, hn, k, 132, act_fp8=True)
+
+            def step(i, icfg, head_cfg=head_cfg, heads=heads, index=index):
+                cur = torch.cuda.current_stream()
+                sa.wait_stream(cur)
+                sb.wait_stream(cur)
+                with torch.cuda.stream(sa):
+                    heads[i](head_cfg)
+                with torch.cuda.stream(sb):
+                    index[i](icfg)
+                cur.wait_stream(sa)
+                cur.wait_stream(sb)
+
+            alone = time_graph([lambda i=i, h=heads, c=head_cfg: h[i](c) for i in range(rot)])
+            best = None
+            for tag, cfg in candidates(M, n_idx, k, 1):
+                try:
+                    us = time_graph([lambda i=i, cfg=cfg: step(i, cfg) for i in range(rot)])
+                except Exception as ex:  # noqa: BLE001
+                    rows.append(dict(model=model, M=M, tag=tag, error=repr(ex)[:200]))
+                    continue
+                r = dict(model=model, M=M, tag=tag, us_pair=us, heads_alone_us=alone,
+                         heads_cfg=dict(head_cfg.__dict__), index_cfg=dict(cfg.__dict__))
+                rows.append(r)
+                if best is None or us < best["us_pair"]:
+                    best = r
+            cur = next(r for r in rows if r["model"] == model and r["M"] == M
+                       and r.get("tag") == "current")
+            print(f"{model:5s} pair M={M:3d} heads alone {alone:6.1f} us, pair with the "
+                  f"table's indexer tile {cur['us_pair']:6.1f}, best {best['us_pair']:6.1f} "
+                  f"{best['tag']}  ({time.time() - t0:.0f} s)", flush=True)
+            with open(out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
+            del hw, iw, xs
             torch.cuda.empty_cache()
 
 

@@ -28,7 +28,9 @@
 #                                         # 512 1024; the table has 512)
 #   bash benchmarks/gpu_check.sh tiles    # the fp8 GEMMs' tile sweep (benchmarks/gemm_tiles.py)
 #                                         # at TILE_MS tokens (default "16 64"; the table's
-#                                         # other evidence: TILE_MS="4 32 128")
+#                                         # other evidence: TILE_MS="4 32 128"); TILE_PAIR=1:
+#                                         # the q heads' and the indexer's wq_b on two side
+#                                         # streams at once, over the indexer's tiles
 #   bash benchmarks/gpu_check.sh models   # attention stacks (model-decode: the first 8 layers
 #                                         # of Flash's, then Pro's, schedule: eager, one plan
 #                                         # per step, the decode runner);
@@ -193,8 +195,13 @@ tiles)  # the fp8 GEMMs' tile sweep: Triton's compiles in 14 processes first, th
             >"$OUT/gemm-tiles/compile$i.log" 2>&1 &
     done
     wait
-    step gemm-tiles/log.txt 300 python3 benchmarks/gemm_tiles.py time \
-        "$OUT/gemm-tiles/sweep.json" "${MS[@]}"
+    if [ -n "${TILE_PAIR:-}" ]; then  # the heads' and the indexer's wq_b at once (stage 2)
+        step gemm-tiles/pair-log.txt 300 python3 benchmarks/gemm_tiles.py pair \
+            "$OUT/gemm-tiles/pair.json" "${MS[@]}"
+    else
+        step gemm-tiles/log.txt 300 python3 benchmarks/gemm_tiles.py time \
+            "$OUT/gemm-tiles/sweep.json" "${MS[@]}"
+    fi
     ;;
 models)
     step model-decode/flash/log.txt 220 "${MODEL[@]}" --models flash --out "$OUT/model-decode/flash"
