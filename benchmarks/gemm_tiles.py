@@ -66,6 +66,21 @@ def candidates(M, N, K, G):
     return out
 
 
+def current_and_best(rows, key, **cell):
+    """The rows of one cell (``cell``'s fields) that were timed: the table's tile's and the
+    fastest."""
+    timed = [r for r in rows if key in r and all(r.get(f) == v for f, v in cell.items())]
+    return next(r for r in timed if r["tag"] == "current"), min(timed, key=lambda r: r[key])
+
+
+def cell_done(out, rows, t0, line):
+    """A cell timed: its line, every row so far into ``out``, the cell's tensors freed."""
+    print(f"{line}  ({time.time() - t0:.0f} s)", flush=True)
+    with open(out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
+    torch.cuda.empty_cache()
+
+
 def shapes():
     for model, rows in GEMMS.items():
         for name, N, K, G in rows:
@@ -127,7 +142,6 @@ def main():
             ws, xs = make(M, N, K, G, gen, rot)
             calls = [caller(M, N, K, G, w, s, x) for (w, s), x in zip(ws, xs, strict=True)]
             ref = calls[0](choose_fp8_config(M, N, K, 132, act_fp8=G == 1)).float()
-            best = None
             for tag, cfg in candidates(M, N, K, G):
                 try:
                     y = calls[0](cfg).float()
@@ -136,20 +150,12 @@ def main():
                 except Exception as ex:  # noqa: BLE001
                     rows.append(dict(model=model, gemm=name, M=M, tag=tag, error=repr(ex)[:200]))
                     continue
-                r = dict(model=model, gemm=name, N=N, K=K, G=G, M=M, tag=tag, us=us, err=err,
-                         cfg=dict(cfg.__dict__))
-                rows.append(r)
-                if best is None or us < best["us"]:
-                    best = r
-            cur = next(r for r in rows if r["model"] == model and r["gemm"] == name
-                       and r["M"] == M and r["tag"] == "current")
-            print(f"{model:5s} {name:8s} M={M:3d} current {cur['us']:6.1f} us  best "
-                  f"{best['us']:6.1f} {best['tag']} err {best['err']:.1e}  "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-            with open(out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
+                rows.append(dict(model=model, gemm=name, N=N, K=K, G=G, M=M, tag=tag, us=us,
+                                 err=err, cfg=dict(cfg.__dict__)))
+            cur, best = current_and_best(rows, "us", model=model, gemm=name, M=M)
             del ws, xs, calls
-            torch.cuda.empty_cache()
+            cell_done(out, rows, t0, f"{model:5s} {name:8s} M={M:3d} current {cur['us']:6.1f} "
+                      f"us  best {best['us']:6.1f} {best['tag']} err {best['err']:.1e}")
 
 
 def pair_rows(ms, out, gen, time_graph):
@@ -188,27 +194,20 @@ def pair_rows(ms, out, gen, time_graph):
                 cur.wait_stream(sb)
 
             alone = time_graph([lambda i=i, h=heads, c=head_cfg: h[i](c) for i in range(rot)])
-            best = None
             for tag, cfg in candidates(M, n_idx, k, 1):
                 try:
                     us = time_graph([lambda i=i, cfg=cfg: step(i, cfg) for i in range(rot)])
                 except Exception as ex:  # noqa: BLE001
                     rows.append(dict(model=model, M=M, tag=tag, error=repr(ex)[:200]))
                     continue
-                r = dict(model=model, M=M, tag=tag, us_pair=us, heads_alone_us=alone,
-                         heads_cfg=dict(head_cfg.__dict__), index_cfg=dict(cfg.__dict__))
-                rows.append(r)
-                if best is None or us < best["us_pair"]:
-                    best = r
-            cur = next(r for r in rows if r["model"] == model and r["M"] == M
-                       and r.get("tag") == "current")
-            print(f"{model:5s} pair M={M:3d} heads alone {alone:6.1f} us, pair with the "
-                  f"table's indexer tile {cur['us_pair']:6.1f}, best {best['us_pair']:6.1f} "
-                  f"{best['tag']}  ({time.time() - t0:.0f} s)", flush=True)
-            with open(out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=0)
+                rows.append(dict(model=model, M=M, tag=tag, us_pair=us, heads_alone_us=alone,
+                                 heads_cfg=dict(head_cfg.__dict__),
+                                 index_cfg=dict(cfg.__dict__)))
+            cur, best = current_and_best(rows, "us_pair", model=model, M=M)
             del hw, iw, xs
-            torch.cuda.empty_cache()
+            cell_done(out, rows, t0, f"{model:5s} pair M={M:3d} heads alone {alone:6.1f} us, "
+                      f"pair with the table's indexer tile {cur['us_pair']:6.1f}, best "
+                      f"{best['us_pair']:6.1f} {best['tag']}")
 
 
 if __name__ == "__main__":
