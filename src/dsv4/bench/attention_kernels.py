@@ -224,6 +224,18 @@ def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
             torch.cuda.empty_cache()
 
 
+def random_fp8_weights(N: int, K: int, count: int, dev, gen) -> list[tuple[torch.Tensor,
+                                                                          torch.Tensor]]:
+    """``count`` random fp8 weights [N, K] with ue8m0 block scales near 2^-7 (the GEMM
+    probes' rotation, each copy beyond the others in L2)."""
+    ws = []
+    for _ in range(count):
+        w = (torch.randn(N, K, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
+        e = torch.randint(115, 125, (N // 128, K // 128), device=dev, generator=gen)
+        ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    return ws
+
+
 def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
                      time_graph, variants: bool = False, ms: tuple[int, ...] = ()) -> None:
     from dsv4.kernels.fp8_linear import (
@@ -241,11 +253,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
 
     wbytes = N * K + (N // 128) * (K // 128)
     rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
-    ws = []
-    for _ in range(rot):
-        w = (torch.randn(N, K, device=dev, generator=gen) * 2).to(torch.float8_e4m3fn)
-        e = torch.randint(115, 125, (N // 128, K // 128), device=dev, generator=gen)
-        ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    ws = random_fp8_weights(N, K, rot, dev, gen)
     for M in ms or (GEMM_MS[:1] if quick else GEMM_MS):
         xshape = (M, G, K) if G > 1 else (M, K)
         xs = [torch.randn(*xshape, device=dev, generator=gen).to(torch.bfloat16)
