@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from dsv4.bench.attention_kernels import GEMMS, ROTATE_BYTES
+from dsv4.bench.attention_kernels import GEMMS, ROTATE_BYTES, random_fp8_weights
 from dsv4.kernels.fp8_linear import (
     SPLITS,
     Fp8GemmConfig,
@@ -97,18 +97,29 @@ def caller(M, N, K, G, w, s, x, workspace=None):
 
 
 def make(M, N, K, G, gen, rot):
-    ws = []
-    for _ in range(rot):
-        w = (torch.randn(N, K, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
-        e = torch.randint(115, 125, (N // 128, K // 128), device="cuda", generator=gen)
-        ws.append((w, e.to(torch.uint8).view(torch.float8_e8m0fnu)))
+    ws = random_fp8_weights(N, K, rot, "cuda", gen)
     xshape = (M, G, K) if G > 1 else (M, K)  # weight [N = G * R, K = Kg]
     xs = [torch.randn(*xshape, device="cuda", generator=gen).to(torch.bfloat16)
           for _ in range(rot)]
     return ws, xs
 
 
+USAGE = ("usage: python3 benchmarks/gemm_tiles.py compile N I M... | time OUT.json M... | "
+         "pair OUT.json M...")
+
+
+def check_args(args):
+    """A one-line usage error (exit 2) unless ``args`` is one of the three forms."""
+    mode = args[0] if args else ""
+    numbers = args[1:] if mode == "compile" else args[2:]
+    least = {"compile": 3, "time": 1, "pair": 1}.get(mode)
+    if least is None or len(numbers) < least or not all(a.isdigit() for a in numbers):
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+
+
 def main():
+    check_args(sys.argv[1:])
     mode = sys.argv[1]
     gen = torch.Generator(device="cuda").manual_seed(0)
     if mode == "compile":
