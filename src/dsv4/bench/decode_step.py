@@ -66,6 +66,7 @@ from dsv4.bench.args import (
 from dsv4.bench.decode_step_tp import check_tp_args, main_tp
 from dsv4.bench.input_proj import measure_copy_bw
 from dsv4.bench.synthetic_cache import fill_history
+from dsv4.bench.timeline import device_spans, timeline_markdown, trace_of
 from dsv4.config import PRESET_NAMES, ConfigError, DSV4Config
 from dsv4.kernels.launch import (
     programmatic_launch,
@@ -228,10 +229,11 @@ def launch_origins(layer: Any, x: torch.Tensor, pos: torch.Tensor, caches: list[
     return f"## {title}: where the GPU operations come from (5 frames)\n\n{table}\n"
 
 
-def replay_table(graph: Any, title: str) -> str:
+def replay_table(graph: Any, title: str, timeline: bool = False) -> str:
     """The profiler's kernel table of one replay of ``graph`` (kernels inside a graph are
     timed as they ran there: PDL's overlap shows, unlike in an eager step under the
-    profiler)."""
+    profiler); ``timeline``: then the same replay's timeline (:mod:`dsv4.bench.timeline`:
+    its span, idle gaps and time beside another stream, operation by operation)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -240,7 +242,10 @@ def replay_table(graph: Any, title: str) -> str:
     events = prof.key_averages()
     total = sum(getattr(e, "device_time_total", 0.0) for e in events)
     table = events.table(sort_by="device_time_total", row_limit=30, max_name_column_width=70)
-    return f"## {title}: {total:.0f} us of kernel time in one graph replay\n\n{table}\n"
+    text = f"## {title}: {total:.0f} us of kernel time in one graph replay\n\n{table}\n"
+    if timeline:
+        text += "\n" + timeline_markdown(device_spans(trace_of(prof)), title)
+    return text
 
 
 def run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int,
@@ -354,7 +359,7 @@ def _run_case(cfg: DSV4Config, model: str, layer_type: str, m: int, context: int
             times = replay_times(graph, reps, scrub)
             case = f"{model} {layer_type} ctx={context} M={m}" + (
                 f" k={draft_tokens}" if draft_tokens else "")
-            replayed = (replay_table(graph, f"{case} {strategy}")
+            replayed = (replay_table(graph, f"{case} {strategy}", timeline=True)
                         if profiles is not None and strategy in OURS else "")
         us = statistics.median(times)
         nbytes = step_bytes(layer, m, context)
@@ -534,7 +539,8 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
                     help="with --tp: the M sequences' caches in one pool")
     ap.add_argument("--profile", action="store_true",
                     help="also write decode_step_profile.md: the kernel tables of one eager "
-                    "step and one graph replay of each new-path row, and where the step's "
+                    "step and one graph replay of each new-path row, that replay's timeline "
+                    "(span, idle gaps, time beside another stream), and where the step's "
                     "GPU operations are launched from (operators by Python stack)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over N GPUs (NCCL, one process a GPU, spawned here "
