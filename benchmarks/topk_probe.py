@@ -54,6 +54,13 @@ VARIANTS = {
     "8p 2048x8 b4": dict(split=8, block=2048, num_warps=8, digit_bits=4),
     "4p 4096x8 b4": dict(split=4, block=4096, num_warps=8, digit_bits=4),
     "8p 8192x16 b4": dict(split=8, block=8192, num_warps=16, digit_bits=4),
+    # a verify step's 64 rows of 16K entries (4 chunks of 4096 at k = 512): the merge's
+    # 2048 candidates held in one 2048-wide block instead of streamed in two of 1024; the
+    # layer's calls leave out the sort
+    "auto nosort b4": dict(digit_bits=4, sort=False),
+    "4p m2048 nosort": dict(split=4, merge_block=2048, sort=False),
+    "4p b4 m2048 nosort": dict(split=4, merge_block=2048, digit_bits=4, sort=False),
+    "8p nosort": dict(split=8, sort=False),
 }
 """Name -> topk_entries keywords. H200 probes of 2026-12-04: with one program per row, 4096 x 8
 beat 1024 x 8, 2048 x 8, 4096 x 16, 8192 x 32 (8192 x 16 ties at 64K); a two-level method (a
