@@ -1,9 +1,12 @@
 """Compile the Triton kernels for sm_90 on a machine WITHOUT a GPU and print each
 configuration's registers / spill stack (ptxas via Triton's bundled cuobjdump) and MMA kind.
 
-    PYTHONPATH=src python benchmarks/aot_sm90_regs.py [gemm|mqa|steps|stages|fused|all|pdl]
+    PYTHONPATH=src python benchmarks/aot_sm90_regs.py MODE   # gemm, mqa, mqa-tiles, steps,
+                                                             # stages, fused, all (default), pdl
 
 ``gemm``: the fp8 weight-streaming GEMM's configurations and the one-pass dequantisation;
+``mqa``: the sparse MQA kernel at the tiles it picks; ``mqa-tiles``: its 64-head tiles at 8 and
+16 warps (not part of ``all``);
 
 ``steps``: the decode step's small kernels (cache writes, flat rows, raw rows, ring rows, the
 indexer's scoring and top-k at decode and prefill, the split-KV combine) at Flash / Pro
@@ -148,12 +151,16 @@ def dequant() -> None:
         print(f"activation quantisation sim={sim}: {r}", flush=True)
 
 
+MQA_TYPES = dict(q_ptr="*bf16", sqt="i32", sqh="i32", o_ptr="*bf16", sot="i32", soh="i32",
+                 sink_ptr="*fp32", ws_acc="*fp32", ws_ml="*fp32", widx_ptr="*i32", swi="i32",
+                 w_blk="i32", cidx_ptr="*i32", sci="i32", c_blk="i32", T="i32", H="i32",
+                 W="i32", KC="i32", B="i32", chunk="i32", n_split="i32", qk_scale="fp32",
+                 pos_ptr="*i64", freq_ptr="*fp32")
+"""The sparse MQA kernel's runtime arguments (its stores' pointer types added per format)."""
+
+
 def mqa() -> None:
-    base = dict(q_ptr="*bf16", sqt="i32", sqh="i32", o_ptr="*bf16", sot="i32", soh="i32",
-                sink_ptr="*fp32", ws_acc="*fp32", ws_ml="*fp32", widx_ptr="*i32", swi="i32",
-                w_blk="i32", cidx_ptr="*i32", sci="i32", c_blk="i32", T="i32", H="i32",
-                W="i32", KC="i32", B="i32", chunk="i32", n_split="i32", qk_scale="fp32",
-                pos_ptr="*i64", freq_ptr="*fp32")
+    base = MQA_TYPES
     for fmt in ("fp8_ds_mla", "bf16"):
         st = "*u8" if fmt == "fp8_ds_mla" else "*bf16"
         types = {**base, "win_ptr": st, "cmp_ptr": st}
@@ -175,6 +182,32 @@ def mqa() -> None:
                     traceback.print_exc()
                     print(f"FAIL sparse_mqa {fmt} {c}", flush=True)
     combine()
+
+
+MQA_TILES = ((64, 16, 8, 1), (64, 16, 16, 2), (64, 32, 16, 1), (64, 32, 16, 2),
+             (64, 64, 16, 1), (64, 64, 16, 2))
+"""(heads, rows, warps, stages) that ``mqa-tiles`` compiles: the 64-head tiles Hopper's wgmma
+takes, whole 512-column accumulators, at 8 warps (the default from 16 queries) and 16."""
+
+
+def mqa_tiles() -> bool:
+    """The sparse MQA kernel's 64-head tiles at d = 512 over both store formats: registers and
+    spill stack. With 16 warps the [64, 512] fp32 accumulator is 64 registers a thread, but
+    each warpgroup then takes a slice of the output columns and holds the whole query tile as
+    its register operand (Triton's ``tl.dot`` keeps a loaded operand in registers)."""
+    ok = True
+    for fmt in ("bf16", "fp8_ds_mla"):
+        fp8 = fmt == "fp8_ds_mla"
+        st = "*u8" if fp8 else "*bf16"
+        for bh, bn, warps, stages in MQA_TILES:
+            consts = dict(D=512, DV=512, BH=bh, BN=bn, SPLIT=False, FP8=fp8, NOPE=448,
+                          DR=576 if fp8 else 0, SR=8 if fp8 else 0, DOT_DT=tl.bfloat16,
+                          DOT_PREC="tf32", ROPE_NOPE2=-1)
+            ok &= _try(f"sparse_mqa {fmt} {bh} heads x {bn} rows, {warps} warps, {stages} "
+                       "stage(s)", sm._sparse_mqa_kernel,
+                       {**MQA_TYPES, "win_ptr": st, "cmp_ptr": st}, consts,
+                       dict(num_warps=warps, num_stages=stages))
+    return ok
 
 
 def combine() -> bool:
@@ -532,6 +565,8 @@ if __name__ == "__main__":
         dequant()
     if which in ("mqa", "all"):
         mqa()
+    if which == "mqa-tiles" and not mqa_tiles():
+        raise SystemExit(1)
     if which in ("steps", "all") and not steps():
         raise SystemExit(1)
     if which in ("fused", "all") and not fused():
