@@ -10,6 +10,10 @@
 #                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K;
 #                                         # DRAFTS=0,1,3,7: verify steps of 1 + k tokens instead;
 #                                         # STAGGER=1: sequence i at context + i (--stagger)
+#   bash benchmarks/gpu_check.sh timeline # where a verify step's time goes: Flash / Pro C4,
+#                                         # 16 sequences of 1 and 1 + 3 tokens (staggered), 512
+#                                         # and 64K, profiled: kernel tables and each replay's
+#                                         # timeline (streams, idle gaps, overlap)
 #   bash benchmarks/gpu_check.sh prefill  # one C4 layer prefilling 16K / 64K tokens
 #   bash benchmarks/gpu_check.sh kernels  # attention kernels, fp8 GEMMs, input projections alone
 #   bash benchmarks/gpu_check.sh topk     # the indexer's top-k alone (benchmarks/topk_probe.py):
@@ -61,9 +65,9 @@
 # mean: benchmarks/results/README.md, docs/performance.md.
 set -u
 case "${1:-}" in
-suite | decode | prefill | kernels | topk | score | routes | tiles | models) ;;
+suite | decode | timeline | prefill | kernels | topk | score | routes | tiles | models) ;;
 *)
-    echo "usage: bash benchmarks/gpu_check.sh suite|decode|prefill|kernels|topk|score|routes|tiles|models" >&2
+    echo "usage: bash benchmarks/gpu_check.sh suite|decode|timeline|prefill|kernels|topk|score|routes|tiles|models" >&2
     exit 2
     ;;
 esac
@@ -145,6 +149,11 @@ decode)  # with BASELINE both trees share the call: shorter limits, no profile
         --out "$OUT/$KIND/512" --contexts 512 --reps 5 "${PROFILE[@]}"
     step $KIND/64k/log.txt $S64 "${DECODE[@]}" "${ROWS[@]}" \
         --out "$OUT/$KIND/64k" --contexts 65536 --reps 3
+    ;;
+timeline)
+    step decode-step-verify/timeline/log.txt 240 python3 -m dsv4 bench decode-step \
+        --models flash,pro --layers C4 --ms 16 --contexts 512,65536 --strategies default \
+        --reps 2 --draft-tokens 0,3 --stagger --profile --out "$OUT/decode-step-verify/timeline"
     ;;
 prefill)
     SECS=540
