@@ -38,6 +38,13 @@ def test_device_spans_keeps_device_operations_in_start_order():
     assert spans[1] == Span("void gemm<float>(int)", 7, 110.0, 130.0)
 
 
+def test_stream_from_args_else_from_the_lane():
+    lane_only = {"ph": "X", "cat": "kernel", "name": "k", "ts": 0.0, "dur": 1.0,
+                 "tid": "stream 12"}
+    unnamed = {"ph": "X", "cat": "gpu_memset", "name": "m", "ts": 2.0, "dur": 1.0}
+    assert [s.stream for s in device_spans({"traceEvents": [lane_only, unnamed]})] == [12, 0]
+
+
 def test_summary_counts_union_overlap_and_gaps():
     sm = summarise(device_spans(TRACE))
     assert sm.span == pytest.approx(50.0)            # 100 .. 150

@@ -41,10 +41,20 @@ def device_spans(trace: dict[str, Any]) -> list[Span]:
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") not in DEVICE_CATEGORIES:
             continue
-        stream = e.get("args", {}).get("stream", e.get("tid", 0))
         start = float(e["ts"])
-        spans.append(Span(str(e.get("name", "?")), int(stream), start, start + float(e["dur"])))
+        spans.append(Span(str(e.get("name", "?")), _stream_of(e), start,
+                          start + float(e["dur"])))
     return sorted(spans, key=lambda s: (s.start, s.end))
+
+
+def _stream_of(event: dict[str, Any]) -> int:
+    """A device operation's stream: its ``args.stream``, else the number in its ``tid`` (the
+    trace's lane: an integer, or a string such as "stream 7"), else 0."""
+    stream = event.get("args", {}).get("stream")
+    if stream is None:
+        digits = "".join(ch for ch in str(event.get("tid", "")) if ch.isdigit())
+        return int(digits) if digits else 0
+    return int(stream)
 
 
 def busy_intervals(spans: list[Span]) -> list[tuple[float, float]]:
