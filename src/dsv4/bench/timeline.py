@@ -105,15 +105,15 @@ def summarise(spans: list[Span]) -> TimelineSummary:
     for (_, end), (nxt, _) in zip(merged, merged[1:], strict=False):
         starter = min((s for s in spans if s.start >= nxt), key=lambda s: s.start)
         gaps.append((end, nxt, starter.name))
-    per_stream: dict[int, float] = {}
-    for s in spans:
-        per_stream.setdefault(s.stream, 0.0)
-    for st in per_stream:
-        per_stream[st] = sum(b - a for a, b in busy_intervals([s for s in spans
-                                                               if s.stream == st]))
-    return TimelineSummary(max(s.end for s in spans) - spans[0].start,
-                           sum(b - a for a, b in merged), sum(s.us for s in spans), gaps,
-                           per_stream)
+    streams = dict.fromkeys(s.stream for s in sorted(spans, key=lambda s: s.start))
+    per_stream = {st: _busy_time([s for s in spans if s.stream == st]) for st in streams}
+    return TimelineSummary(merged[-1][1] - merged[0][0], _busy_time(spans),
+                           sum(s.us for s in spans), gaps, per_stream)
+
+
+def _busy_time(spans: list[Span]) -> float:
+    """The length of the union of the spans' intervals."""
+    return sum(b - a for a, b in busy_intervals(spans))
 
 
 def short_name(name: str, width: int = 60) -> str:
