@@ -18,13 +18,12 @@ rewriting OUT.json after each; ``pair OUT.json M...``: the query heads' and the 
 tiles (:func:`pair_rows`).
 """
 import json
-import math
 import sys
 import time
 
 import torch
 
-from dsv4.bench.attention_kernels import GEMMS, ROTATE_BYTES, random_fp8_weights
+from dsv4.bench.attention_kernels import GEMMS, random_fp8_weights, weight_copies
 from dsv4.kernels.fp8_linear import (
     SPLITS,
     Fp8GemmConfig,
@@ -148,8 +147,7 @@ def main():
     t0 = time.time()
     for M in ms:
         for model, name, N, K, G in shapes():
-            wbytes = N * K
-            rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
+            rot = weight_copies(N * K)
             ws, xs = make(M, N, K, G, gen, rot)
             calls = [caller(M, N, K, G, w, s, x) for (w, s), x in zip(ws, xs, strict=True)]
             ref = calls[0](choose_fp8_config(M, N, K, 132, act_fp8=G == 1)).float()
@@ -186,7 +184,7 @@ def pair_rows(ms, out, gen, time_graph):
         for model, specs in GEMMS.items():
             (hn, k), (n_idx, _) = [(N, K) for name, N, K, _ in specs
                                    if name in ("wq_b", "idx_wq_b")]
-            rot = max(1, min(16, math.ceil(ROTATE_BYTES / ((hn + n_idx) * k))))
+            rot = weight_copies((hn + n_idx) * k)
             hw, _ = make(M, hn, k, 1, gen, rot)
             iw, xs = make(M, n_idx, k, 1, gen, rot)
             heads = [caller(M, hn, k, 1, w, s, x, wa) for (w, s), x in zip(hw, xs, strict=True)]

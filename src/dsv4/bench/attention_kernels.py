@@ -229,6 +229,12 @@ def gemm_rows(dev, copy_bw: float, quick: bool, out_rows: list, time_graph,
             torch.cuda.empty_cache()
 
 
+def weight_copies(nbytes: float) -> int:
+    """How many copies of a weight of ``nbytes`` the GEMM probes rotate through so that each
+    call finds its copy beyond the L2 (:data:`ROTATE_BYTES` in all, 1 to 16 copies)."""
+    return max(1, min(16, math.ceil(ROTATE_BYTES / nbytes)))
+
+
 def random_fp8_weights(N: int, K: int, count: int, dev, gen) -> list[tuple[torch.Tensor,
                                                                           torch.Tensor]]:
     """``count`` random fp8 weights [N, K] with ue8m0 block scales near 2^-7 (the GEMM
@@ -257,7 +263,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
     from dsv4.platforms.cuda_linears import dequantised_gemm, dequantised_grouped_gemm
 
     wbytes = N * K + (N // 128) * (K // 128)
-    rot = max(1, min(16, math.ceil(ROTATE_BYTES / wbytes)))
+    rot = weight_copies(wbytes)
     ws = random_fp8_weights(N, K, rot, dev, gen)
     for M in ms or (GEMM_MS[:1] if quick else GEMM_MS):
         xshape = (M, G, K) if G > 1 else (M, K)
