@@ -61,6 +61,8 @@ GEMMS = {
 }
 GEMM_MS = (1, 16, 64)
 ROTATE_BYTES = 320e6
+"""Bytes of rotated copies a probe cycles through (> 5x the 60 MB L2), so each call reads its
+weights or keys from HBM (here and :mod:`dsv4.bench.input_proj`)."""
 MAX_STORE_BYTES = 16e9
 
 

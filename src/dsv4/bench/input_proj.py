@@ -37,6 +37,7 @@ from dsv4.bench.args import (
     int_list,
     require_cuda,
 )
+from dsv4.bench.attention_kernels import ROTATE_BYTES
 from dsv4.kernels.fused_input_proj import (
     KernelConfig,
     choose_config,
@@ -55,7 +56,6 @@ FP8_STRATEGIES = ("fused4_dsv4",)
 # fused4_dsv4_pdl (programmatic dependent launch + L2 weight prefetch) is a strategy of its own
 # but left out of the default run: the sweep found it 1 us slower (docs/performance.md, "Tried
 # and lost"); --pdl adds it
-ROTATE_BYTES = 320e6  # > 5x the 60 MB L2
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 PDL_PREFETCH = 512  # bytes of each weight row prefetched to L2 before griddepcontrol.wait
 
