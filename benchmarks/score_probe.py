@@ -64,6 +64,7 @@ VARIANTS = {
     "tma group 4 stages 3": dict(tma=True, group=4, stages=3),
     "tma group 4 1 / SM": dict(tma=True, group=4, programs_per_sm=1),
     "tma f8": dict(tma=True, fp8_mma=True), "tma f8 group 4": dict(tma=True, fp8_mma=True, group=4),
+    "tma f8 group 4 4 warps": dict(tma=True, fp8_mma=True, group=4, num_warps=4),
     "tma f8 8 warps": dict(tma=True, fp8_mma=True, num_warps=8),
     "tma f8 2 / SM": dict(tma=True, fp8_mma=True, programs_per_sm=2),
     "tma f8 8 / SM": dict(tma=True, fp8_mma=True, programs_per_sm=8),
