@@ -44,6 +44,7 @@ from dsv4.bench.args import (
     pyplot,
     require_cuda,
 )
+from dsv4.bench.input_proj import ROTATE_BYTES
 from dsv4.usage import OneLineArgumentParser
 
 ATTN_MODELS = {"flash": (64, 512), "pro": (128, 1024)}  # heads, compressed rows per query
@@ -60,9 +61,6 @@ GEMMS = {
             ("wo_b", 7168, 16 * 1024, 1), ("idx_wq_b", 64 * 128, 1536, 1)],
 }
 GEMM_MS = (1, 16, 64)
-ROTATE_BYTES = 320e6
-"""Bytes of rotated copies a probe cycles through (> 5x the 60 MB L2), so each call reads its
-weights or keys from HBM (here and :mod:`dsv4.bench.input_proj`)."""
 MAX_STORE_BYTES = 16e9
 
 

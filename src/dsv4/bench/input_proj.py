@@ -37,7 +37,6 @@ from dsv4.bench.args import (
     int_list,
     require_cuda,
 )
-from dsv4.bench.attention_kernels import ROTATE_BYTES
 from dsv4.kernels.fused_input_proj import (
     KernelConfig,
     choose_config,
@@ -49,6 +48,9 @@ from dsv4.runner import capture_graph
 from dsv4.usage import OneLineArgumentParser
 
 MODELS = {"flash": (4096, 1536), "pro": (7168, 2048)}  # K, fused_wqa_wkv rows
+ROTATE_BYTES = 320e6
+"""Bytes of rotated copies a probe cycles through (> 5x the 60 MB L2), so each call reads its
+weights or keys from HBM (here and :mod:`dsv4.bench.attention_kernels`)."""
 LAYERS = ("C4", "C128", "SWA")
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BF16_STRATEGIES = ("serial4", "multistream", "rocm_style", "fused4_cublas", "fused4_dsv4")
