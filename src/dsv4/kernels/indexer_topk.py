@@ -657,20 +657,16 @@ if triton_available():
             q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale, z_ptr, T,
             H, HP, D, DT, ZERO, QG)
         LOOP: tl.constexpr = F8 and QG == 4  # one page copy, the group's queries in turn
-        if LOOP:
-            t_1, t_2, t_3 = t0 + 1, t0 + 2, t0 + 3
-            q8_0, w8_0, share_0, vis_0 = _fp8_group_member(
-                q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale, T, t0, lead, H,
-                HP, D, DT)
-            q8_1, w8_1, share_1, vis_1 = _fp8_group_member(
-                q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale, T, t_1, lead, H,
-                HP, D, DT)
-            q8_2, w8_2, share_2, vis_2 = _fp8_group_member(
-                q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale, T, t_2, lead, H,
-                HP, D, DT)
-            q8_3, w8_3, share_3, vis_3 = _fp8_group_member(
-                q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale, T, t_3, lead, H,
-                HP, D, DT)
+        if LOOP:  # each member (its e4m3 heads, weights, lead's sequence or not, visible)
+            members = (
+                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
+                                  T, t0, lead, H, HP, D, DT),
+                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
+                                  T, t0 + 1, lead, H, HP, D, DT),
+                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
+                                  T, t0 + 2, lead, H, HP, D, DT),
+                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
+                                  T, t0 + 3, lead, H, HP, D, DT))
         elif F8:
             q8, ws = _fp8_heads(qs, ws)
         first = tl.program_id(1) * tiles
@@ -684,18 +680,14 @@ if triton_available():
             sc = tl.reshape(scales.load([page, 0]), (BN, NS))
             j = jb * BN + tl.arange(0, BN)
             if LOOP:
-                # the one copied page against each query in turn (the four MMAs issued
-                # before any head sum held 4 accumulators: 211 registers against 196)
+                # the one copied page against each query in turn (all four MMAs issued before
+                # the first head sum hold four accumulators: more registers)
                 e8 = e.to(tl.float8e4nv, bitcast=True)
                 sc1 = tl.reshape(sc, (BN,))
-                _store_query_scores(tl.dot(e8, tl.trans(q8_0)), sc1, w8_0, j, vis_0, share_0,
-                                    s_ptr + t0.to(tl.int64) * sst, width)
-                _store_query_scores(tl.dot(e8, tl.trans(q8_1)), sc1, w8_1, j, vis_1, share_1,
-                                    s_ptr + t_1.to(tl.int64) * sst, width)
-                _store_query_scores(tl.dot(e8, tl.trans(q8_2)), sc1, w8_2, j, vis_2, share_2,
-                                    s_ptr + t_2.to(tl.int64) * sst, width)
-                _store_query_scores(tl.dot(e8, tl.trans(q8_3)), sc1, w8_3, j, vis_3, share_3,
-                                    s_ptr + t_3.to(tl.int64) * sst, width)
+                for u in tl.static_range(QG):
+                    q8, w8, share_u, vis_u = members[u]
+                    _store_query_scores(tl.dot(e8, tl.trans(q8)), sc1, w8, j, vis_u, share_u,
+                                        s_ptr + (t0 + u).to(tl.int64) * sst, width)
             else:
                 if F8:
                     s = _fp8_tile_scores(e, tl.reshape(sc, (BN,)), q8, ws, j, vis, QG, HP, BN)
@@ -708,15 +700,11 @@ if triton_available():
             tl.store(rows + j[None, :], tl.full([QG, BN], float("-inf"), tl.float32),
                      mask=share[:, None] & (j < width)[None, :])
         if LOOP:  # queries of other sequences in the group: their own pages (t0 is the lead)
-            _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst,
-                              t_1, T, share_1, q8_1, w8_1, vis_1, first, tiles, width, BN, D,
-                              STAGES)
-            _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst,
-                              t_2, T, share_2, q8_2, w8_2, vis_2, first, tiles, width, BN, D,
-                              STAGES)
-            _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst,
-                              t_3, T, share_3, q8_3, w8_3, vis_3, first, tiles, width, BN, D,
-                              STAGES)
+            for u in tl.static_range(1, QG):
+                q8, w8, share_u, vis_u = members[u]
+                _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst,
+                                  t0 + u, T, share_u, q8, w8, vis_u, first, tiles, width, BN, D,
+                                  STAGES)
         elif QG > 1:  # queries of other sequences in the group: their own keys, gathered
             for i in range(0, tiles):
                 _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr,
