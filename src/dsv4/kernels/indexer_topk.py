@@ -115,9 +115,9 @@ SCORE_GROUPS = (1, 4)
 warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``); 2 lost
 to one query a program in the layer (:func:`choose_score_group`), so it was deleted."""
 GROUP_WARPS = 8
-"""Warps of a scoring program of several queries (their stacked heads and the MMA's result
-are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4 and 16
-warps spill)."""
+"""Warps of a scoring program of several queries (the gathering loop's stacked heads and MMA
+result are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4 and 16
+warps spill. The page copies' looped fp8 group: 160 registers at 8 warps, 212 at 4)."""
 GROUP_STAGES = 2
 """A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
 tile's keys loaded where they are scored). A group's program has 8 warps at 224-255 registers,
