@@ -386,12 +386,12 @@ def steps() -> bool:
                             DT=tl.bfloat16, PREC="tf32", ZERO=True, PIPE=pipe, QG=qg),
                        dict(num_warps=warps))
     # the page-copying score loop (indexer_scores(tma=True)): fp8 pages of 64 rows, one query a
-    # program (4 warps) and groups of 4 (8 warps), at PAGE_STAGES; with the fp8 MMA (F8) too,
-    # whose group of 4 (a page copy, the queries in turn) the score probe also runs at 4 warps
+    # program (4 warps) and groups of 4 (8 warps), at PAGE_STAGES; one query a program with the
+    # fp8 MMA (F8) too
     tp = {**t, "keys_ptr": "*u8", "vals": "tensordesc<u8[1, 64, 128]>",
           "scales": "tensordesc<fp32[1, 64]>"}
-    for qg, warps in ((1, 4), (4, 8), (4, 4)):
-        for f8 in (False, True) if warps == 8 or qg == 1 else (True,):  # the looped fp8 group
+    for qg, warps in ((1, 4), (4, 8)):
+        for f8 in (False, True) if qg == 1 else (False,):
             # the fp8 MMA's pages typed as e4m3 (_page_descriptors(fp8_values=True))
             tf8 = {**tp, "vals": "tensordesc<fp8e4nv[1, 64, 128]>"} if f8 else tp
             ok &= _try(f"indexer page score group={qg} warps={warps} f8={f8}",

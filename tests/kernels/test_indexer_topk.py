@@ -361,15 +361,14 @@ def test_page_copied_scores_give_the_same_scores(shape, group):
 
 @kernel_runs
 @pytest.mark.parametrize("shape", ["verify", "ragged"])
-@pytest.mark.parametrize("group", [1, 4])
-def test_fp8_mma_page_scores_match_float64(shape, group):
+def test_fp8_mma_page_scores_match_float64(shape):
     """``fp8_mma=True``: the pages' e4m3 bytes against e4m3 query heads in an fp8 MMA. On
     queries of the official FP4 simulation (e2m1 grid points times power-of-two scales: exact
     in e4m3 with the head's scale) the products are exact, so the scores match the float64
     ones within the fp8 MMA's accumulation (2^-12 of the row's bound of |terms|; the bf16
     path's bound is 1e-5), -inf where invisible, zeros from an unheld block."""
     cfg, step, q, w, width, args = page_case(shape, fp4_queries=True)
-    got = indexer_scores(*args, tma=True, fp8_mma=True, group=group, programs_per_sm=1)
+    got = indexer_scores(*args, tma=True, fp8_mma=True, programs_per_sm=1)
     s64, tol = scores_f64(cfg, step, q, w, width)
     unheld = (step.tok_slot == step.tok_slot[-1])[:, None] & torch.isfinite(s64)
     unheld[:, :64] = False
@@ -406,6 +405,15 @@ def test_fp8_mma_needs_page_copies_of_128_value_rows():
                        torch.zeros(1, 64 * 132, dtype=torch.uint8), "fp8", 64,
                        torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
                        torch.zeros(1, dtype=torch.long), 8, 1.0, fp8_mma=True)
+
+
+def test_fp8_mma_scores_one_query_a_program():
+    with pytest.raises(ValueError, match="fp8_mma scores one query a program, got group=4"):
+        indexer_scores(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
+                       torch.zeros(1, 64 * 132, dtype=torch.uint8), "fp8", 64,
+                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), 8, 1.0, tma=True, fp8_mma=True,
+                       group=4)
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -67,14 +67,9 @@ MAX_STORE_BYTES = 16e9
 def _attn_variants() -> dict:
     from dsv4.kernels.sparse_mqa import SparseMqaConfig
 
-    tiles = {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
-                                                    num_stages=st)
-             for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1), (64, 16, 3))}
-    # 16 warps: the 64-head tile's [64, 512] accumulator at 64 registers a thread (the sm_90
-    # compile still spills 256-2000 bytes: benchmarks/aot_sm90_regs.py mqa-tiles)
-    tiles.update({f"dsv4_h64_n{n}_s2_w16": SparseMqaConfig(block_h=64, block_n=n, num_warps=16,
-                                                          num_stages=2) for n in (16, 32)})
-    return tiles
+    return {f"dsv4_h{h}_n{n}_s{st}": SparseMqaConfig(block_h=h, block_n=n, num_warps=8,
+                                                   num_stages=st)
+            for h, n, st in ((16, 32, 1), (32, 32, 2), (32, 16, 1), (64, 16, 1), (64, 16, 3))}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

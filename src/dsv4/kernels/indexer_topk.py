@@ -115,9 +115,9 @@ SCORE_GROUPS = (1, 4)
 warps (sm_90 compile: 64 / 192 bytes of stack; ``benchmarks/aot_sm90_regs.py steps``); 2 lost
 to one query a program in the layer (:func:`choose_score_group`), so it was deleted."""
 GROUP_WARPS = 8
-"""Warps of a scoring program of several queries (the gathering loop's stacked heads and MMA
-result are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4 and 16
-warps spill. The page copies' looped fp8 group: 160 registers at 8 warps, 212 at 4)."""
+"""Warps of a scoring program of several queries (their stacked heads and the MMA's result
+are 4x one query's: with the keys on the MMA's M side 236 registers, no stack; 4 and 16
+warps spill)."""
 GROUP_STAGES = 2
 """A scoring group's loop fetches the next tile's keys before it scores this one (2; 0: each
 tile's keys loaded where they are scored). A group's program has 8 warps at 224-255 registers,
@@ -450,59 +450,6 @@ if triton_available():
         return _weighted_rows(logits, ws, sc[:, None], j, vis, QG, HP, BN)
 
     @triton.jit
-    def _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale, T, t,
-                          lead, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                          DT: tl.constexpr):
-        """Query ``t`` of a scoring group as the looped fp8 group takes it: its heads
-        [HP, D] as e4m3 and their weights [HP] (times the weight scale and the heads' scales,
-        :func:`_fp8_heads`), whether it is of the lead's sequence, and its visible entries;
-        past ``T``: zero heads, not of the lead's sequence, nothing visible."""
-        ok = t < T
-        tc = tl.minimum(t, T - 1).to(tl.int64)
-        heads = tl.arange(0, HP)
-        h_ok = (heads < H) & ok
-        q = tl.load(q_ptr + tc * sqt + heads[:, None] * sqh + tl.arange(0, D)[None, :],
-                    mask=h_ok[:, None], other=0.0).to(DT)
-        w = tl.load(w_ptr + tc * swt + heads, mask=h_ok, other=0.0).to(tl.float32)
-        q8, w8 = _fp8_heads(q, w * weight_scale)
-        share = ok & (tl.load(slot_ptr + tc) == lead)
-        vis = tl.where(ok, (tl.load(pos_ptr + tc) + 1) // 4, 0).to(tl.int32)
-        return q8, w8, share, vis
-
-    @triton.jit
-    def _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst, t, T,
-                          share, q8, w8, vis, first, tiles, width, BN: tl.constexpr,
-                          D: tl.constexpr, STAGES: tl.constexpr):
-        """A looped fp8 group's query ``t`` that is not of the lead's sequence (groups need
-        not align with sequences): its own pages, through its own block table, copied and
-        scored against its heads ``q8`` as the lead's are - tiles ``first`` .. ``first`` +
-        ``tiles`` - 1 of its row, -inf past ``vis``."""
-        if (t < T) & (share == 0):
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            tab = tab_ptr + slot * stab
-            row = s_ptr + t.to(tl.int64) * sst
-            n_vis = tl.minimum(tl.maximum((vis + BN - 1) // BN - first, 0), tiles)
-            for i in tl.range(0, n_vis, num_stages=STAGES):
-                jb = first + i
-                page = tl.load(tab + jb, mask=jb < max_logical, other=-1)
-                e8 = tl.reshape(vals.load([page, 0, 0]), (BN, D))
-                sc = tl.reshape(scales.load([page, 0]), (BN,))
-                j = jb * BN + tl.arange(0, BN)
-                _store_query_scores(tl.dot(e8, tl.trans(q8)), sc, w8, j, vis, True, row,
-                                    width)
-            for i in range(n_vis, tiles):
-                j = (first + i) * BN + tl.arange(0, BN)
-                tl.store(row + j, tl.full([BN], float("-inf"), tl.float32), mask=j < width)
-
-    @triton.jit
-    def _store_query_scores(logits, sc, w8, j, vis, share, row_ptr, width):
-        """One query's [BN] scores from its logits [BN, HP] of one copied page (the keys'
-        scales ``sc`` [BN], its head weights ``w8`` [HP]); -inf from ``vis`` on; stored at
-        ``row_ptr`` + j where the query is of the lead's sequence (``share``)."""
-        s = tl.sum(tl.maximum(logits, 0.0) * w8[None, :], axis=1) * sc
-        tl.store(row_ptr + j, tl.where(j < vis, s, float("-inf")), mask=share & (j < width))
-
-    @triton.jit
     def _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr, blk_stride,
                             tab_ptr, stab, max_logical, slot_ptr, pos_ptr, width, B,
                             weight_scale, T, t0, lead, jb, H: tl.constexpr, HP: tl.constexpr,
@@ -643,31 +590,15 @@ if triton_available():
         [blocks, BN * D / 128] descriptors) into shared memory STAGES-deep ahead of the MMA, at
         the block-table entry's page (-1, an unheld block: zeros, as the gather reads). The
         same dequantised keys and MMA as :func:`_group_scores`; a query of another sequence
-        in the group scores its tiles after, through the gather path. F8 (D = 128): the keys'
-        e4m3 bytes go to an fp8 MMA as stored, against each head row quantised to e4m3 with a
-        power-of-two scale (:func:`_fp8_heads`); both scales, positive, multiply after it.
-        F8 with a group of 4: each copied page goes to the group's queries in turn, one
-        m64 n64 MMA each (their heads held in shared memory for the whole loop), and a query
-        of another sequence copies its own pages after (:func:`_fp8_stray_member`); stacking
-        the four queries on the MMA's N (one n256 MMA, 233 registers) lost to one query a
-        program (H100, 2026-12-07: 169.2 against 103.7 us at 16 x 4 queries of 64K entries).
-        sm_90 compile: 160 registers at 8 warps, 212 at 4 (one query a program: 64)."""
+        in the group scores its tiles after, through the gather path. F8 (D = 128, one query a
+        program): the keys' e4m3 bytes go to an fp8 MMA as stored, against each head row
+        quantised to e4m3 with a power-of-two scale (:func:`_fp8_heads`); both scales,
+        positive, multiply after it."""
         wait_for_prior_kernel(PDL)
         t0, lead, share, vis, vis_lead, qs, ws, rows = _group_queries(
             q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, slot_ptr, pos_ptr, weight_scale, z_ptr, T,
             H, HP, D, DT, ZERO, QG)
-        LOOP: tl.constexpr = F8 and QG == 4  # one page copy, the group's queries in turn
-        if LOOP:  # each member (its e4m3 heads, weights, lead's sequence or not, visible)
-            members = (
-                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
-                                  T, t0, lead, H, HP, D, DT),
-                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
-                                  T, t0 + 1, lead, H, HP, D, DT),
-                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
-                                  T, t0 + 2, lead, H, HP, D, DT),
-                _fp8_group_member(q_ptr, sqt, sqh, w_ptr, swt, slot_ptr, pos_ptr, weight_scale,
-                                  T, t0 + 3, lead, H, HP, D, DT))
-        elif F8:
+        if F8:
             q8, ws = _fp8_heads(qs, ws)
         first = tl.program_id(1) * tiles
         n_vis = tl.minimum(tl.maximum((vis_lead + BN - 1) // BN - first, 0), tiles)
@@ -679,33 +610,17 @@ if triton_available():
             e = tl.reshape(vals.load([page, 0, 0]), (BN, D))
             sc = tl.reshape(scales.load([page, 0]), (BN, NS))
             j = jb * BN + tl.arange(0, BN)
-            if LOOP:
-                # the one copied page against each query in turn (all four MMAs issued before
-                # the first head sum hold four accumulators: more registers)
-                e8 = e.to(tl.float8e4nv, bitcast=True)
-                sc1 = tl.reshape(sc, (BN,))
-                for u in tl.static_range(QG):
-                    q8, w8, share_u, vis_u = members[u]
-                    _store_query_scores(tl.dot(e8, tl.trans(q8)), sc1, w8, j, vis_u, share_u,
-                                        s_ptr + (t0 + u).to(tl.int64) * sst, width)
+            if F8:
+                s = _fp8_tile_scores(e, tl.reshape(sc, (BN,)), q8, ws, j, vis, QG, HP, BN)
             else:
-                if F8:
-                    s = _fp8_tile_scores(e, tl.reshape(sc, (BN,)), q8, ws, j, vis, QG, HP, BN)
-                else:
-                    k = _index_keys_from(e, sc, D, 1, BN, DT)  # as the gather's fp8 keys
-                    s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
-                tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
+                k = _index_keys_from(e, sc, D, 1, BN, DT)  # as the gather's fp8 keys
+                s = _stacked_tile_scores(k, qs, ws, j, vis, QG, HP, BN, PREC)
+            tl.store(rows + j[None, :], s, mask=share[:, None] & (j < width)[None, :])
         for i in range(n_vis, tiles):
             j = (first + i) * BN + tl.arange(0, BN)
             tl.store(rows + j[None, :], tl.full([QG, BN], float("-inf"), tl.float32),
                      mask=share[:, None] & (j < width)[None, :])
-        if LOOP:  # queries of other sequences in the group: their own pages (t0 is the lead)
-            for u in tl.static_range(1, QG):
-                q8, w8, share_u, vis_u = members[u]
-                _fp8_stray_member(vals, scales, tab_ptr, stab, max_logical, slot_ptr, s_ptr, sst,
-                                  t0 + u, T, share_u, q8, w8, vis_u, first, tiles, width, BN, D,
-                                  STAGES)
-        elif QG > 1:  # queries of other sequences in the group: their own keys, gathered
+        if QG > 1:  # queries of other sequences in the group: their own keys, gathered
             for i in range(0, tiles):
                 _stray_queries_tile(q_ptr, sqt, sqh, w_ptr, swt, s_ptr, sst, keys_ptr,
                                     blk_stride, tab_ptr, stab, max_logical, slot_ptr, pos_ptr,
@@ -1108,7 +1023,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     caller vouches for ``fp8_queries``): the page's e4m3 bytes go to an fp8 MMA as stored,
     against each query head quantised to e4m3 with a power-of-two scale - exact products where
     the queries carry the official FP4 or the fp8 simulation (docs/spec.md §6.2), otherwise a
-    rounding of q - accumulated at the fp8 MMA's precision."""
+    rounding of q - accumulated at the fp8 MMA's precision; one query a program (groups of 4
+    lost, stacked on the MMA's N or looped over each copied page: H100, 2026-12-07,
+    docs/performance.md, "Tried and lost")."""
     if fmt not in FMTS:
         raise ValueError(f"fmt must be one of {FMTS}, got {fmt!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int)
@@ -1129,6 +1046,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, f
     if fp8_mma and not (tma and q.shape[-1] == 128):
         raise ValueError(f"indexer_scores: fp8_mma needs tma=True and rows of 128 values, got "
                          f"tma={tma!r} and rows of {q.shape[-1]}")
+    if fp8_mma and group not in (None, 1):
+        raise ValueError(f"indexer_scores: fp8_mma scores one query a program, got group="
+                         f"{group!r}")
     if tma:
         _check_page_store(keys, fmt, rows_per_block, block, q.shape[-1], stages)
     elif group is not None and group > 1 and stages not in (None, 0, 2):
