@@ -160,10 +160,9 @@ MQA_TYPES = dict(q_ptr="*bf16", sqt="i32", sqh="i32", o_ptr="*bf16", sot="i32", 
 
 
 def mqa() -> None:
-    base = MQA_TYPES
     for fmt in ("fp8_ds_mla", "bf16"):
         st = "*u8" if fmt == "fp8_ds_mla" else "*bf16"
-        types = {**base, "win_ptr": st, "cmp_ptr": st}
+        types = {**MQA_TYPES, "win_ptr": st, "cmp_ptr": st}
         for H, d in ((64, 512), (128, 512), (4, 128)):
             c = sm.choose_sparse_config(64, H, d, 640, fmt=fmt)
             n = d - 64

@@ -399,21 +399,15 @@ def test_fp8_queries_select_within_the_fp8_mma_bound(tma):
             assert_matches_torch_path(got, want, s64, tol, cfg.index_topk)
 
 
-def test_fp8_mma_needs_page_copies_of_128_value_rows():
-    with pytest.raises(ValueError, match="fp8_mma needs tma=True and rows of 128 values"):
+@pytest.mark.parametrize("kw, message", [
+    (dict(), "fp8_mma needs tma=True and rows of 128 values"),
+    (dict(tma=True, group=4), "fp8_mma scores one query a program, got group=4")])
+def test_fp8_mma_names_what_it_cannot_score(kw, message):
+    with pytest.raises(ValueError, match=message):
         indexer_scores(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
                        torch.zeros(1, 64 * 132, dtype=torch.uint8), "fp8", 64,
                        torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
-                       torch.zeros(1, dtype=torch.long), 8, 1.0, fp8_mma=True)
-
-
-def test_fp8_mma_scores_one_query_a_program():
-    with pytest.raises(ValueError, match="fp8_mma scores one query a program, got group=4"):
-        indexer_scores(torch.zeros(1, 1, 128, dtype=BF16), torch.zeros(1, 1, dtype=BF16),
-                       torch.zeros(1, 64 * 132, dtype=torch.uint8), "fp8", 64,
-                       torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
-                       torch.zeros(1, dtype=torch.long), 8, 1.0, tma=True, fp8_mma=True,
-                       group=4)
+                       torch.zeros(1, dtype=torch.long), 8, 1.0, fp8_mma=True, **kw)
 
 
 @pytest.mark.parametrize("kw, message", [
