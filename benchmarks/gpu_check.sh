@@ -2,9 +2,9 @@
 # The GPU checks of this repository, one case per call (each fits a 10-minute call on a cold
 # machine). Run from the repository root on a CUDA machine:
 #
-#   bash benchmarks/gpu_check.sh suite    # dsv4 verify --platform cuda and the tiny LM's GPU
-#                                         # eval, then the whole pytest suite, $WORKERS (8)
-#                                         # workers; LEFT=FILE: only the test ids in FILE
+#   bash benchmarks/gpu_check.sh suite    # the whole pytest suite, $WORKERS (8) workers, then
+#                                         # dsv4 verify --platform cuda and the tiny LM's GPU
+#                                         # eval; LEFT=FILE: only the test ids in FILE
 #                                         # (benchmarks/pytest_remaining.py), no verify
 #   bash benchmarks/gpu_check.sh decode   # the decode step's default rows: Flash / Pro C4,
 #                                         # M = 1 / 16 / 64, contexts 512 (profiled) and 64K;
@@ -53,7 +53,7 @@
 # Each test's duration and each failure's traceback are written to gpu-tests/durations.txt and
 # failures.txt as they happen (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them;
 # pytest prints both only at the end.
-# Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 420), LAYERS
+# Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 380), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), DSV4_PDL=0
 # (every case without programmatic dependent launch).
 # BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
@@ -121,10 +121,12 @@ suite)  # -vv: one line per test as it ends, so a cut run names what passed and 
         mapfile -t IDS < <(grep -v '^#' "$LEFT")
         step gpu-tests/pytest_left.txt 570 "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${IDS[@]}"
     else
+        # the suite first: its workers fill Triton's on-disk cache, so verify and eval after it
+        # compile little (run first on a cold machine, verify took more than its 150 s)
+        step gpu-tests/pytest_all.txt "${SUITE_SECS:-380}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
         step verify/verify_cuda.txt 150 python3 -m dsv4 verify --platform cuda
         step verify/eval_cuda.txt 60 python3 -m dsv4 eval --device cuda --platform cuda \
             --cache-format fp8_ds_mla/fp8 --json "$OUT/verify/eval_cuda.json"
-        step gpu-tests/pytest_all.txt "${SUITE_SECS:-420}" "${PYTEST[@]}" "${XDIST[@]}" -vv -rf "${SKIP[@]}"
     fi
     ;;
 decode)  # with BASELINE both trees share the call: shorter limits, no profile
