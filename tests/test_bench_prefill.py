@@ -168,12 +168,13 @@ def test_cli_knows_the_suite():
 
 
 def _fake_time_calls(fn, reps, dev, before=None):
-    """time_calls without CUDA: runs the calls (resets included) and reports 2 ms, 1 KiB."""
+    """time_calls without CUDA: runs the calls (resets included) and reports 2 ms a call,
+    1 KiB."""
     for _ in range(reps + 1):
         if before is not None:
             before()
         fn()
-    return 2.0, 1024
+    return 2.0, 1024, [2.0] * reps
 
 
 def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
@@ -212,7 +213,7 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     assert built == [False, True, False, True, False]  # the reference: the plain PyTorch path
     assert [r["step_kernels"] for r in rows] == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3
     assert all(r["ms"] == 2.0 and r["rel_err_vs_torch"] == 0.0 and r["peak_extra_bytes"] == 1024
-               for r in rows)
+               and r["reps_ms"] == [2.0, 2.0] for r in rows)  # each timed call, in order
     assert rows[2]["flops"] == layer_flops(_TINY, 4, 24, 150)  # 40 + 200 tokens: several steps
     att: list = []
     prefill.attention_rows(torch.device("cpu"), 1e12, 1, lambda r: None, att,

@@ -14,7 +14,8 @@ path for the indexer, compressor and cache writes (labelled "(step kernels off)"
 timing, each row's output on the first ``--check-tokens`` tokens is compared with the ``torch``
 backend's with the step kernels off (rel. error <= 2e-2).
 
-Per row: time (CUDA events, one warm-up call, median of ``--reps``), tokens/s, the layer's FLOPs
+Per row: time (CUDA events, one warm-up call, median of ``--reps``; the layer rows keep each
+call's time too, ``reps_ms``), tokens/s, the layer's FLOPs
 (:func:`layer_flops`: GEMMs 2*M*N*K; the indexer's scores, 2 * index_heads * index_head_dim per
 (query, visible entry) plus 2 * index_heads for the relu-weighted sum; attention QK and PV,
 4 * heads * head_dim per (query, attended row), attended rows = the window rows that exist +
@@ -142,9 +143,10 @@ def measure_matmul_rate(dev: torch.device, n: int = 8192, reps: int = 10) -> flo
 
 
 def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
-               before: Callable[[], Any] | None = None) -> tuple[float, int]:
-    """(median ms of ``reps`` calls after one warm-up, peak extra bytes of a call): ``before``
-    runs untimed ahead of every call (e.g. a fresh cache)."""
+               before: Callable[[], Any] | None = None) -> tuple[float, int, list[float]]:
+    """(median ms of ``reps`` calls after one warm-up, peak extra bytes of a call, each call's
+    ms in order - an outlier the median hides shows there): ``before`` runs untimed ahead of
+    every call (e.g. a fresh cache)."""
     if before is not None:
         before()
     fn()  # warm-up: compiles kernels, fills allocator pools
@@ -164,7 +166,7 @@ def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
         times.append(s.elapsed_time(e))
         peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
         del out
-    return statistics.median(times), peak
+    return statistics.median(times), peak, times
 
 
 # ---------------------------------------------------------------------------------- layer
@@ -427,8 +429,8 @@ def _time_prefill(layer: Any, x: torch.Tensor, t: int, ctx: int, reps: int,
         def before() -> None:
             state["c"].reset()
     xs = x[ctx:ctx + t]
-    ms, peak = time_calls(lambda: layer(xs, pos, state["c"]), reps, dev, before)
-    return {"ms": ms, "peak_extra_bytes": peak}
+    ms, peak, times = time_calls(lambda: layer(xs, pos, state["c"]), reps, dev, before)
+    return {"ms": ms, "peak_extra_bytes": peak, "reps_ms": [round(t, 4) for t in times]}
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -488,7 +490,7 @@ def attention_rows(dev: torch.device, rate: float, reps: int, log: Callable[[dic
                 if not err < CHECK_TOL:
                     row["error"] = f"wrong: rel err {err:.3e}"
                 else:
-                    ms, _ = time_calls(functools.partial(fn, t), reps, dev)
+                    ms, _, _ = time_calls(functools.partial(fn, t), reps, dev)
                     row["ms"] = ms
                     row["tflops"] = base["flops"] / (ms / 1e3) / 1e12
                     row["fraction_of_floor"] = base["flops"] / rate / (ms / 1e3)
