@@ -430,7 +430,7 @@ def _time_prefill(layer: Any, x: torch.Tensor, t: int, ctx: int, reps: int,
             state["c"].reset()
     xs = x[ctx:ctx + t]
     ms, peak, times = time_calls(lambda: layer(xs, pos, state["c"]), reps, dev, before)
-    return {"ms": ms, "peak_extra_bytes": peak, "reps_ms": [round(t, 4) for t in times]}
+    return {"ms": ms, "peak_extra_bytes": peak, "reps_ms": [round(ms_i, 4) for ms_i in times]}
 
 
 # ---------------------------------------------------------------------------------- attention
