@@ -271,20 +271,27 @@ def test_act_quant_gemms_quantise_long_calls_once(tiny, make_layer, tokens):
 
 
 def test_act_quant_long_calls_take_the_simulated_activations(tiny, make_layer):
-    """Above FP8_GEMM_MAX_TOKENS an act_quant GEMM runs cuBLAS on fp8_block_sim's values of x,
-    made by simulate_activations (one launch where the kernels run): the base module's product
-    on the quantised x, bit for bit."""
+    """Above FP8_GEMM_MAX_TOKENS, where cuBLAS's block scaling does not run, an act_quant GEMM
+    runs cuBLAS on fp8_block_sim's values of x, made by simulate_activations (one launch where
+    the kernels run): the base module's product on the quantised x, bit for bit."""
     from dsv4.layers.quant_sim import fp8_block_sim
     from dsv4.platforms import cuda_linears
 
     layer = make_layer(tiny, 4)
     x = random_x(7, tiny.hidden_size).to(BF16).to(layer.wq_b.weight.device)
     with mock.patch.object(cuda_linears, "FP8_GEMM_MAX_TOKENS", 4), \
+            mock.patch.object(cuda_linears, "block_scaled_gemm_applies", lambda device: False), \
             mock.patch.object(cuda_linears, "simulate_activations",
                               wraps=cuda_linears.simulate_activations) as spy:
         got = fp8_gemm(layer.fused_wqa_wkv, x, act_quant=True)
     assert spy.call_count == 1
     assert torch.equal(got, layer.fused_wqa_wkv(fp8_block_sim(x, 128)))
+
+
+def test_block_scaling_applies_only_to_cuda_devices_that_have_it():
+    from dsv4.platforms.cuda_linears import block_scaled_gemm_applies
+
+    assert not block_scaled_gemm_applies(torch.device("cpu"))
 
 
 def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):
@@ -572,3 +579,35 @@ def test_a_decode_step_runs_the_shared_launches(tiny, ratio):
     assert launched("_flat_rows_kernel") == 1 and launched("_visible_entries_kernel") == 0, \
         counts
     assert launched("_raw_rows_kernel") == 1 and launched("_keep_rows_kernel") <= 1, counts
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [513, 1030])
+def test_long_act_quant_calls_run_the_block_scaled_gemm(tokens):
+    """On sm_90 (CUDA 12.9+) a long act_quant call takes cuBLAS's block-scaled fp8 GEMM: §6.3's
+    product of the quantised x and the fp8 weight, against float64 within the fp8 MMA's
+    accumulation (T not a multiple of 4 included: the route pads it), and the dequantised
+    route's answer within the same; a weight of 2 K blocks (padded to 4 for cuBLAS) too."""
+    from dsv4.kernels.fp8_linear import fp8_linear_reference
+    from dsv4.layers.quant_sim import fp8_block_sim
+    from dsv4.platforms.cuda_linears import (
+        block_scaled_gemm,
+        block_scaled_gemm_applies,
+        dequantised_gemm,
+    )
+
+    dev = torch.device("cuda")
+    if not block_scaled_gemm_applies(dev):
+        pytest.skip("cuBLAS block scaling needs sm_90 and CUDA 12.9+ with F.scaled_mm")
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    for n, k in ((1536, 1024), (384, 256)):
+        w = (torch.randn(n, k, device=dev, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+        e = torch.randint(120, 130, (n // 128, k // 128), device=dev, generator=gen)
+        s = e.to(torch.uint8).view(torch.float8_e8m0fnu)
+        x = torch.randn(tokens, k, device=dev, generator=gen).to(BF16)
+        ref = fp8_linear_reference(fp8_block_sim(x, 128), w, s, torch.float64, torch.float64)
+        got = block_scaled_gemm(x, w, s)
+        assert got.shape == (tokens, n) and got.dtype == BF16
+        assert rel_err(got, ref) < 5e-3  # a scale misplaced gives O(1)
+        assert rel_err(got, dequantised_gemm(x, w, s, act_quant=True)) < 5e-3
+

@@ -14,9 +14,12 @@ GEMMs: ``dsv4.kernels.fp8_linear`` vs the base path (dequantise to bf16 + matmul
 wo_a (grouped), wo_b and the indexer's wq_b, Flash and Pro shapes, M 1/16/64, with bf16
 activations and with the layer's act_quant tiles (``act8``: fp8 activations quantised in the
 kernel, docs/spec.md §6.3). ``long_call``: the ``cuda`` platform's route for calls above
-``FP8_GEMM_MAX_TOKENS`` tokens (x quantised by ``fp8_block_sim`` except for ``wo_a``, a one-pass
-dequantised copy, cuBLAS): ``--gemm-ms 128,256,512,1024`` puts it beside the kernels where the
-route changes. Unless ``--no-variants``, tile probes around each choice.
+``FP8_GEMM_MAX_TOKENS`` tokens (on sm_90 cuBLAS's block-scaled fp8 GEMM on x quantised per 128,
+``cuda_linears.block_scaled_gemm``, with the route it replaced beside it as
+``long_call_dequant``; elsewhere, and for ``wo_a``, whose x stays bf16, a one-pass dequantised
+copy and cuBLAS): ``--gemm-ms 128,256,512,1024`` puts it beside the kernels where the route
+changes, ``--gemm-ms 16384`` at a prefill's size. Unless ``--no-variants``, tile probes around
+each choice.
 
 Every implementation is checked against the reference first (a wrong one is not timed). Times are
 CUDA-graph replay (CUDA events, median of trials; ``input_proj.time_graph``), with inputs rotated
@@ -255,7 +258,12 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
     )
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
-    from dsv4.platforms.cuda_linears import dequantised_gemm, dequantised_grouped_gemm
+    from dsv4.platforms.cuda_linears import (
+        block_scaled_gemm,
+        block_scaled_gemm_applies,
+        dequantised_gemm,
+        dequantised_grouped_gemm,
+    )
 
     wbytes = N * K + (N // 128) * (K // 128)
     rot = weight_copies(wbytes)
@@ -277,11 +285,18 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             return fp8_linear(q, w, s, config=cfg, x_scales=sx)
 
         def long_call(i: int, xs=xs, m=M) -> torch.Tensor:
-            # the cuda platform's route above FP8_GEMM_MAX_TOKENS tokens: a one-pass dequantised
-            # copy and cuBLAS, x quantised per 128 first (act_quant) except for wo_a's groups
+            # the cuda platform's route above FP8_GEMM_MAX_TOKENS tokens: cuBLAS's block-scaled
+            # fp8 GEMM on x quantised per 128 (act_quant) where it runs (sm_90), else - and for
+            # wo_a's groups, whose x stays bf16 - a one-pass dequantised copy and cuBLAS
             w, s = ws[i]
             if G > 1:
                 return dequantised_grouped_gemm(xs[i], w, s).view(m, G, -1)
+            if block_scaled_gemm_applies(xs[i].device):
+                return block_scaled_gemm(xs[i], w, s)
+            return dequantised_gemm(xs[i], w, s, act_quant=True)
+
+        def long_call_dequant(i: int, xs=xs) -> torch.Tensor:
+            w, s = ws[i]
             return dequantised_gemm(xs[i], w, s, act_quant=True)
 
         def current(i: int, xs=xs) -> torch.Tensor:  # what Linear.forward does
@@ -308,6 +323,8 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             ("dsv4_fp8", ours, ref), ("dequant_bf16", current, ref),
             ("dsv4_fp8_act8", lambda i, c=act8: ours(i, cfg=c), ref_q),
             ("long_call", long_call, ref if G > 1 else ref_q)]
+        if G == 1 and block_scaled_gemm_applies(dev):  # the route block scaling replaced
+            impls.append(("long_call_dequant", long_call_dequant, ref_q))
         if variants:  # probes around the table's choice: half / double the row tile and split,
             # deeper pipelines (more weight bytes in flight per program), twice the split
             c = choose_fp8_config(M, N, K)

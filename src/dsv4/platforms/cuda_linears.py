@@ -30,6 +30,7 @@ of a 16K-token Flash prefill).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from dsv4.kernels.fp8_linear import (
     simulate_activations,
     sm_count,
 )
+from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.linear import Linear, grouped_linear
 from dsv4.layers.weight_layout import get_layout
 
@@ -167,7 +169,51 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
         xq, sx = quantize_activations(x)
         return fp8_linear(xq, lin.weight, lin.scale, config=cfg, workspace=workspace,
                           x_scales=sx)
+    if act_quant and block_scaled_gemm_applies(x.device):
+        return block_scaled_gemm(x, lin.weight, lin.scale)
     return dequantised_gemm(x, lin.weight, lin.scale, act_quant)
+
+
+@functools.cache
+def _block_scaling_on(index: int) -> bool:
+    cuda = torch.version.cuda
+    if cuda is None or not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        return False
+    version = tuple(int(p) for p in cuda.split(".")[:2])
+    return torch.cuda.get_device_capability(index) == (9, 0) and version >= (12, 9)
+
+
+def block_scaled_gemm_applies(device: torch.device) -> bool:
+    """cuBLAS runs the official block-scaled fp8 GEMM (docs/spec.md §6.3: 1 x 128 activation
+    scales, 128 x 128 weight scales) on ``device``: PyTorch's ``F.scaled_mm`` offers that
+    recipe on sm_90 with CUDA 12.9 or later (cuBLAS's block scaling)."""
+    return device.type == "cuda" and _block_scaling_on(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+def block_scaled_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The long ``act_quant`` calls' route where :func:`block_scaled_gemm_applies`: x [T, K] bf16
+    quantised per token and 128-wide K block (:func:`~dsv4.kernels.fp8_linear.
+    quantize_activations`, one launch) and multiplied as e4m3 by the e4m3 weight [N, K] with
+    both scales applied per block by cuBLAS -> [T, N] bf16: §6.3's GEMM as the official code
+    runs it, where :func:`dequantised_gemm` reaches the same values through a bf16 copy of the
+    weight and a bf16 GEMM (here the fp8 MMA's accumulation within a block, about 14 bits, as
+    in the streaming kernels). T is padded to a multiple of 4 (cuBLAS's alignment of the
+    activation scales), and the weight scales' K blocks to a multiple of 4 as cuBLAS reads
+    them."""
+    t = x.shape[0]
+    if t % 4:
+        x = F.pad(x, (0, 0, 0, -t % 4))
+    xq, sx = quantize_activations(x)
+    n, k = weight.shape
+    kb = k // BLOCK
+    sw = e8m0_to_float(scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale)
+    if kb % 4:
+        sw = F.pad(sw, (0, -kb % 4), value=1.0)
+    y = F.scaled_mm(xq, weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                    sw.contiguous().t(), F.ScalingType.BlockWise128x128,
+                    output_dtype=torch.bfloat16)
+    return y[:t]
 
 
 def dequantised_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
