@@ -13,19 +13,21 @@ fp32, the output is rounded once to bf16. That is the base path's bf16 GEMM on t
 weight (fp32 accumulation, bf16 output) up to the order of the fp32 additions. Under the
 config's ``act_quant`` (docs/spec.md §6.3) the streaming kernel quantises each 128-wide block of
 x to e4m3 itself and runs fp8 x fp8 MMAs (Hopper keeps about 14 bits of a block's running sum: ~1e-4
-relative, the official kernels' numerics too); long calls take ``fp8_block_sim``'s values of x
-(one launch, :func:`~dsv4.kernels.fp8_linear.simulate_activations`) into cuBLAS.
+relative, the official kernels' numerics too); long calls run cuBLAS's block-scaled fp8 GEMM on
+x quantised per 128 where PyTorch offers it (:func:`block_scaled_gemm`: sm_90, CUDA 12.9+; the
+same fp8 MMAs), else take ``fp8_block_sim``'s values of x (one launch,
+:func:`~dsv4.kernels.fp8_linear.simulate_activations`) into a bf16 cuBLAS GEMM.
 
 Which layers take it is decided on the host, without device syncs (CUDA-graph capturable), by
 :func:`plan_fp8_linears` after every weight change, and per call by the offloader (an offloader
 that moves weights rebinds them around the forward: the base path then runs, as for CUDA
 graphs). The token count picks the kernel: calls of at most the plan's ``fp8_gemm_max_tokens``
 (default :data:`FP8_GEMM_MAX_TOKENS`; ``wo_a``: ``wo_a_max_tokens``, default
-:data:`WO_A_MAX_TOKENS`) tokens stream the fp8 weight; longer calls (prefill)
-amortise one dequantised bf16 copy over their tokens and run cuBLAS on it, the base path's
-GEMM, with the copy made in one pass (:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base
-path's two PyTorch passes took ~140 us per weight and call at Flash sizes on the H200, ~1.4 ms
-of a 16K-token Flash prefill).
+:data:`WO_A_MAX_TOKENS`) tokens stream the fp8 weight; longer calls (prefill) run the
+block-scaled GEMM under ``act_quant`` where it applies, or amortise one dequantised bf16 copy
+over their tokens and run cuBLAS on it, the base path's GEMM, with the copy made in one pass
+(:func:`dsv4.kernels.fp8_linear.fp8_dequantize`; the base path's two PyTorch passes took ~140
+us per weight and call at Flash sizes on the H200, ~1.4 ms of a 16K-token Flash prefill).
 """
 
 from __future__ import annotations
