@@ -169,12 +169,12 @@ def test_cli_knows_the_suite():
 
 def _fake_time_calls(fn, reps, dev, before=None):
     """time_calls without CUDA: runs the calls (resets included) and reports 2 ms a call,
-    1 KiB."""
+    1 KiB, 1.5 ms of host time."""
     for _ in range(reps + 1):
         if before is not None:
             before()
         fn()
-    return 2.0, 1024, [2.0] * reps
+    return 2.0, 1024, [2.0] * reps, [1.5] * reps
 
 
 def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
@@ -213,8 +213,16 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     assert built == [False, True, False, True, False]  # the reference: the plain PyTorch path
     assert [r["step_kernels"] for r in rows] == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3
     assert all(r["ms"] == 2.0 and r["rel_err_vs_torch"] == 0.0 and r["peak_extra_bytes"] == 1024
-               and r["reps_ms"] == [2.0, 2.0] for r in rows)  # each timed call, in order
+               and r["reps_ms"] == [2.0, 2.0] and r["host_ms"] == 1.5
+               and r["reps_host_ms"] == [1.5, 1.5] for r in rows)  # each timed call, in order
     assert rows[2]["flops"] == layer_flops(_TINY, 4, 24, 150)  # 40 + 200 tokens: several steps
+    assert all(r["act_quant"] for r in rows)  # the serving numerics by default
+    bf16: list = []  # --act-quant off: bf16 activations, checked against a bf16 reference
+    prefill.layer_rows("tiny", "C4", ["auto"], [40], 0, 0, 2, 32, 1e12, torch.device("cpu"),
+                       60.0, lambda r: None, bf16, act_quant=False)
+    assert [(r["backend"], r["act_quant"]) for r in bf16] == [
+        ("auto" + prefill.BF16_ACTIVATIONS, False)]
+    assert bf16[0]["rel_err_vs_torch"] == 0.0 and bf16[0]["ms"] == 2.0
     att: list = []
     prefill.attention_rows(torch.device("cpu"), 1e12, 1, lambda r: None, att,
                            cases=[(4, 96, 160)], context=1024)

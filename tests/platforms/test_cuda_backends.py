@@ -292,6 +292,7 @@ def test_block_scaling_applies_only_to_cuda_devices_that_have_it():
     from dsv4.platforms.cuda_linears import block_scaled_gemm_applies
 
     assert not block_scaled_gemm_applies(torch.device("cpu"))
+    assert not block_scaled_gemm_applies("cpu")
 
 
 def test_fp8_linear_plan_skips_float32_and_platform_layouts(tiny, make_layer):

@@ -2,7 +2,7 @@
 
     dsv4 bench prefill --out DIR [--models flash,pro] [--layers C4,C128,SWA]
                        [--tokens 4096,16384,65536,131072] [--attention-backend torch,auto]
-                       [--step-kernels on,off]
+                       [--step-kernels on,off] [--act-quant on,off]
 
 Layer table: one layer of the ``cuda`` platform (Flash or Pro dims, fp8 weights with block
 scales, random; bf16; its default post-load passes), C4 / C128 / SWA. ``single`` rows prefill T
@@ -10,12 +10,16 @@ tokens in one call on an empty cache; ``chunked`` rows append one chunk (``--chu
 cache already holding ``--context`` (64K) tokens (a fork of it per call, so every call sees the
 same cache). ``--attention-backend`` goes to the config (``cfg.replace(attention_backend=...)``);
 the row records what was asked. ``--step-kernels off`` rows run the cuda platform's PyTorch
-path for the indexer, compressor and cache writes (labelled "(step kernels off)"). Before
-timing, each row's output on the first ``--check-tokens`` tokens is compared with the ``torch``
-backend's with the step kernels off (rel. error <= 2e-2).
+path for the indexer, compressor and cache writes (labelled "(step kernels off)"). The fp8
+linears' activations are quantised as the official code does (``act_quant``, docs/spec.md §6.3:
+the serving numerics, as in ``dsv4 bench decode-step``); ``--act-quant off`` rows keep them
+bf16 (labelled "(bf16 activations)"; every row before 2026-12-08 ran so). Before timing, each
+row's output on the first ``--check-tokens`` tokens is compared with the ``torch`` backend's
+with the step kernels off and the same ``act_quant`` (rel. error <= 2e-2).
 
 Per row: time (CUDA events, one warm-up call, median of ``--reps``; the layer rows keep each
-call's time too, ``reps_ms``), tokens/s, the layer's FLOPs
+call's time too, ``reps_ms``, and how long the host took to issue it, ``host_ms`` and
+``reps_host_ms``: near ``ms``, the host held the device back), tokens/s, the layer's FLOPs
 (:func:`layer_flops`: GEMMs 2*M*N*K; the indexer's scores, 2 * index_heads * index_head_dim per
 (query, visible entry) plus 2 * index_heads for the relu-weighted sum; attention QK and PV,
 4 * heads * head_dim per (query, attended row), attended rows = the window rows that exist +
@@ -143,15 +147,20 @@ def measure_matmul_rate(dev: torch.device, n: int = 8192, reps: int = 10) -> flo
 
 
 def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
-               before: Callable[[], Any] | None = None) -> tuple[float, int, list[float]]:
+               before: Callable[[], Any] | None = None
+               ) -> tuple[float, int, list[float], list[float]]:
     """(median ms of ``reps`` calls after one warm-up, peak extra bytes of a call, each call's
-    ms in order - an outlier the median hides shows there): ``before`` runs untimed ahead of
-    every call (e.g. a fresh cache)."""
+    ms in order - an outlier the median hides shows there -, and each call's host ms: from its
+    start to its return, before the device finished): ``before`` runs untimed ahead of every
+    call (e.g. a fresh cache). A call whose host ms come near its ms kept the device waiting
+    for the host (or synchronised with it)."""
     if before is not None:
         before()
     fn()  # warm-up: compiles kernels, fills allocator pools
     torch.cuda.synchronize()
-    times, peak = [], 0
+    times: list[float] = []
+    host: list[float] = []
+    peak = 0
     for _ in range(reps):
         if before is not None:
             before()
@@ -160,13 +169,15 @@ def time_calls(fn: Callable[[], Any], reps: int, dev: torch.device,
         torch.cuda.reset_peak_memory_stats(dev)
         s, e = torch.cuda.Event(True), torch.cuda.Event(True)
         s.record()
+        t0 = time.perf_counter()
         out = fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
         peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
         del out
-    return statistics.median(times), peak, times
+    return statistics.median(times), peak, times, host
 
 
 # ---------------------------------------------------------------------------------- layer
@@ -187,20 +198,24 @@ def build_layer(cfg: DSV4Config, layer_id: int, weights: dict[str, torch.Tensor]
 STEP_KERNELS_OFF = " (step kernels off)"
 """Suffix of a row's backend label when the cuda platform's step kernels were off (the torch
 indexer, compressor and cache writes: the earlier path)."""
+BF16_ACTIVATIONS = " (bf16 activations)"
+"""... and when the fp8 linears' activations stayed bf16 (``act_quant`` off)."""
 
 
 def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[int],
                chunk: int, context: int, reps: int, check_tokens: int, rate: float,
                dev: torch.device, max_case_s: float, log: Callable[[dict], None],
                rows: list[dict[str, Any]], step_kernels: tuple[bool, ...] = (True,),
-               profiles: list[str] | None = None) -> list[dict[str, Any]]:
+               profiles: list[str] | None = None, act_quant: bool = True
+               ) -> list[dict[str, Any]]:
     """Every (backend, step kernels, T) row of one model's layer type, and the chunked row per
     backend, appended to ``rows`` (``log`` is called after each); checked against the torch
     backend with the step kernels off (the plain PyTorch path). With ``profiles``, the kernel
-    table of one call of each timed single-call row is appended to it."""
+    table of one call of each timed single-call row is appended to it. ``act_quant``: the
+    config's (the official activation quantisation of the fp8 linears; off: bf16)."""
     from dsv4.testing.random_weights import random_layer_weights
 
-    base_cfg = DSV4Config.preset(model)
+    base_cfg = DSV4Config.preset(model).replace(act_quant=act_quant)
     ratio = LAYER_RATIO[layer_type]
     layer_id = base_cfg.layer_of_ratio(ratio)  # Pro's SWA layer: its MTP layer
     weights = random_layer_weights(base_cfg, layer_id)
@@ -214,9 +229,10 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
         layer = build_layer(base_cfg.replace(attention_backend=backend), layer_id, weights, dev,
                             step_kernels=kernels)
         err = rel(_check_output(layer, check_x), ref_out)
-        label = backend if kernels else backend + STEP_KERNELS_OFF
+        label = ((backend if kernels else backend + STEP_KERNELS_OFF)
+                 + ("" if act_quant else BF16_ACTIVATIONS))
         common = {"model": model, "layer_type": layer_type, "backend": label,
-                  "step_kernels": kernels, "rel_err_vs_torch": err}
+                  "step_kernels": kernels, "act_quant": act_quant, "rel_err_vs_torch": err}
         if not err <= CHECK_TOL:
             rows.append({**common, "error": f"wrong: rel err {err:.3e} vs the torch backend"})
             log(rows[-1])
@@ -429,8 +445,9 @@ def _time_prefill(layer: Any, x: torch.Tensor, t: int, ctx: int, reps: int,
         def before() -> None:
             state["c"].reset()
     xs = x[ctx:ctx + t]
-    ms, peak, times = time_calls(lambda: layer(xs, pos, state["c"]), reps, dev, before)
-    return {"ms": ms, "peak_extra_bytes": peak, "reps_ms": [round(ms_i, 4) for ms_i in times]}
+    ms, peak, times, host = time_calls(lambda: layer(xs, pos, state["c"]), reps, dev, before)
+    return {"ms": ms, "peak_extra_bytes": peak, "reps_ms": [round(ms_i, 4) for ms_i in times],
+            "host_ms": statistics.median(host), "reps_host_ms": [round(h, 4) for h in host]}
 
 
 # ---------------------------------------------------------------------------------- attention
@@ -490,7 +507,7 @@ def attention_rows(dev: torch.device, rate: float, reps: int, log: Callable[[dic
                 if not err < CHECK_TOL:
                     row["error"] = f"wrong: rel err {err:.3e}"
                 else:
-                    ms, _, _ = time_calls(functools.partial(fn, t), reps, dev)
+                    ms, _, _, _ = time_calls(functools.partial(fn, t), reps, dev)
                     row["ms"] = ms
                     row["tflops"] = base["flops"] / (ms / 1e3) / 1e12
                     row["fraction_of_floor"] = base["flops"] / rate / (ms / 1e3)
@@ -669,6 +686,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--step-kernels", default=["on"], type=choice_list(("on", "off"), "value"),
                     help="comma-separated on / off: the cuda platform's step kernels (the Triton "
                     "indexer, compressor, cache writes; off: their PyTorch path) (default on)")
+    ap.add_argument("--act-quant", default=["on"], type=choice_list(("on", "off"), "value"),
+                    help="comma-separated on / off: the fp8 linears' activations quantised as "
+                    "the official code does (the serving numerics; off: bf16) (default on)")
     ap.add_argument("--reps", type=int, default=3,
                     help="timed calls per row, median taken (default 3)")
     ap.add_argument("--check-tokens", type=int, default=1024,
@@ -739,10 +759,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.only in (None, "layer"):
         for model in args.models:
             for layer_type in args.layers:
-                layer_rows(model, layer_type, args.attention_backend, args.tokens, args.chunk,
-                           args.context, args.reps, args.check_tokens, rate, dev,
-                           args.max_case_seconds, log, res["layer_rows"],
-                           tuple(v == "on" for v in args.step_kernels), profiles)
+                for act_quant in args.act_quant:
+                    layer_rows(model, layer_type, args.attention_backend, args.tokens,
+                               args.chunk, args.context, args.reps, args.check_tokens, rate,
+                               dev, args.max_case_seconds, log, res["layer_rows"],
+                               tuple(v == "on" for v in args.step_kernels), profiles,
+                               act_quant=act_quant == "on")
     save()
     print(write_report(res, out))
     return 0

@@ -185,10 +185,11 @@ def _block_scaling_on(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0) and version >= (12, 9)
 
 
-def block_scaled_gemm_applies(device: torch.device) -> bool:
+def block_scaled_gemm_applies(device: torch.device | str) -> bool:
     """cuBLAS runs the official block-scaled fp8 GEMM (docs/spec.md §6.3: 1 x 128 activation
     scales, 128 x 128 weight scales) on ``device``: PyTorch's ``F.scaled_mm`` offers that
     recipe on sm_90 with CUDA 12.9 or later (cuBLAS's block scaling)."""
+    device = torch.device(device)
     return device.type == "cuda" and _block_scaling_on(
         device.index if device.index is not None else torch.cuda.current_device())
 
