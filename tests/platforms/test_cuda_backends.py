@@ -409,6 +409,31 @@ def test_auto_switches_backend_per_step_on_one_cache(tiny):
 
 
 @cuda
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_act_quant_prefill_on_the_long_route_against_the_reference(tiny, ratio):
+    """A prefill above the plan's streaming limit under act_quant: its fp8 linears take the
+    long calls' route (cuBLAS's block-scaled GEMM where it runs, else the dequantised copy),
+    the decode steps the streaming kernels; the layer against the reference layer with the
+    same act_quant, selections replayed."""
+    from dsv4.platforms import cuda_linears
+
+    cfg = tiny.replace(act_quant=True)
+    layer, ref = _cuda_pair(cfg, ratio, "torch")
+    layer.plan = layer.plan.overridden({"fp8_gemm_max_tokens": 8, "wo_a_max_tokens": 8})
+    x = random_x(60, cfg.hidden_size).to("cuda", BF16)
+    with mock.patch.object(cuda_linears, "block_scaled_gemm",
+                           wraps=cuda_linears.block_scaled_gemm) as spy, \
+            record_selection(layer) as seen:
+        y, _ = _prefill_and_decode(layer, x, 50)
+    applies = cuda_linears.block_scaled_gemm_applies(x.device)
+    assert (spy.call_count >= 3) == applies  # wq_a | wkv, wq_b, wo_b (+ indexer.wq_b)
+    with replay_selection(ref, seen):
+        y_ref, _ = _prefill_and_decode(ref, x, 50)
+    assert rel_err(y, y_ref) < 1e-2
+
+
+@cuda
 def test_fp8_gemms_off_gives_the_base_path(tiny):
     layer, ref = _cuda_pair(tiny, 4, "torch")
     layer.use_fp8_gemms(False)
