@@ -71,6 +71,9 @@ def test_markdown_names_lanes_by_first_appearance_and_caps_rows():
     assert "10.0 us at 30.0 before `Memcpy HtoD`" in md
     assert "(1 more)" in md
     assert "no device operations" in timeline_markdown([], "empty")
+    one = timeline_markdown(device_spans(TRACE), "flash C4", largest_gaps=1, what="one call")
+    assert "flash C4: timeline of one call" in one
+    assert "Largest gaps: 10.0 us at 30.0 before `Memcpy HtoD`." in one  # only the longest
 
 
 @pytest.mark.parametrize("name, short", [

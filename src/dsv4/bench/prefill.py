@@ -36,7 +36,9 @@ indices: 64 / 128 heads, head_dim 512, 4K / 16K queries at the end of a 64K cont
 ``sparse_mqa_reference`` on 64 queries first; our kernel also at a few other tiles
 (``ATTN_PROBES``: the best of them is a column). Writes prefill.json, prefill.md and prefill.png;
 ``--profile`` also prefill_profile.md (the profiler's kernel table of one call per timed
-single-call row, and Python's profile of the host's work in one more call).
+single-call row, the device timeline of one more call profiled for its device operations only -
+its idle gaps are where the device waited for the host -, and Python's profile of the host's
+work in one more call).
 """
 
 from __future__ import annotations
@@ -280,7 +282,9 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
     """The profiler's kernel table of one prefill call of ``x`` on a fresh cache, and (on a
     GPU) the PyTorch operators by the device time of their kernels, with their input shapes:
     which call of the layer's torch code a costly elementwise / copy kernel comes from. On a
-    CPU: the operator table, by CPU time."""
+    CPU: the operator table, by CPU time. On a GPU also the device timeline of one more call
+    profiled for its device operations only (:func:`device_timeline`), then the host's
+    profile (:func:`host_profile`)."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = x.is_cuda
@@ -295,7 +299,31 @@ def profile_call(layer: Any, x: torch.Tensor, title: str) -> str:
             wall = time.perf_counter() - t0
     finally:
         cache.free()
-    return profile_tables(prof, title, wall, gpu) + host_profile(layer, x)
+    timeline = device_timeline(layer, x, title) if gpu else ""
+    return profile_tables(prof, title, wall, gpu) + timeline + host_profile(layer, x)
+
+
+def device_timeline(layer: Any, x: torch.Tensor, title: str) -> str:
+    """Markdown of one prefill call's device timeline, profiled for its device operations
+    only (no host events, shapes or stacks, whose recording slows the host and so opens gaps
+    of its own): the span from the first operation to the last against the time something
+    runs, the largest idle gaps with the operation that ends each, and the operations in
+    order (:func:`dsv4.bench.timeline.timeline_markdown`). Gaps where nothing runs are where
+    the device waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsv4.bench.timeline import device_spans, timeline_markdown, trace_of
+
+    cache = layer.new_cache(x.shape[0])
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            layer(x, torch.arange(x.shape[0]), cache)
+            torch.cuda.synchronize()
+    finally:
+        cache.free()
+    return "\n" + timeline_markdown(device_spans(trace_of(prof)), title, rows=200,
+                                    largest_gaps=10, what="one call")
 
 
 def host_profile(layer: Any, x: torch.Tensor, rows: int = 18) -> str:

@@ -125,17 +125,20 @@ def short_name(name: str, width: int = 60) -> str:
     return n if len(n) <= width else n[:width - 3] + "..."
 
 
-def timeline_markdown(spans: list[Span], title: str, rows: int = 60) -> str:
-    """Markdown of a step's timeline: the summary, then each operation (the first ``rows``)
-    with its start and end relative to the first one's start, its time and its stream (s0 =
-    the stream of the first operation, the others in order of first appearance)."""
+def timeline_markdown(spans: list[Span], title: str, rows: int = 60, largest_gaps: int = 3,
+                      what: str = "one graph replay") -> str:
+    """Markdown of a step's timeline (``what`` it is: one graph replay, one call): the
+    summary with the ``largest_gaps`` longest idle gaps, then each operation (the first
+    ``rows``) with its start and end relative to the first one's start, its time and its
+    stream (s0 = the stream of the first operation, the others in order of first
+    appearance)."""
     sm = summarise(spans)
     if not spans:
         return f"## {title}: no device operations in the trace\n"
     t0 = spans[0].start
     lanes = {st: i for i, st in enumerate(sm.per_stream)}
-    gaps = sorted(sm.gaps, key=lambda g: g[0] - g[1])[:3]
-    lines = [f"## {title}: timeline of one graph replay", "",
+    gaps = sorted(sm.gaps, key=lambda g: g[0] - g[1])[:largest_gaps]
+    lines = [f"## {title}: timeline of {what}", "",
              f"{len(spans)} device operations over {sm.span:.1f} us: something runs for "
              f"{sm.busy:.1f} us, nothing for {sm.idle:.1f} ({len(sm.gaps)} gaps); "
              f"{sm.total:.1f} us of operation time, {sm.beside:.1f} of it beside another "
