@@ -47,9 +47,10 @@
 # call with it, and a failing step does not stop the next. PACK=FILE.tgz rewrites one archive of
 # $OUT after every step (a call cut short still returns what ran):
 #   R=$OUT; OUT=/tmp/o PACK=$R/all.tgz bash benchmarks/gpu_check.sh decode
-# The whole suite: 16 workers on an H100 reached 99 % in 340 s (2026-12-06, 8582c66; each
-# worker's PyTorch takes its share of the cores, tests/conftest.py, and the tensor-parallel
-# tests share one worker, --dist loadgroup). Finish a cut run with LEFT=FILE in the next call.
+# The whole suite: 16 workers on an H100 ran it in 288 s (2026-12-08, 0635fb4; each worker's
+# PyTorch takes its share of the cores, tests/conftest.py; the tensor-parallel tests share one
+# worker, --dist loadgroup, and so do the command-line usage cases since 2026-12-08, both
+# collected first: conftest.FIRST_GROUPS). Finish a cut run with LEFT=FILE in the next call.
 # Each test's duration and each failure's traceback are written to gpu-tests/durations.txt and
 # failures.txt as they happen (DSV4_REPORT_DIR, tests/conftest.py): a cut run keeps them;
 # pytest prints both only at the end.

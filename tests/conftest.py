@@ -28,7 +28,25 @@ KERNEL_DEV = "cuda" if HAS_CUDA and not _INTERPRET else "cpu"
 """Where the kernel tests put their tensors."""
 
 
+FIRST_GROUPS = ("tensor-parallel", "cli-usage")
+"""pytest-xdist groups (``--dist loadgroup``, ``benchmarks/gpu_check.sh suite``) whose tests
+are collected first, so that a worker starts each of them at once: in the GPU suite of
+2026-12-08 (H100, 16 workers, ``benchmarks/results/2026-12-08-h100/gpu-tests/``) the TP=2
+spawned job took 226 s on the worker that met it, and the suite's 288 s ended with it; the
+command-line cases (one fixture that starts every case's process) ran it on each worker that
+drew one of its tests, 372 s of worker time in all."""
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark is not None and mark.args else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The :data:`FIRST_GROUPS` first (in their order, the rest as collected); off a GPU, the
+    ``cuda`` tests skipped."""
+    items.sort(key=lambda item: FIRST_GROUPS.index(g) if (g := _xdist_group(item))
+               in FIRST_GROUPS else len(FIRST_GROUPS))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -16,6 +16,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = not torch.cuda.is_available()
 
+pytestmark = pytest.mark.xdist_group("cli-usage")
+"""One pytest-xdist worker runs this module (``--dist loadgroup``): its module fixture starts
+every case's process at once, and spread over workers each of them started all of them again
+(the GPU suite of 2026-12-08: 30-40 s of setup on each of ten workers)."""
+
 # (id, argv, prog, what the line says); cwd holds README.md (a file), folder/ (empty),
 # full/notes.txt (someone's file) and earlier/kv_memory.json (an earlier run's results)
 CASES = [
