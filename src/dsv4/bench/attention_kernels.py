@@ -259,10 +259,10 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
     from dsv4.layers.fp8 import dequantize_fp8_block
     from dsv4.layers.quant_sim import fp8_block_sim
     from dsv4.platforms.cuda_linears import (
-        block_scaled_gemm,
         block_scaled_gemm_applies,
         dequantised_gemm,
         dequantised_grouped_gemm,
+        long_gemm,
     )
 
     wbytes = N * K + (N // 128) * (K // 128)
@@ -291,9 +291,7 @@ def _gemm_shape_rows(model, name, N, K, G, dev, gen, copy_bw, quick, out_rows,
             w, s = ws[i]
             if G > 1:
                 return dequantised_grouped_gemm(xs[i], w, s).view(m, G, -1)
-            if block_scaled_gemm_applies(xs[i].device):
-                return block_scaled_gemm(xs[i], w, s)
-            return dequantised_gemm(xs[i], w, s, act_quant=True)
+            return long_gemm(xs[i], w, s, act_quant=True)
 
         def long_call_dequant(i: int, xs=xs) -> torch.Tensor:
             w, s = ws[i]

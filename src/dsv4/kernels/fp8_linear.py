@@ -58,6 +58,7 @@ from dsv4.layers.quant_sim import fp8_block_quantize, fp8_block_sim
 
 __all__ = [
     "Fp8GemmConfig",
+    "block_scale_values",
     "choose_fp8_config",
     "fp8_dequantize",
     "fp8_grouped_linear",
@@ -74,12 +75,16 @@ BLOCK = 128
 # ---------------------------------------------------------------------------------- reference
 
 
+def block_scale_values(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A weight's 128x128 block scales as ``dtype`` values: ``float8_e8m0fnu``, its raw
+    ``uint8`` bytes (the same meaning) or float (taken as it is)."""
+    return e8m0_to_float(scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8
+                         else scale, dtype)
+
+
 def _dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = weight.shape
-    s = scale
-    if s.dtype == torch.uint8:
-        s = s.view(torch.float8_e8m0fnu)
-    sf = e8m0_to_float(s, dtype)
+    sf = block_scale_values(scale, dtype)
     w = weight.to(dtype).view(n // BLOCK, BLOCK, k // BLOCK, BLOCK) * sf[:, None, :, None]
     return w.view(n, k)
 

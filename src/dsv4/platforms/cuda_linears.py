@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.kernels.fp8_linear import (
+    block_scale_values,
     choose_fp8_config,
     fp8_dequantize,
     fp8_grouped_linear,
@@ -48,7 +49,6 @@ from dsv4.kernels.fp8_linear import (
     simulate_activations,
     sm_count,
 )
-from dsv4.layers.fp8 import e8m0_to_float
 from dsv4.layers.linear import Linear, grouped_linear
 from dsv4.layers.weight_layout import get_layout
 
@@ -154,9 +154,9 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
              workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [T, K] bf16 @ (weight * scale)^T -> [T, N] bf16: the scales applied in the streaming
     kernel (at most ``stream_max_tokens`` tokens, default :data:`FP8_GEMM_MAX_TOKENS`; the
-    platform passes its plan's), or (longer calls) a one-pass dequantised copy and cuBLAS.
+    platform passes its plan's), or for longer calls by cuBLAS (:func:`long_gemm`).
     ``act_quant``: x quantised as §6.3 says first - inside the streaming kernel (fp8 MMAs), or
-    ``fp8_block_sim``'s values (:func:`dequantised_gemm`) before cuBLAS. ``workspace``: the
+    as the long route takes it. ``workspace``: the
     streaming kernel's split-K workspace (default: the device's; a side stream's launches pass
     :func:`~dsv4.kernels.fp8_linear.side_stream_workspace`)."""
     assert lin.scale is not None
@@ -171,9 +171,17 @@ def fp8_gemm(lin: Linear, x: torch.Tensor, act_quant: bool = False,
         xq, sx = quantize_activations(x)
         return fp8_linear(xq, lin.weight, lin.scale, config=cfg, workspace=workspace,
                           x_scales=sx)
+    return long_gemm(x, lin.weight, lin.scale, act_quant)
+
+
+def long_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              act_quant: bool = False) -> torch.Tensor:
+    """The route of calls above the streaming limit: under ``act_quant`` cuBLAS's block-scaled
+    fp8 GEMM where it runs (:func:`block_scaled_gemm`), else a one-pass dequantised copy of the
+    weight and a bf16 cuBLAS GEMM (:func:`dequantised_gemm`)."""
     if act_quant and block_scaled_gemm_applies(x.device):
-        return block_scaled_gemm(x, lin.weight, lin.scale)
-    return dequantised_gemm(x, lin.weight, lin.scale, act_quant)
+        return block_scaled_gemm(x, weight, scale)
+    return dequantised_gemm(x, weight, scale, act_quant)
 
 
 @functools.cache
@@ -210,7 +218,7 @@ def block_scaled_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     xq, sx = quantize_activations(x)
     n, k = weight.shape
     kb = k // BLOCK
-    sw = e8m0_to_float(scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale)
+    sw = block_scale_values(scale)
     if kb % 4:
         sw = F.pad(sw, (0, -kb % 4), value=1.0)
     y = F.scaled_mm(xq, weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128,
@@ -221,10 +229,10 @@ def block_scaled_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 def dequantised_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      act_quant: bool = False) -> torch.Tensor:
-    """The long calls' route (above the streaming limit, :func:`fp8_gemm`): x [T, K] (quantised
-    per 128 and scaled back under ``act_quant``: ``fp8_block_sim``'s values in one launch,
-    :func:`~dsv4.kernels.fp8_linear.simulate_activations`) times a one-pass dequantised bf16
-    copy of the weight [N, K], by cuBLAS."""
+    """The long calls' route where block scaling does not run (:func:`long_gemm`): x [T, K]
+    (quantised per 128 and scaled back under ``act_quant``: ``fp8_block_sim``'s values in one
+    launch, :func:`~dsv4.kernels.fp8_linear.simulate_activations`) times a one-pass
+    dequantised bf16 copy of the weight [N, K], by cuBLAS."""
     if act_quant:
         x = simulate_activations(x)
     return F.linear(x, fp8_dequantize(weight, scale))
