@@ -326,16 +326,22 @@ class DeepseekV4Attention(nn.Module):
 
         May change: how the steps run (e.g. replayed as CUDA graphs of padded steps).
         Must keep: each step's values (to the rounding of a padded batch), every cache as the
-        eager steps leave it, and as it was if any step fails; a step is :meth:`_step`."""
+        eager steps leave it, and as it was if any step fails; a step is :meth:`_step` (here
+        stage 1, then the step's plan, then :meth:`_step_after_projections`)."""
         pieces = _split_steps(counts, pool.step_tokens)
         txn = CallTransaction(pool, caches, snapshot_rings=len(pieces) > 1)
         out: torch.Tensor | None = None
         try:
             for begin, end, part in pieces:
+                # stage 1 reads x alone: its GEMMs are queued before the step's host planning
+                # (blocks, metadata, upload), which then runs while the device computes them
+                # (a failed plan leaves nothing written: the projections are fresh tensors)
+                proj = self._run_parallel_input_projections(x[begin:end])
                 idx = [i for i, n in enumerate(part) if n]
                 step = CacheStep.plan(pool, [caches[i] for i in idx], [part[i] for i in idx])
                 release = None if len(pieces) == 1 else [txn.window_release_from()[i] for i in idx]
-                y = self._step(x[begin:end], step)
+                y = self._step_after_projections(proj, step)
+                del proj
                 step.commit(release)
                 if len(pieces) == 1:
                     out = y
@@ -356,13 +362,17 @@ class DeepseekV4Attention(nn.Module):
         """One step (docs/spec.md §8.3) for every sequence of ``step`` at once: the six stages
         of :mod:`dsv4.stages`, in order - device work only, so that a CUDA graph can capture
         it (the step's end, :meth:`CacheStep.commit`, is the caller's)."""
-        proj = self._run_parallel_input_projections(x)
+        return self._step_after_projections(self._run_parallel_input_projections(x), step)
+
+    def _step_after_projections(self, proj: InputProjections, step: CacheStep) -> torch.Tensor:
+        """Stages 2-6 of :meth:`_step` on stage 1's output (a plain call plans each step
+        between the two: :meth:`_run_pool`)."""
         qk = self._query_and_kv_rows(proj.qr_kv, step)
         raw = self._write_cache(step, qk.rows, proj.kv_score, proj.idx_kv_score)
         # the branch point's side streams join before their readers: stage 4, stage 5
-        _join(qk.index_query_ready, x)
+        _join(qk.index_query_ready, proj.qr_kv.device)
         selection = self._select(step, qk.index_query, proj.idx_weights)
-        _join(qk.heads_ready, x)
+        _join(qk.heads_ready, proj.qr_kv.device)
         y = self._tp_all_reduce(self._attend_and_project(qk.heads, step, selection))
         self._keep_rings(step, raw)  # last: a failure above leaves every cache as it was
         return y
@@ -997,11 +1007,11 @@ def _after_load_state_dict(module: nn.Module, incompatible: Any) -> None:
     module._after_weights_changed()
 
 
-def _join(event: torch.cuda.Event | None, x: torch.Tensor) -> None:
-    """Make the current stream wait for a side stream's ``event`` (None: nothing to wait for,
-    the work ran in stream order)."""
+def _join(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make ``device``'s current stream wait for a side stream's ``event`` (None: nothing to
+    wait for, the work ran in stream order)."""
     if event is not None:
-        torch.cuda.current_stream(x.device).wait_event(event)
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def _every_visible_entry(pos: torch.Tensor, n: int, r: int) -> torch.Tensor:

@@ -146,6 +146,44 @@ def test_a_long_call_runs_in_steps_all_or_nothing(tiny_exact, make_layer, ratio)
     assert (got - want).abs().max() <= 1e-12
 
 
+def test_each_step_queues_its_input_projections_before_its_plan(tiny, make_layer, monkeypatch):
+    """A plain call runs stage 1 of each step before the step's host planning (blocks, metadata,
+    upload), so that on a GPU the planning runs while the input GEMMs compute; a plan that then
+    fails (no blocks left) has written nothing."""
+    from dsv4.cache import step as step_module
+
+    cfg = tiny.replace(max_step_tokens=40)
+    layer = make_layer(cfg, 4)
+    events: list[str] = []
+    stage1 = layer._run_parallel_input_projections
+    planner = step_module.CacheStep.plan
+
+    def projections(x):
+        events.append(f"stage 1 of {x.shape[0]}")
+        return stage1(x)
+
+    def plan(pool, caches, counts):
+        events.append(f"plan of {sum(counts)}")
+        return planner(pool, caches, counts)
+
+    monkeypatch.setattr(layer, "_run_parallel_input_projections", projections)
+    monkeypatch.setattr(step_module.CacheStep, "plan", staticmethod(plan))
+    cache = layer.new_cache(300)
+    x = random_x(100, cfg.hidden_size, seed=4).bfloat16()
+    layer(x, torch.arange(100), cache)
+    assert events == ["stage 1 of 40", "plan of 40", "stage 1 of 40", "plan of 40",
+                      "stage 1 of 20", "plan of 20"]
+
+    pool = layer.new_cache_pool(2, 1024, capacity_tokens=256)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    layer(x[:40], torch.arange(40), a)
+    used, events[:] = pool.blocks_in_use(), []
+    with pytest.raises(CacheCapacityError):
+        layer(random_x(1000, cfg.hidden_size, seed=5).bfloat16(), torch.arange(1000), b)
+    assert events[-2:] == ["stage 1 of 40", "plan of 40"]  # the failing plan came after stage 1
+    assert b.length == 0 and pool.blocks_in_use() == used and a.length == 40
+
+
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_a_call_that_fails_late_leaves_the_cache_usable(tiny_exact, make_layer, ratio):
     layer = make_layer(tiny_exact, ratio, torch.float64)
