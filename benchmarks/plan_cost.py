@@ -8,11 +8,13 @@ metadata as shipped and in plain Python only (``DECODE_NUMPY_WORK``), alternatin
 the decode metadata alone in plain Python and in NumPy by M and completing sequences (the
 calibration of ``DECODE_NUMPY_WORK``), and padded to the decode runner's buckets; the runner's
 host work per step over 8 layers; then ``CacheStep.commit`` by context, a rollback of rejected
-drafts, and a whole 43-layer model's plan and commit; last, the host work of one plain decode
-call through its layer's step graph, the replay left out.
+drafts, and a whole 43-layer model's plan and commit; the host work of one plain decode
+call through its layer's step graph, the replay left out; last, a prefill step's metadata and
+plan (one sequence of 2048 / 8192 tokens, 16 of 512).
 
     PYTHONPATH=src python benchmarks/plan_cost.py          # every section
     PYTHONPATH=src python benchmarks/plan_cost.py plain    # the plain call's host work only
+    PYTHONPATH=src python benchmarks/plan_cost.py prefill  # a prefill step's only
 
 The tiny preset's pools (the plan's work depends on M, the ratio and the block size, not on the
 model's dims); 600 positions of synthetic history per sequence.
@@ -292,13 +294,44 @@ def model_step_cost() -> None:
               f"{commit_best * 1e3:5.2f} ms", flush=True)
 
 
+def prefill_step_cost() -> None:
+    """Host time of a prefill step of a C4 layer (its two compressors' rings): the metadata
+    alone (``build_metadata``) and the layer's own plan of the step (``CacheStep.plan``: blocks,
+    metadata, upload - on the CPU a copy) with its commit, for one sequence of 2048 and 8192
+    tokens from position 0 and for 16 sequences of 512; best of 7 batches of 20."""
+    cfg = DSV4Config.preset("tiny").replace(max_position_embeddings=65536)
+    layer = build_attention(cfg, cfg.layer_of_ratio(4), dtype=torch.bfloat16)
+    for m, n in ((1, 2048), (1, 8192), (16, 512)):
+        pool = layer.new_cache_pool(m, n + 64, step_tokens=m * n)
+        specs = ring_specs(pool)
+        meta = plan = float("inf")
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                build_metadata([0] * m, list(range(m)), [n] * m, specs)
+            meta = min(meta, (time.perf_counter() - t0) / 20)
+            spent = 0.0
+            for _ in range(20):
+                caches = [pool.add_sequence() for _ in range(m)]
+                t0 = time.perf_counter()
+                CacheStep.plan(pool, caches, [n] * m).commit()
+                spent += time.perf_counter() - t0
+                for c in caches:
+                    c.free()
+            plan = min(plan, spent / 20)
+        print(f"prefill step, C4, {m} x {n} tokens: metadata {meta * 1e6:6.0f} us, plan and "
+              f"commit {plan * 1e6:6.0f} us", flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["plain"]:
-        plain_call_cost()
+    sections = {"plain": plain_call_cost, "prefill": prefill_step_cost}
+    if len(sys.argv) == 2 and sys.argv[1] in sections:
+        sections[sys.argv[1]]()
     elif sys.argv[1:]:
-        sys.exit(f"usage: {sys.argv[0]} [plain]")
+        sys.exit(f"usage: {sys.argv[0]} [{' | '.join(sections)}]")
     else:
         main()
         rollback_cost()
         model_step_cost()
         plain_call_cost()
+        prefill_step_cost()

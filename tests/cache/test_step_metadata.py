@@ -137,3 +137,55 @@ def test_both_decode_paths_build_the_general_paths_buffer(ratio, starts, extra):
             assert torch.equal(got[0], general[0])
             assert got[1:3] == general[1:3]
             assert torch.equal(got[3], general[3])
+
+
+def _metadata_by_definition(starts, slots, counts, specs):
+    """The step's metadata position by position, from the module docstring's definitions (plain
+    Python loops): what the vectorised builders must equal."""
+    pos, tok_slot, seq_ids, begins = [], [], [], []
+    for i, (a, s, n) in enumerate(zip(starts, slots, counts, strict=True)):
+        begins.append(len(pos))
+        pos += range(a, a + n)
+        tok_slot += [s] * n
+        seq_ids += [i] * n
+    flat, shapes, jobs = pos + tok_slot, [(len(pos),), (len(pos),)], []
+    for name, spec in specs:
+        r, cr, src = spec.ratio, spec.rows, spec.sources
+        j_slot, j_entry, ring, call, keep_dst, keep_src = [], [], [], [], [], []
+        for a, s, n, b in zip(starts, slots, counts, begins, strict=True):
+            for j in range(a // r, (a + n) // r):  # the entries this step completes
+                j_slot.append(s)
+                j_entry.append(j)
+                for q in range((j - spec.coff + 1) * r, (j - spec.coff + 1) * r + src):
+                    ring.append(s * cr + q % cr if 0 <= q < a else -1)  # before the step
+                    call.append(b + q - a if q >= a else -1)  # this step's row
+            for q in range(max(a, a + n - cr), a + n):  # the ring keeps the last cr positions
+                keep_dst.append(s * cr + q % cr)
+                keep_src.append(b + q - a)
+        e = len(j_entry)
+        flat += j_slot + j_entry + ring + call + keep_dst + keep_src
+        shapes += [(e,), (e,), (e, src), (e, src), (len(keep_dst),), (len(keep_dst),)]
+        jobs.append((name, e, len(keep_dst)))
+    return flat, shapes, jobs, seq_ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(layer=st.sampled_from(["C4", "C128", "SWA", "rollback"]),
+       steps=st.lists(st.tuples(st.integers(0, 1100), st.integers(0, 300)), min_size=1,
+                      max_size=6),
+       at_block=st.booleans())
+def test_the_general_path_is_the_definition(layer, steps, at_block):
+    """Any step - one sequence (a prefill step's scalar path) or several, tokens from 0 to 300
+    each, starts just before entry boundaries or anywhere, rings holding rollback history
+    (rows not a power of two) - builds exactly the metadata of the definition."""
+    specs = {"C4": SPECS[4], "C128": SPECS[128], "SWA": SPECS[0],
+             "rollback": [("compressed", RingSpec(4, 2, 1024, 3)),
+                          ("idx_keys", RingSpec(4, 2, 256, 5)),
+                          ("c128", RingSpec(128, 1, 1024, 7))]}[layer]
+    starts = [a - a % 128 + 127 if at_block else a for a, _ in steps]
+    counts = [n for _, n in steps]
+    slots = [(7 * i + 3) % 11 for i in range(len(steps))]
+    host, shapes, jobs, seq_ids = _step_metadata(starts, slots, counts, specs)
+    flat, want_shapes, want_jobs, want_ids = _metadata_by_definition(starts, slots, counts, specs)
+    assert host.tolist() == flat
+    assert (shapes, jobs, seq_ids.tolist()) == (want_shapes, want_jobs, want_ids)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -373,40 +374,80 @@ def _step_metadata(starts: list[int], slots: list[int], counts: list[int],
                    specs: list[tuple[str, RingSpec]]) -> Metadata:
     """A step's metadata (:meth:`CacheStep.plan`) for any counts, vectorised in NumPy: per token
     its position and slot; per compressor the entries completed, their sources and the ring rows
-    kept."""
-    t = sum(counts)
+    kept.
+
+    Every part is written in place into one buffer, each source array through one flat index
+    (no [E, 1] x [sources] broadcasts, no concatenation), powers of two divided by shifts; a
+    step of one sequence (a long prefill's) uses its scalars, not per-row gathers: 2x less
+    host time than building the parts and concatenating them at 8192 tokens (dev CPU,
+    ``benchmarks/plan_cost.py prefill``)."""
+    m = len(counts)
     n_arr = np.asarray(counts, dtype=np.int64)
     a_arr = np.asarray(starts, dtype=np.int64)
     s_arr = np.asarray(slots, dtype=np.int64)
-    begins = np.concatenate(([0], np.cumsum(n_arr)[:-1]))
-    seq_ids = np.repeat(np.arange(len(starts)), n_arr)
-    pos = a_arr[seq_ids] + np.arange(t) - begins[seq_ids]
-    parts = [pos, s_arr[seq_ids]]
+    ends = np.cumsum(n_arr)
+    begins = ends - n_arr
+    t = int(ends[-1]) if m else 0
+    jobs = []
+    sizes = [t, t]
+    for name, spec in specs:
+        first_j = a_arr // spec.ratio
+        per_seq = (a_arr + n_arr) // spec.ratio - first_j  # entries j = a // r .. (a + n) // r - 1
+        kept = np.minimum(n_arr, spec.rows)  # the last min(n, rows) positions stay in the ring
+        e, k = int(per_seq.sum()), int(kept.sum())
+        jobs.append((name, spec, first_j, per_seq, kept, e, k))
+        sizes += [e, e, e * spec.sources, e * spec.sources, k, k]
+    buf = np.empty(sum(sizes), dtype=np.int64)
+    parts = np.split(buf, np.cumsum(sizes)[:-1])
+
+    def spread(per: np.ndarray) -> tuple[Any, np.ndarray]:
+        """For ``per[i]`` items of each sequence i: each item's sequence (the scalar 0 in a
+        step of one sequence) and its index among its sequence's items."""
+        if m == 1:
+            return 0, np.arange(int(per[0]), dtype=np.int64)
+        seq = np.repeat(np.arange(m), per)
+        return seq, np.arange(seq.shape[0], dtype=np.int64) - (np.cumsum(per) - per)[seq]
+
+    seq_t, within = spread(n_arr)
+    np.add(within, a_arr[seq_t], out=parts[0])
+    parts[1][:] = s_arr[seq_t]
     shapes: list[tuple[int, ...]] = [(t,), (t,)]
     job_meta: list[tuple[str, int, int]] = []
-    for name, spec in specs:
+    for i, (name, spec, first_j, per_seq, kept, e, k) in enumerate(jobs):
         cr, src, ratio = spec.rows, spec.sources, spec.ratio
-        # entries j = a // ratio .. (a + n) // ratio - 1 of each sequence
-        first_j = a_arr // ratio
-        per_seq = (a_arr + n_arr) // ratio - first_j
-        e_seq = np.repeat(np.arange(len(starts)), per_seq)
-        e = int(e_seq.shape[0])
-        e_j = first_j[e_seq] + _ramp(per_seq)
-        a_e, s_e, tb_e = a_arr[e_seq, None], s_arr[e_seq, None], begins[e_seq, None]
-        q = (e_j[:, None] - spec.coff + 1) * ratio + np.arange(src)[None, :]
-        ring_src = np.where((q >= 0) & (q < a_e), s_e * cr + q % cr, -1)
-        call_src = np.where(q >= a_e, tb_e + q - a_e, -1)
-        # the last min(n, cr) positions of each sequence stay in its ring
-        kept = np.minimum(n_arr, cr)
-        k_seq = np.repeat(np.arange(len(starts)), kept)
-        k = int(k_seq.shape[0])
-        kq = (a_arr + n_arr - kept)[k_seq] + _ramp(kept)
-        parts += [s_arr[e_seq], e_j, ring_src.reshape(-1), call_src.reshape(-1),
-                  s_arr[k_seq] * cr + kq % cr, begins[k_seq] + kq - a_arr[k_seq]]
+        slot_e, entry_e, ring_src, call_src, keep_dst, keep_src = parts[2 + 6 * i: 8 + 6 * i]
+        e_seq, e_i = spread(per_seq)
+        slot_e[:] = s_arr[e_seq]
+        np.add(e_i, first_j[e_seq], out=entry_e)
+        if e:
+            f = np.arange(e * src, dtype=np.int64)  # flat source f: entry f // src, f % src
+            row = _div(f, src)
+            f_seq = e_seq if m == 1 else e_seq[row]
+            q = (entry_e[row] - (spec.coff - 1)) * ratio + _mod(f, src)  # its position
+            d = q - a_arr[f_seq]  # >= 0: row d of its sequence in this step
+            before = d < 0
+            np.add(d, begins[f_seq], out=call_src)
+            call_src[before] = -1
+            np.add(_mod(q, cr), s_arr[f_seq] * cr, out=ring_src)
+            ring_src[~before | (q < 0)] = -1  # in the ring: positions 0 .. a - 1 only
+        k_seq, k_i = spread(kept)
+        kq = k_i + (a_arr + n_arr - kept)[k_seq]
+        np.add(_mod(kq, cr), s_arr[k_seq] * cr, out=keep_dst)
+        np.add(kq - a_arr[k_seq], begins[k_seq], out=keep_src)
         shapes += [(e,), (e,), (e, src), (e, src), (k,), (k,)]
         job_meta.append((name, e, k))
-    host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-    return host, shapes, job_meta, torch.from_numpy(seq_ids)
+    seq_ids = np.zeros(t, dtype=np.int64) if m == 1 else seq_t
+    return torch.from_numpy(buf), shapes, job_meta, torch.from_numpy(seq_ids)
+
+
+def _div(x: np.ndarray, n: int) -> np.ndarray:
+    """x // n (a shift where n is a power of two)."""
+    return x >> (n.bit_length() - 1) if n & (n - 1) == 0 else x // n
+
+
+def _mod(x: np.ndarray, n: int) -> np.ndarray:
+    """x % n, Python's sign (a mask where n is a power of two)."""
+    return x & (n - 1) if n & (n - 1) == 0 else x % n
 
 
 def _job_padding(spec: RingSpec, pad_slot: int) -> tuple[int, int, int, int, int, int]:
@@ -558,13 +599,6 @@ def _padded(real: Metadata, specs: RingSpecs, b: int, q: int, pad_slot: int) -> 
         out_jobs.append((name, e, kept))
     ids = torch.cat((seq_ids, seq_ids.new_full((t - seq_ids.numel(),), -1)))
     return torch.cat(out), out_shapes, out_jobs, ids
-
-
-def _ramp(lengths: np.ndarray) -> np.ndarray:
-    """0 .. n_i - 1 for each n_i of ``lengths``, concatenated."""
-    total = int(lengths.sum())
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.arange(total, dtype=np.int64) - starts
 
 
 def _numel(shape: tuple[int, ...]) -> int:
