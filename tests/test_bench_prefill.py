@@ -149,10 +149,11 @@ def test_arguments_parse_and_bad_ones_name_the_culprit(capsys):
     assert a.attention_backend == ["torch", "flashmla", "auto"] and a.chunk == 0
     d = parse_args(["--out", "x"])
     assert d.tokens == [4096, 16384, 65536, 131072] and d.attention_backend == ["torch"]
-    assert (d.chunk, d.context) == (8192, 65536)
+    assert (d.chunk, d.context, d.caches) == (8192, 65536, ["bf16"])
     for bad, culprit in ((["--layers", "C8"], "C8"), (["--attention-backend", "cudnn"], "cudnn"),
                          (["--tokens", "4k"], "4k"), (["--tokens", "0"], "0"),
-                         (["--models", "ultra"], "ultra"), (["--reps", "0"], "--reps")):
+                         (["--models", "ultra"], "ultra"), (["--reps", "0"], "--reps"),
+                         (["--caches", "int8"], "int8")):
         with pytest.raises(SystemExit):
             parse_args(["--out", "x", *bad])
         assert culprit in capsys.readouterr().err
@@ -223,6 +224,12 @@ def test_layer_and_attention_rows_run_on_cpu_with_a_fake_timer(monkeypatch):
     assert [(r["backend"], r["act_quant"]) for r in bf16] == [
         ("auto" + prefill.BF16_ACTIVATIONS, False)]
     assert bf16[0]["rel_err_vs_torch"] == 0.0 and bf16[0]["ms"] == 2.0
+    assert all(r["caches"] == "bf16" for r in rows + bf16)  # the presets' stores by default
+    fp8: list = []  # --caches fp8: the serving stores, the reference on the same stores
+    prefill.layer_rows("tiny", "C4", ["auto"], [40], 0, 0, 2, 32, 1e12, torch.device("cpu"),
+                       60.0, lambda r: None, fp8, caches="fp8")
+    assert [(r["backend"], r["caches"]) for r in fp8] == [("auto" + prefill.FP8_CACHES, "fp8")]
+    assert fp8[0]["rel_err_vs_torch"] == 0.0 and fp8[0]["ms"] == 2.0
     att: list = []
     prefill.attention_rows(torch.device("cpu"), 1e12, 1, lambda r: None, att,
                            cases=[(4, 96, 160)], context=1024)

@@ -2,7 +2,7 @@
 
     dsv4 bench prefill --out DIR [--models flash,pro] [--layers C4,C128,SWA]
                        [--tokens 4096,16384,65536,131072] [--attention-backend torch,auto]
-                       [--step-kernels on,off] [--act-quant on,off]
+                       [--step-kernels on,off] [--act-quant on,off] [--caches bf16,fp8]
 
 Layer table: one layer of the ``cuda`` platform (Flash or Pro dims, fp8 weights with block
 scales, random; bf16; its default post-load passes), C4 / C128 / SWA. ``single`` rows prefill T
@@ -13,9 +13,13 @@ the row records what was asked. ``--step-kernels off`` rows run the cuda platfor
 path for the indexer, compressor and cache writes (labelled "(step kernels off)"). The fp8
 linears' activations are quantised as the official code does (``act_quant``, docs/spec.md §6.3:
 the serving numerics, as in ``dsv4 bench decode-step``); ``--act-quant off`` rows keep them
-bf16 (labelled "(bf16 activations)"; every row before 2026-12-08 ran so). Before timing, each
-row's output on the first ``--check-tokens`` tokens is compared with the ``torch`` backend's
-with the step kernels off and the same ``act_quant`` (rel. error <= 2e-2).
+bf16 (labelled "(bf16 activations)"; every row before 2026-12-08 ran so). The caches are bf16
+(``--caches bf16``, the default: the presets' exact stores, as every row before 2026-12-08
+ran) or the serving caches of ``dsv4 bench decode-step`` (``--caches fp8``: ``fp8_ds_mla`` kv
+rows, ``fp8`` index keys; labelled "(fp8 caches)"; FlashMLA then runs its decode kernel, which
+reads that store in place). Before timing, each row's output on the first ``--check-tokens``
+tokens is compared with the ``torch`` backend's with the step kernels off and the same
+``act_quant`` and caches (rel. error <= 2e-2).
 
 Per row: time (CUDA events, one warm-up call, median of ``--reps``; the layer rows keep each
 call's time too, ``reps_ms``, and how long the host took to issue it, ``host_ms`` and
@@ -202,22 +206,30 @@ STEP_KERNELS_OFF = " (step kernels off)"
 indexer, compressor and cache writes: the earlier path)."""
 BF16_ACTIVATIONS = " (bf16 activations)"
 """... and when the fp8 linears' activations stayed bf16 (``act_quant`` off)."""
+CACHES: dict[str, dict[str, str]] = {
+    "bf16": {},
+    "fp8": {"kv_cache_dtype": "fp8_ds_mla", "index_cache_dtype": "fp8"},
+}
+"""``--caches``: the config's store formats (bf16: the presets' own, exact)."""
+FP8_CACHES = " (fp8 caches)"
+"""... and when the caches were the serving ones (``--caches fp8``)."""
 
 
 def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[int],
                chunk: int, context: int, reps: int, check_tokens: int, rate: float,
                dev: torch.device, max_case_s: float, log: Callable[[dict], None],
                rows: list[dict[str, Any]], step_kernels: tuple[bool, ...] = (True,),
-               profiles: list[str] | None = None, act_quant: bool = True
-               ) -> list[dict[str, Any]]:
+               profiles: list[str] | None = None, act_quant: bool = True,
+               caches: str = "bf16") -> list[dict[str, Any]]:
     """Every (backend, step kernels, T) row of one model's layer type, and the chunked row per
     backend, appended to ``rows`` (``log`` is called after each); checked against the torch
     backend with the step kernels off (the plain PyTorch path). With ``profiles``, the kernel
     table of one call of each timed single-call row is appended to it. ``act_quant``: the
-    config's (the official activation quantisation of the fp8 linears; off: bf16)."""
+    config's (the official activation quantisation of the fp8 linears; off: bf16);
+    ``caches``: a key of :data:`CACHES`."""
     from dsv4.testing.random_weights import random_layer_weights
 
-    base_cfg = DSV4Config.preset(model).replace(act_quant=act_quant)
+    base_cfg = DSV4Config.preset(model).replace(act_quant=act_quant, **CACHES[caches])
     ratio = LAYER_RATIO[layer_type]
     layer_id = base_cfg.layer_of_ratio(ratio)  # Pro's SWA layer: its MTP layer
     weights = random_layer_weights(base_cfg, layer_id)
@@ -232,9 +244,11 @@ def layer_rows(model: str, layer_type: str, backends: list[str], tokens: list[in
                             step_kernels=kernels)
         err = rel(_check_output(layer, check_x), ref_out)
         label = ((backend if kernels else backend + STEP_KERNELS_OFF)
-                 + ("" if act_quant else BF16_ACTIVATIONS))
+                 + ("" if act_quant else BF16_ACTIVATIONS)
+                 + ("" if caches == "bf16" else FP8_CACHES))
         common = {"model": model, "layer_type": layer_type, "backend": label,
-                  "step_kernels": kernels, "act_quant": act_quant, "rel_err_vs_torch": err}
+                  "step_kernels": kernels, "act_quant": act_quant, "caches": caches,
+                  "rel_err_vs_torch": err}
         if not err <= CHECK_TOL:
             rows.append({**common, "error": f"wrong: rel err {err:.3e} vs the torch backend"})
             log(rows[-1])
@@ -717,6 +731,9 @@ def parser(prog: str | None = None) -> OneLineArgumentParser:
     ap.add_argument("--act-quant", default=["on"], type=choice_list(("on", "off"), "value"),
                     help="comma-separated on / off: the fp8 linears' activations quantised as "
                     "the official code does (the serving numerics; off: bf16) (default on)")
+    ap.add_argument("--caches", default=["bf16"], type=choice_list(tuple(CACHES), "value"),
+                    help="comma-separated bf16 / fp8: the stores' formats (fp8: fp8_ds_mla kv "
+                    "rows and fp8 index keys, the serving caches) (default bf16)")
     ap.add_argument("--reps", type=int, default=3,
                     help="timed calls per row, median taken (default 3)")
     ap.add_argument("--check-tokens", type=int, default=1024,
@@ -787,12 +804,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.only in (None, "layer"):
         for model in args.models:
             for layer_type in args.layers:
-                for act_quant in args.act_quant:
+                for act_quant, caches in [(a, c) for a in args.act_quant for c in args.caches]:
                     layer_rows(model, layer_type, args.attention_backend, args.tokens,
                                args.chunk, args.context, args.reps, args.check_tokens, rate,
                                dev, args.max_case_seconds, log, res["layer_rows"],
                                tuple(v == "on" for v in args.step_kernels), profiles,
-                               act_quant=act_quant == "on")
+                               act_quant=act_quant == "on", caches=caches)
     save()
     print(write_report(res, out))
     return 0
