@@ -183,10 +183,11 @@ def mqa() -> None:
     combine()
 
 
-MQA_TILES = ((64, 16, 8, 1), (64, 16, 16, 2), (64, 32, 16, 1), (64, 32, 16, 2),
-             (64, 64, 16, 1), (64, 64, 16, 2))
+MQA_TILES = ((64, 16, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (64, 16, 16, 2), (64, 32, 16, 1),
+             (64, 32, 16, 2), (64, 64, 16, 1), (64, 64, 16, 2))
 """(heads, rows, warps, stages) that ``mqa-tiles`` compiles: the 64-head tiles Hopper's wgmma
-takes, whole 512-column accumulators, at 8 warps (the default from 16 queries) and 16."""
+takes, whole 512-column accumulators, at 8 warps (the default from 16 queries; 32 and 64 rows:
+the prefill bench's probes) and 16."""
 
 
 def mqa_tiles() -> bool:

@@ -80,12 +80,16 @@ ATTN_CASES = [(h, t, k) for h in (64, 128) for t in (4096, 16384) for k in (640,
 ATTN_CONTEXT = 65536
 ATTN_PROBES = {"h64_n16_s3": (64, 16, 3, 0), "h32_n64_s2": (32, 64, 2, 0),
                "h64_n16_dv256_s3": (64, 16, 3, 256), "h64_n32_dv256_s3": (64, 32, 3, 256),
-               "h128_n16_dv256_s3": (128, 16, 3, 256)}
+               "h128_n16_dv256_s3": (128, 16, 3, 256), "h64_n32_s2": (64, 32, 2, 0),
+               "h64_n64_s2": (64, 64, 2, 0)}
 """Tiles of our kernel timed beside its default in the attention table (heads per program, rows
 per tile, pipeline stages, output columns per program (0: all); 8 warps). sm_90 compile
-(benchmarks/aot_sm90_regs.py style, no GPU): the 64- and 128-head tiles use Hopper's wgmma
-without register spills (182-246 registers; whole 512-column accumulators of 64 heads spill
-from 32 rows up), the 32-head ones mma.sync."""
+(benchmarks/aot_sm90_regs.py style, no GPU): the 64- and 128-head tiles use Hopper's wgmma,
+the 32-head ones mma.sync (the default from 256 queries, 32 x 64: 196 registers). Up to 16
+rows the 64-head tiles keep no stack (182-246 registers); the whole 512-column accumulators
+of 64 heads at 32 / 64 rows spill 104 / 248 bytes (255 registers, 131 / 198 KB of shared
+memory; 2026-12-08) - probed anyway: their QK MMAs are 2-4x wider than at 16 rows, one
+program per query and 64 heads gathers each row once (the 32-head default twice)."""
 
 CHECK_TOL = 2e-2
 
