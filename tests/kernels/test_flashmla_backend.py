@@ -74,7 +74,8 @@ def test_flashmla_matches_reference(fmt, mode, H, K, T):
 def test_a_scheduling_object_filled_inside_a_capture_is_not_kept(monkeypatch):
     """FlashMLA fills a decode shape's scheduling object on its first call; inside a CUDA-graph
     capture that call only records the filling kernel, so the object is the graph's alone and
-    a later call of the same shape gets (and keeps) a fresh one; outside a capture it is kept."""
+    a later call of the same shape gets (and keeps) a fresh one; outside a capture it is kept -
+    up to the decode runner's largest step; a longer step's (a prefill's) never is."""
     from dsv4.kernels import flashmla_backend as fb
 
     class FakeFlashMLA:
@@ -96,6 +97,14 @@ def test_a_scheduling_object_filled_inside_a_capture_is_not_kept(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fb._sched_meta(fm, key) is kept  # filled eagerly: graphs read it as it is
     assert FakeFlashMLA.made == 3
+    # prefill steps (more queries than any decode step; their lengths vary): nothing kept
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    most = fb.SCHED_CACHE_MAX_TOKENS
+    for t in (most + 1, most + 2, 8192, 8192):
+        fb._sched_meta(fm, (key[0], t, *key[2:]))
+    assert len(fb._SCHED) == 1 and FakeFlashMLA.made == 7
+    assert fb._sched_meta(fm, (key[0], most, *key[2:])) is fb._SCHED[(key[0], most, *key[2:])]
+    assert most >= 128 * 8  # the decode runner's largest step keeps its object
 
 
 @cuda

@@ -20,7 +20,8 @@ block_bytes up to a multiple of 576, as vLLM does), 16-byte aligned base. The "V
 exactly our ``fp8_ds_mla`` (576 data bytes per row, then the block's 8-byte scale groups), so
 the store is passed as a strided [blocks, 64, 1, 584] view with no copy.
 ``sched_meta`` (``flash_mla.get_mla_metadata()[0]``) is filled on first use and cached here per
-shape (:func:`_sched_meta`: not when that first use is inside a CUDA-graph capture).
+shape (:func:`_sched_meta`: not when that first use is inside a CUDA-graph capture, nor for
+steps of more than :data:`SCHED_CACHE_MAX_TOKENS` queries).
 
 Prefill (or a bf16 store): ``flash_mla.flash_mla_sparse_fwd(q [s_q, h_q, 512], kv [s_kv, 1, 512]
 bf16, indices [s_q, 1, topk], sm_scale, 512, attn_sink=sink, use_legacy=True,
@@ -44,6 +45,12 @@ __all__ = ["flashmla_module", "flashmla_prefill_workspace", "flashmla_sparse_mqa
 PAGE = 64
 TOPK_MULTIPLE = 128
 _SCHED: dict[tuple, Any] = {}
+SCHED_CACHE_MAX_TOKENS = 1024
+"""The most queries a step may have for its decode shape's scheduling object to be kept: the
+decode runner's largest step (128 sequences x 8 tokens) fits. Longer steps - prefill on the
+fp8 cache, whose lengths vary from call to call - get a fresh object per call, filled by that
+call (one small launch in a step of milliseconds): kept, every prompt length would hold its
+own for the process's life (up to ~36 KB of device memory each)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,12 +147,14 @@ def _sched_meta(fm: Any, key: tuple) -> Any:
     shape only when that first call runs outside a CUDA-graph capture: inside one, the
     filling kernel is only recorded, so the tensors would hold nothing until that graph
     replays - a capture with no eager call of its shapes before it gets an object of its own
-    (its graph fills it on every replay)."""
+    (its graph fills it on every replay). ``key[1]``: the step's queries; above
+    :data:`SCHED_CACHE_MAX_TOKENS` nothing is kept."""
     meta = _SCHED.get(key)
     if meta is not None:
         return meta
     meta = fm.get_mla_metadata()[0]
-    if not (key[0].type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if key[1] <= SCHED_CACHE_MAX_TOKENS and not (
+            key[0].type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _SCHED[key] = meta
     return meta
 
