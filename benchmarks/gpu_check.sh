@@ -56,8 +56,9 @@
 # pytest prints both only at the end.
 # Options: WORKERS and SUITE_SECS (suite: pytest workers, its time limit, default 380), LAYERS
 # (decode, default C4; e.g. C4,C128,SWA), TOKENS (prefill, default 16384,65536), CACHES
-# (prefill, default bf16; bf16,fp8 adds the serving caches, where FlashMLA runs its decode kernel
-# on the fp8 store in place), DSV4_PDL=0 (every case without programmatic dependent launch).
+# (prefill; unset: the bench's default, bf16; bf16,fp8 adds the serving caches, where FlashMLA
+# runs its decode kernel on the fp8 store in place; a BASELINE tree from before 2026-12-08 has
+# no --caches), DSV4_PDL=0 (every case without programmatic dependent launch).
 # BASELINE=DIR (decode, prefill): first the same rows of the tree whose source is DIR/src (e.g.
 # `git archive OLD src | tar -x -C DIR`, carried as an ignored folder), into
 # $OUT/<kind>-baseline/, then this tree's - a before/after on one card in one call (topk: that
@@ -112,7 +113,7 @@ DECODE=(python3 -m dsv4 bench decode-step --models flash,pro --layers "${LAYERS:
 MODEL=(python3 -m dsv4 bench model-decode --layers 8 --ms 1,16,64 --contexts 512,16384,65536)
 PREFILL=(python3 -m dsv4 bench prefill --only layer --models flash,pro --layers C4
          --tokens "${TOKENS:-16384,65536}" --attention-backend flashmla --reps 2 --max-case-seconds 30
-         --caches "${CACHES:-bf16}")
+         ${CACHES:+--caches "$CACHES"})
 BASE_PATH=${BASELINE:+$BASELINE/src:/tmp/fm}
 
 case "${1:-}" in
