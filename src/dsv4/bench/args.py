@@ -14,6 +14,9 @@ from dsv4.usage import UsageError, check_output_dir
 
 LAYER_RATIO = {"C4": 4, "C128": 128, "SWA": 0}
 """Layer types by name: their compress ratio."""
+SERVING_CACHES = {"kv_cache_dtype": "fp8_ds_mla", "index_cache_dtype": "fp8"}
+"""The store formats a serving engine runs (the benches' serving configuration): FlashMLA's fp8
+kv rows and fp8 index keys."""
 
 
 def int_list(text: str, minimum: int = 1) -> list[int]:

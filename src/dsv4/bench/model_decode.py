@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from dsv4.bench.args import (
+    SERVING_CACHES,
     add_out_options,
     check_out,
     choice_list,
@@ -84,8 +85,7 @@ TYPE_NAMES = {0: "SWA", 4: "C4", 128: "C128"}
 
 def serving_config(cfg: DSV4Config) -> DSV4Config:
     """The configuration the rows run: the serving caches and activation quantisation."""
-    return cfg.replace(kv_cache_dtype="fp8_ds_mla", index_cache_dtype="fp8", act_quant=True,
-                       attention_backend="auto")
+    return cfg.replace(**SERVING_CACHES, act_quant=True, attention_backend="auto")
 
 
 def build_stack(cfg: DSV4Config, n_layers: int, device: torch.device, platform: str,

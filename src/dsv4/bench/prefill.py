@@ -63,6 +63,7 @@ import torch
 
 from dsv4.bench.args import (
     LAYER_RATIO,
+    SERVING_CACHES,
     add_out_options,
     check_out,
     check_report_source,
@@ -210,11 +211,9 @@ STEP_KERNELS_OFF = " (step kernels off)"
 indexer, compressor and cache writes: the earlier path)."""
 BF16_ACTIVATIONS = " (bf16 activations)"
 """... and when the fp8 linears' activations stayed bf16 (``act_quant`` off)."""
-CACHES: dict[str, dict[str, str]] = {
-    "bf16": {},
-    "fp8": {"kv_cache_dtype": "fp8_ds_mla", "index_cache_dtype": "fp8"},
-}
-"""``--caches``: the config's store formats (bf16: the presets' own, exact)."""
+CACHES: dict[str, dict[str, str]] = {"bf16": {}, "fp8": SERVING_CACHES}
+"""``--caches``: the config's store formats (bf16: the presets' own, exact; fp8: the serving
+ones)."""
 FP8_CACHES = " (fp8 caches)"
 """... and when the caches were the serving ones (``--caches fp8``)."""
 
