@@ -42,6 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dsv4.kernels import compress_entries as ce
+from dsv4.kernels import decode_metadata as dm
 from dsv4.kernels import fp8_linear as fl
 from dsv4.kernels import fused_input_proj as fip
 from dsv4.kernels import indexer_prefill as ip
@@ -280,6 +281,13 @@ def _try(name: str, fn, types: dict, consts: dict, opts: dict) -> bool:
 
 def steps() -> bool:
     ok = True
+    # a padded decode step's metadata from its seed: buckets 1 / 16 / 100 (not a power of two) /
+    # 128, C4 sections (8 sources) and C128 ones (128)
+    for b, src in ((1, 128), (16, 8), (100, 128), (128, 128)):
+        kb = dm.source_block(b, src)
+        ok &= _try(f"decode_metadata B={b} sources={src} KB={kb}", dm._expand_kernel,
+                   dict(buf="*i64", seed_at="i32", table_at="i32"),
+                   dict(B=dm._pow2(b), REAL_B=b, KB=kb), dict(num_warps=4))
     t = dict(pos_ptr="*i64", slot_ptr="*i64", rows_ptr="*i64", rows_stride="i32",
              table_ptr="*i32", table_stride="i32", out_ptr="*i64", out_stride="i32", K="i32",
              B="i32", MAX_LOGICAL="i32")

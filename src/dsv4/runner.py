@@ -19,10 +19,13 @@ step from ``plan`` (``layer(x, plan=plan)``) - once per bucket and replays it:
   meets each batch bucket; without a bound every layer's step graphs would accumulate.
 * **A step.** On the host: the plan (:class:`dsv4.cache.plan.StepPlan` with ``pad_to`` and
   ``into``) takes the step's blocks in every pool, copies changed block tables, and writes the
-  step's metadata into the bucket's device buffer in one copy; each input is copied into the
-  bucket's static input; the graph replays; the plan commits (lengths, window releases) while
-  the GPU runs. The first step of a bucket runs eagerly over the same buffers (the real step,
-  and the kernels' warm-up), then the graph is captured for the next ones.
+  step's metadata into the bucket's device buffer in one copy - for a decode step (one token a
+  sequence, a pool with compressors) only its seed, the positions and slots, which the graph's
+  first launch expands into the metadata (``metadata_on_device``;
+  :mod:`dsv4.kernels.decode_metadata`); each input is copied into the bucket's static input;
+  the graph replays; the plan commits (lengths, window releases) while the GPU runs. The first
+  step of a bucket runs eagerly over the same buffers (the real step, and the kernels'
+  warm-up), then the graph is captured for the next ones.
 * **Not captured.** Steps beyond the largest buckets, and every step in ``mode="eager"``
   (the default off CUDA), run eagerly with an unpadded plan - the same API. ``mode="padded"``
   runs the padded step eagerly without a graph: the bucket logic on any device (the CPU
@@ -297,7 +300,7 @@ class DecodeRunner:
             return state.metadata
 
         plan = StepPlan(caches, counts, pad_to=(bucket, per_seq), visible_caps=caps,
-                        into=buffer_for)
+                        into=buffer_for, metadata_on_device=True)
         state = picked[0]
         try:
             for static, t in zip(state.inputs, inputs, strict=True):
@@ -325,6 +328,7 @@ class DecodeRunner:
         """The padded step eagerly over the bucket's buffers (its real result); with
         ``capture``, then the graph of it for the next steps (capture runs nothing)."""
         self.stats["padded"] += 1
+        plan.write_metadata()  # a decode plan's metadata is written from its seed on the device
         if not capture:
             return self.step_fn(plan, *state.inputs)
         # the real step, and the warm-up (compiles kernels, sizes workspaces), on the current
@@ -334,6 +338,7 @@ class DecodeRunner:
             self._mempool = new_mempool(state.metadata.device)
         graph = torch.cuda.CUDAGraph()
         with capture_graph(graph, self._mempool.id):
+            plan.write_metadata()  # each replay writes it from the seed the host uploaded
             state.outputs = self.step_fn(plan, *state.inputs)
         state.graph = graph
         self.stats["captures"] += 1

@@ -212,3 +212,55 @@ def test_plans_into_one_buffer_reuse_its_views_and_read_each_steps_metadata(tiny
         for k in range(len(layers)):
             _steps_equal(kept.steps[id(caches[0][k].pool)], fresh.steps[id(caches[0][k].pool)])
         kept.commit()
+
+
+@pytest.mark.parametrize("b", [3, 4, 5])
+def test_a_seeded_decode_plan_writes_the_metadata_the_host_builds(tiny_exact, b):
+    """``metadata_on_device``: the host uploads the seed (positions, each group's slots, the
+    section table) and ``write_metadata`` writes every part from it - the Triton launch where it
+    runs (a GPU, the interpreter), PyTorch operations elsewhere - equal to the host-built
+    metadata of the same padded step, step after step across entry boundaries of both ratios,
+    with layers of one type in two slot orders (two groups), any bucket width (5: not a power of
+    two)."""
+    layers = _stack(tiny_exact, [0, 4, 4, 128])
+    pools = [lay.new_cache_pool(6, 600) for lay in layers]
+    pools[2].add_sequence()  # layer 2's sequences sit one slot later: a group of its own
+    caches = [[p.add_sequence() for p in pools] for _ in range(3)]
+    lens = [125, 2, 7]
+    for k, lay in enumerate(layers):
+        pos = torch.cat([torch.arange(n) for n in lens])
+        x = torch.randn(pos.numel(), tiny_exact.hidden_size, dtype=torch.float64)
+        lay(x, pos, [s[k] for s in caches], seq_lens=lens)
+    buffers: dict[int, torch.Tensor] = {}
+
+    def into(size, layout):
+        return buffers.setdefault(size, torch.full((size,), -7, dtype=torch.int64))
+
+    for _ in range(6):  # 125 -> 131 crosses entry 31 of ratio 4 and entry 0 of ratio 128
+        host = StepPlan(caches, pad_to=(b, 1), visible_caps={4: 64, 128: 2})
+        host.rollback()
+        seeded = StepPlan(caches, pad_to=(b, 1), visible_caps={4: 64, 128: 2}, into=into,
+                          metadata_on_device=True)
+        assert len({id(s.meta) for s in seeded.steps.values()}) == 4  # SWA, 4, 4 shifted, 128
+        with pytest.raises(StepPlanError, match="write_metadata"):
+            seeded.step_for(layers[1])
+        seeded.write_metadata()
+        for k in range(len(layers)):
+            pool = id(caches[0][k].pool)
+            _steps_equal(seeded.steps[pool], host.steps[pool])
+            assert torch.equal(seeded.steps[pool].pos_host, host.steps[pool].pos_host)
+            assert torch.equal(seeded.steps[pool].tok_seq_host, host.steps[pool].tok_seq_host)
+        assert seeded.step_for(layers[3]) is seeded.steps[id(caches[0][3].pool)]
+        seeded.commit()
+
+
+def test_metadata_on_device_is_for_padded_decode_plans_into_a_buffer(tiny_exact):
+    """Any other plan (not padded, a verify step, no ``into``) builds its metadata on the host
+    and ``write_metadata`` has nothing to do."""
+    layers = _stack(tiny_exact, [4])
+    caches = _caches(layers, 2)
+    for kw in ({}, {"pad_to": (2, 1)}, {"pad_to": (2, 2), "seq_lens": [2, 1]}):
+        plan = StepPlan(caches, metadata_on_device=True, **kw)
+        assert plan.steps[id(caches[0][0].pool)].pos.numel() == plan.num_tokens
+        plan.write_metadata()
+        plan.rollback()

@@ -24,6 +24,7 @@ replays (:mod:`dsv4.cache.step`; the decode runner, :mod:`dsv4.runner`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -36,10 +37,12 @@ from dsv4.cache.step import (
     StepMetadata,
     build_metadata,
     metadata_views,
+    padded_decode_layout,
     ring_specs,
     take_blocks,
 )
 from dsv4.host_copy import upload, upload_into
+from dsv4.kernels.decode_metadata import JOBS, POS, decode_seed, expand_decode_metadata
 
 BufferFor = Callable[[int, tuple[int, ...]], torch.Tensor]
 """(metadata size, the metadata group of each layer) -> the device buffer to write it into."""
@@ -47,6 +50,20 @@ BufferFor = Callable[[int, tuple[int, ...]], torch.Tensor]
 
 class StepPlanError(ValueError):
     """A step plan's sequences or a layer's use of the plan is invalid; nothing was changed."""
+
+
+@dataclass
+class _MetadataLaunch:
+    """A seeded plan's metadata launch (:func:`~dsv4.kernels.decode_metadata.expand_decode_metadata`
+    over ``buffer``), and whether it was queued."""
+
+    seed_at: int
+    table_at: int
+    sections: int
+    b: int
+    sources: int
+    buffer: torch.Tensor | None = None
+    queued: bool = False
 
 
 class StepPlan:
@@ -58,13 +75,21 @@ class StepPlan:
     (sequences, tokens per sequence), ``visible_caps``) and ``into`` serve the decode runner:
     ``into`` is the int64 device buffer the metadata is written into, or a function of (its
     size, which metadata group each layer reads) that returns it - a graph captured over one
-    such layout replays only plans of the same."""
+    such layout replays only plans of the same.
+
+    ``metadata_on_device``: a padded decode plan (``pad_to`` = (B, 1)) with ``into`` uploads
+    only the metadata's seed (the B positions and slots, after the metadata's place in the
+    buffer) and leaves the values to one device launch, which the caller queues with
+    :meth:`write_metadata` before any layer runs the step - the decode runner does, so that its
+    graphs replay the launch and a step's host work is the seed alone. Other plans build the
+    metadata on the host whatever this says."""
 
     def __init__(self, caches: Sequence[Sequence[AttentionCache]],
                  seq_lens: Sequence[int] | None = None, *,
                  pad_to: tuple[int, int] | None = None,
                  visible_caps: dict[int, int] | None = None,
-                 into: torch.Tensor | BufferFor | None = None) -> None:
+                 into: torch.Tensor | BufferFor | None = None,
+                 metadata_on_device: bool = False) -> None:
         seqs, self.pools, self.starts, self.columns = _checked(caches)
         self.slots = [[c.slot for c in column] for column in self.columns]
         counts = token_counts(seq_lens, len(seqs))
@@ -101,49 +126,64 @@ class StepPlan:
                 self._rings[k] = pool.snapshot_rings(self.slots[k])
         self._grown = take_blocks(list(zip(self.pools, self.slots, strict=True)), self.starts,
                                   ends)
+        self._pending: _MetadataLaunch | None = None
         try:
-            self.steps = self._metadata(pad_to, visible_caps, into)
+            self.steps = self._metadata(pad_to, visible_caps, into, metadata_on_device)
         except BaseException:
             self._give_back_blocks()  # nothing taken survives a plan that was not made
             raise
 
     # ------------------------------------------------------------------ metadata
     def _metadata(self, pad_to: tuple[int, int] | None, visible_caps: dict[int, int] | None,
-                  into: torch.Tensor | BufferFor | None) -> dict[int, CacheStep]:
+                  into: torch.Tensor | BufferFor | None, on_device: bool
+                  ) -> dict[int, CacheStep]:
         """Each pool's CacheStep, the metadata built once per (slots, ring specs) and uploaded
-        in one copy."""
+        in one copy - or, for a padded decode plan ``on_device`` into a caller's buffer, its
+        seed uploaded after the metadata's place and the values left to
+        :meth:`write_metadata`."""
         groups = _groups(self.pools, self.slots, pad_to is not None)
-        hosts: list[HostMetadata] = []
-        for (slots, pad_slot, specs), _ in groups.items():
-            hosts.append(build_metadata(self.starts, list(slots), self.seq_lens, specs, pad_to,
-                                        pad_slot, visible_caps))
-        buffer = torch.cat([h.buffer for h in hosts]) if len(hosts) > 1 else hosts[0].buffer
         device = self.pools[0].device
+        hosts: list[HostMetadata] = []
+        pending: _MetadataLaunch | None = None
+        if (on_device and pad_to is not None and pad_to[1] == 1 and into is not None
+                and any(specs for _slots, _pad, specs in groups)):
+            seed, pending = self._seed(groups, pad_to[0], visible_caps, hosts)
+            size = pending.seed_at + seed.numel()
+        else:
+            for (slots, pad_slot, specs), _ in groups.items():
+                hosts.append(build_metadata(self.starts, list(slots), self.seq_lens, specs,
+                                            pad_to, pad_slot, visible_caps))
+            parts = [h.buffer for h in hosts if h.buffer is not None]
+            seed = torch.cat(parts) if len(parts) > 1 else parts[0]
+            size = seed.numel()
         keep = None
         if callable(into):  # the caller picks the buffer by the layout (a graph's buffer)
             layout = [0] * len(self.pools)
             for g, members in enumerate(groups.values()):
                 for k in members:
                     layout[k] = g
-            into = into(buffer.numel(), tuple(layout))
+            into = into(size, tuple(layout))
         made: dict[tuple[Any, ...], list[torch.Tensor]] | None = None
         if into is not None:
             if into.dtype != torch.int64 or into.device != device or into.dim() != 1 \
-                    or into.numel() != buffer.numel():
-                raise StepPlanError(f"into: an int64 [{buffer.numel()}] tensor on {device} "
+                    or into.numel() != size:
+                raise StepPlanError(f"into: an int64 [{size}] tensor on {device} "
                                     f"(got {into.dtype} {tuple(into.shape)} on {into.device})")
-            upload_into(into, buffer)
+            upload_into(into[size - seed.numel():], seed)
             dev = into
             # a buffer the caller keeps (the runner's, per bucket): its parts' views are made
             # once per layout and kept on it (views are ~1 us of host time each)
             made = into.__dict__.setdefault("_dsv4_metadata_views", {})
         else:
-            dev, keep = upload(buffer, device)
-        self.num_metadata = buffer.numel()
+            dev, keep = upload(seed, device)
+        if pending is not None:
+            pending.buffer = dev
+            self._pending = pending
+        self.num_metadata = size
         steps: dict[int, CacheStep] = {}
         offset = 0
         for host, members in zip(hosts, groups.values(), strict=True):
-            n = host.buffer.numel()
+            n = host.size
             if made is None:
                 meta = StepMetadata.split(host, dev[offset:offset + n])
             else:
@@ -160,15 +200,61 @@ class StepPlan:
         self._first = steps[id(self.pools[0])]
         return steps
 
+    def _seed(self, groups: dict[tuple[Any, ...], list[int]], b: int,
+              visible_caps: dict[int, int] | None, hosts: list[HostMetadata]
+              ) -> tuple[torch.Tensor, _MetadataLaunch]:
+        """The host side of a padded decode plan of ``b`` sequences whose metadata the device
+        writes: each group's layout into ``hosts``; returns the seed
+        (:func:`~dsv4.kernels.decode_metadata.decode_seed`), which goes after the metadata's
+        place in the buffer, and the launch's arguments (its buffer not yet known)."""
+        sections: list[tuple[int, ...]] = []
+        seeds: list[tuple[list[int], int]] = []
+        offset = sources = 0
+        for g, (slots, pad_slot, specs) in enumerate(groups):
+            seeds.append((list(slots), pad_slot))
+            sections.append((POS, offset, g, 0, 0, 0, 0, pad_slot))
+            offset += 2 * b
+            for _name, spec in specs:
+                sections.append((JOBS, offset, g, spec.rows, spec.sources, spec.ratio,
+                                 spec.coff, pad_slot))
+                offset += 2 * b * (spec.sources + 2)
+                sources = max(sources, spec.sources)
+        seed_at = offset  # the positions, then each group's slots, then the table
+        table = [(kind, out, seed_at + (1 + g) * b, *rest) for kind, out, g, *rest in sections]
+        seed = decode_seed(self.starts, b, seeds, table)
+        positions = seed[:b]
+        hosts += [padded_decode_layout(b, len(self.starts), specs, visible_caps, positions)
+                  for _slots, _pad, specs in groups]
+        launch = _MetadataLaunch(seed_at, seed_at + (1 + len(seeds)) * b, len(table), b, sources)
+        return seed, launch
+
     # ------------------------------------------------------------------ the layers' view
     @property
     def positions(self) -> torch.Tensor:
         """[T] int64 positions of the step's tokens on the device (padded: B * Q of them)."""
+        self._check_written()
         return self._first.pos
 
     @property
     def num_tokens(self) -> int:
         return self._first.num_tokens
+
+    def _check_written(self) -> None:
+        if self._pending is not None and not self._pending.queued:
+            raise StepPlanError("this plan's metadata is written on the device: call "
+                                "plan.write_metadata() before the step reads it")
+
+    def write_metadata(self) -> None:
+        """Queue the launch that writes the step's metadata from its seed on the current stream
+        (a plan made with ``metadata_on_device`` that took it; otherwise nothing to do). Again
+        inside a CUDA-graph capture, to capture it."""
+        pending = self._pending
+        if pending is None:
+            return
+        assert pending.buffer is not None
+        expand_decode_metadata(pending.buffer, pending.seed_at, pending.table_at,
+                               pending.sections, pending.b, pending.sources)
+        pending.queued = True
 
     def step_for(self, layer: Any) -> CacheStep:
         """The :class:`CacheStep` of ``layer`` (a :class:`~dsv4.DeepseekV4Attention`): its
@@ -176,6 +262,7 @@ class StepPlan:
         if self._done:
             raise StepPlanError("this plan's step is over (committed or rolled back): build a "
                                 "new plan for the next step")
+        self._check_written()
         for pool in self.pools:
             if pool.layer_id == layer.layer_id:
                 if (pool.compress_ratio != layer.compress_ratio or pool.dtype != layer.dtype

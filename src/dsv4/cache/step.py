@@ -74,9 +74,11 @@ def ring_specs(pool: CachePool) -> RingSpecs:
 @dataclass(frozen=True)
 class HostMetadata:
     """A step's metadata on the host (:func:`build_metadata`): one int64 buffer and how it
-    splits."""
+    splits - or only how it splits, for a padded decode step whose values the device writes
+    from a seed (:func:`padded_decode_layout`)."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
+    """The values (None: written on the device, :mod:`dsv4.kernels.decode_metadata`)."""
     shapes: list[tuple[int, ...]]
     jobs: list[tuple[str, int, int]]
     """(store, E, K) per compressor."""
@@ -86,6 +88,20 @@ class HostMetadata:
     visible_caps: dict[int, int] | None
     query_bucket: int | None = None
     """Padded steps: the tokens each sequence's slots hold (Q; else None)."""
+    positions: torch.Tensor | None = None
+    """[T] the tokens' positions on the host (None: the buffer's first T values)."""
+
+    @property
+    def size(self) -> int:
+        """The metadata's int64 values."""
+        return sum(_numel(s) for s in self.shapes)
+
+    @property
+    def host_positions(self) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions
+        assert self.buffer is not None
+        return self.buffer[:self.tokens]
 
 
 def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs: RingSpecs,
@@ -108,6 +124,23 @@ def build_metadata(starts: list[int], slots: list[int], counts: list[int], specs
     build = _decode_metadata if all(n == 1 for n in counts) else _step_metadata
     host, shapes, jobs, seq_ids = build(starts, slots, counts, list(specs))
     return HostMetadata(host, shapes, jobs, seq_ids, sum(counts), None)
+
+
+def padded_decode_layout(b: int, m: int, specs: RingSpecs, visible_caps: dict[int, int] | None,
+                         positions: torch.Tensor | None = None) -> HostMetadata:
+    """:func:`build_metadata`'s result for a padded decode step (``pad_to`` = (``b``, 1), ``m``
+    real sequences) without the values: the device writes them from the step's seed
+    (:mod:`dsv4.kernels.decode_metadata`). ``positions``: the ``b`` padded positions on the
+    host (the seed's first part)."""
+    shapes: list[tuple[int, ...]] = [(b,), (b,)]
+    jobs: list[tuple[str, int, int]] = []
+    for name, spec in specs:
+        src = spec.sources
+        shapes += [(b,), (b,), (b, src), (b, src), (b,), (b,)]
+        jobs.append((name, b, b))
+    seq_ids = torch.arange(b)
+    seq_ids[m:] = -1
+    return HostMetadata(None, shapes, jobs, seq_ids, b, dict(visible_caps or {}), 1, positions)
 
 
 @dataclass(frozen=True)
@@ -137,7 +170,7 @@ class StepMetadata:
             views = metadata_views(host.shapes, dev)
         jobs = {name: EntryJobs(e, *views[2 + 6 * k: 8 + 6 * k])
                 for k, (name, e, _k) in enumerate(host.jobs)}
-        return cls(views[0], views[1], host.buffer[:host.tokens], host.seq_ids, jobs,
+        return cls(views[0], views[1], host.host_positions, host.seq_ids, jobs,
                    host.visible_caps, host.query_bucket)
 
 
@@ -199,6 +232,7 @@ class CacheStep:
         starts = [pool._lengths[s] for s in slots]
         take_blocks([(pool, slots)], starts, [a + n for a, n in zip(starts, counts, strict=True)])
         host = build_metadata(starts, slots, counts, ring_specs(pool))
+        assert host.buffer is not None
         dev, keep = upload(host.buffer, pool.device)
         return cls(pool, caches, starts, list(counts), StepMetadata.split(host, dev), keep)
 
