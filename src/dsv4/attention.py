@@ -911,8 +911,8 @@ class DeepseekV4Attention(nn.Module):
             lens = [t] if seq_lens is None else list(seq_lens)
         else:
             lens = [1] * len(caches) if seq_lens is None else list(seq_lens)
-        if (len(lens) != len(caches) or any(isinstance(n, bool) or not isinstance(n, int)
-                                            or n <= 0 for n in lens) or sum(lens) != t):
+        if (len(lens) != len(caches) or sum(lens) != t or seq_lens is not None and any(
+                isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lens)):
             raise AttentionInputError(f"seq_lens={lens} must give a positive token count for each "
                                       f"of the {len(caches)} cache(s) and sum to T={t}")
         if len({id(c) for c in caches}) != len(caches):
@@ -928,9 +928,12 @@ class DeepseekV4Attention(nn.Module):
         else:
             pos_host = positions.detach().to("cpu", torch.long).numpy()
         checked: set[int] = set()  # pools whose layer, dtype and device are checked
-        for i, c in enumerate(caches):
-            self._check_cache(c, i, checked)
-        lengths = np.fromiter((c.length for c in caches), dtype=np.int64, count=len(caches))
+        held: list[int] = []
+        for i, c in enumerate(caches):  # one pass: each cache checked, its length read
+            if not isinstance(c, AttentionCache) or not c._live or id(c.pool) not in checked:
+                self._check_cache(c, i, checked)
+            held.append(c.pool._lengths[c.slot])
+        lengths = np.array(held, dtype=np.int64)
         decode = t == len(caches)  # one token a sequence (the counts are positive, sum to t)
         counts = 1 if decode else np.asarray(lens, dtype=np.int64)
         if pos_host is not None:  # every sequence's positions continue its cache (vectorised)
@@ -947,7 +950,10 @@ class DeepseekV4Attention(nn.Module):
                     f"positions of sequence {i} are {_short(torch.from_numpy(pos_host[b:b + n]))} "
                     f"but its cache holds {c.length} tokens: they must continue it as "
                     f"{_short(torch.arange(c.length, c.length + n))}")
-        limits = np.fromiter((c.max_seq_len for c in caches), dtype=np.int64, count=len(caches))
+        limits: Any = caches[0].max_seq_len  # one pool: one limit
+        if len(checked) > 1:
+            limits = np.fromiter((c.max_seq_len for c in caches), dtype=np.int64,
+                                 count=len(caches))
         over = np.flatnonzero(lengths + counts > limits)
         if over.size:
             i = int(over[0])
