@@ -147,15 +147,15 @@ class StepPlan:
         pending: _MetadataLaunch | None = None
         if (on_device and pad_to is not None and pad_to[1] == 1 and into is not None
                 and any(specs for _slots, _pad, specs in groups)):
-            seed, pending = self._seed(groups, pad_to[0], visible_caps, hosts)
-            size = pending.seed_at + seed.numel()
+            sent, pending = self._seed(groups, pad_to[0], visible_caps, hosts)
+            size = pending.seed_at + sent.numel()
         else:
             for (slots, pad_slot, specs), _ in groups.items():
                 hosts.append(build_metadata(self.starts, list(slots), self.seq_lens, specs,
                                             pad_to, pad_slot, visible_caps))
             parts = [h.buffer for h in hosts if h.buffer is not None]
-            seed = torch.cat(parts) if len(parts) > 1 else parts[0]
-            size = seed.numel()
+            sent = torch.cat(parts) if len(parts) > 1 else parts[0]
+            size = sent.numel()
         keep = None
         if callable(into):  # the caller picks the buffer by the layout (a graph's buffer)
             layout = [0] * len(self.pools)
@@ -169,13 +169,13 @@ class StepPlan:
                     or into.numel() != size:
                 raise StepPlanError(f"into: an int64 [{size}] tensor on {device} "
                                     f"(got {into.dtype} {tuple(into.shape)} on {into.device})")
-            upload_into(into[size - seed.numel():], seed)
+            upload_into(into[size - sent.numel():], sent)  # the metadata, or its seed
             dev = into
             # a buffer the caller keeps (the runner's, per bucket): its parts' views are made
             # once per layout and kept on it (views are ~1 us of host time each)
             made = into.__dict__.setdefault("_dsv4_metadata_views", {})
         else:
-            dev, keep = upload(seed, device)
+            dev, keep = upload(sent, device)
         if pending is not None:
             pending.buffer = dev
             self._pending = pending
