@@ -264,3 +264,13 @@ def test_metadata_on_device_is_for_padded_decode_plans_into_a_buffer(tiny_exact)
         assert plan.steps[id(caches[0][0].pool)].pos.numel() == plan.num_tokens
         plan.write_metadata()
         plan.rollback()
+
+
+def test_a_cuda_device_without_the_kernel_builds_its_metadata_on_the_host():
+    """The seed's fallback reads it back, which a CUDA graph cannot capture: a CUDA device
+    seeds only where the kernel runs; the CPU (no graphs) always may."""
+    from dsv4.kernels.decode_metadata import decode_metadata_usable, seed_usable
+
+    assert seed_usable(torch.device("cpu"))
+    cuda = torch.device("cuda")
+    assert seed_usable(cuda) == decode_metadata_usable(cuda)

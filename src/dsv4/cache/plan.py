@@ -42,7 +42,13 @@ from dsv4.cache.step import (
     take_blocks,
 )
 from dsv4.host_copy import upload, upload_into
-from dsv4.kernels.decode_metadata import JOBS, POS, decode_seed, expand_decode_metadata
+from dsv4.kernels.decode_metadata import (
+    JOBS,
+    POS,
+    decode_seed,
+    expand_decode_metadata,
+    seed_usable,
+)
 
 BufferFor = Callable[[int, tuple[int, ...]], torch.Tensor]
 """(metadata size, the metadata group of each layer) -> the device buffer to write it into."""
@@ -81,8 +87,8 @@ class StepPlan:
     only the metadata's seed (the B positions and slots, after the metadata's place in the
     buffer) and leaves the values to one device launch, which the caller queues with
     :meth:`write_metadata` before any layer runs the step - the decode runner does, so that its
-    graphs replay the launch and a step's host work is the seed alone. Other plans build the
-    metadata on the host whatever this says."""
+    graphs replay the launch and a step's host work is the seed alone. Other plans, and every
+    plan on a CUDA device without Triton, build the metadata on the host whatever this says."""
 
     def __init__(self, caches: Sequence[Sequence[AttentionCache]],
                  seq_lens: Sequence[int] | None = None, *,
@@ -146,7 +152,7 @@ class StepPlan:
         hosts: list[HostMetadata] = []
         pending: _MetadataLaunch | None = None
         if (on_device and pad_to is not None and pad_to[1] == 1 and into is not None
-                and any(specs for _slots, _pad, specs in groups)):
+                and any(specs for _slots, _pad, specs in groups) and seed_usable(device)):
             sent, pending = self._seed(groups, pad_to[0], visible_caps, hosts)
             size = pending.seed_at + sent.numel()
         else:

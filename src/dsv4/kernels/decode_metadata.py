@@ -38,7 +38,8 @@ import torch
 from dsv4.kernels.bound_launch import launch
 from dsv4.kernels.launch import _INTERPRET, pdl_args, triton_available
 
-__all__ = ["SECTION_FIELDS", "decode_metadata_usable", "decode_seed", "expand_decode_metadata"]
+__all__ = ["SECTION_FIELDS", "decode_metadata_usable", "decode_seed", "expand_decode_metadata",
+           "seed_usable"]
 
 SECTION_FIELDS = ("kind", "out", "slots_at", "rows", "sources", "ratio", "coff", "pad_slot")
 """One row of the seed's section table (int64 each): what a program writes (0: positions and
@@ -51,9 +52,16 @@ POS, JOBS = 0, 1
 
 def decode_metadata_usable(device: torch.device) -> bool:
     """Whether the kernel runs on ``device``: a CUDA device with Triton, or any device under
-    Triton's CPU interpreter (elsewhere :func:`expand_decode_metadata` writes the same values
-    with PyTorch operations)."""
+    Triton's CPU interpreter (elsewhere :func:`expand_decode_metadata` reads the seed back and
+    writes the host's values)."""
     return triton_available() and (device.type == "cuda" or _INTERPRET)
+
+
+def seed_usable(device: torch.device) -> bool:
+    """Whether a step on ``device`` may leave its metadata to :func:`expand_decode_metadata`:
+    where the kernel runs, or off CUDA (no graph captures the read-back there). A CUDA device
+    without Triton builds its metadata on the host: its graphs could not capture a read-back."""
+    return decode_metadata_usable(device) or device.type != "cuda"
 
 
 def decode_seed(starts: list[int], b: int, groups: list[tuple[list[int], int]],
@@ -77,8 +85,9 @@ def expand_decode_metadata(buffer: torch.Tensor, seed_at: int, table_at: int, se
     """Write the metadata of a padded decode step of ``b`` sequences into ``buffer`` (int64,
     1-D) from its seed at ``seed_at`` (positions) and ``table_at`` (``sections`` rows of
     :data:`SECTION_FIELDS`); ``sources``: the most sources of a compressor section (0: none).
-    One launch where :func:`decode_metadata_usable`; elsewhere PyTorch operations that read
-    the table back (:func:`_expand_torch`)."""
+    One launch where :func:`decode_metadata_usable`; elsewhere the host's builder on the seed
+    read back (:func:`_expand_torch`), which a CUDA graph cannot capture
+    (:func:`seed_usable`)."""
     if buffer.dtype != torch.int64 or buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError(f"expand_decode_metadata: buffer must be a contiguous 1-D int64 tensor, "
                          f"got {buffer.dtype} {tuple(buffer.shape)}")
@@ -99,33 +108,22 @@ def source_block(b: int, sources: int) -> int:
 
 def _expand_torch(buffer: torch.Tensor, seed_at: int, table_at: int, sections: int,
                   b: int) -> None:
-    """The kernel's writes in PyTorch operations (a device without the kernel: the CPU's
-    padded runner steps); reads the section table back to the host."""
+    """The kernel's writes where it does not run (the CPU's padded runner steps): the seed and
+    the table read back, each section's parts taken from the host's own builder
+    (:func:`~dsv4.cache.step.build_metadata`) of the step the seed describes, copied in."""
+    from dsv4.cache.pool import RingSpec
+    from dsv4.cache.step import build_metadata
+
     table = buffer[table_at:table_at + 8 * sections].view(sections, 8).tolist()
-    i = torch.arange(b, device=buffer.device)
-    a = buffer[seed_at:seed_at + b]
-    for kind, out, slots_at, cr, src, ratio, coff, pad_slot in table:
-        s = buffer[slots_at:slots_at + b]
-        if kind == POS:
-            buffer[out:out + b] = a
-            buffer[out + b:out + 2 * b] = s
-            continue
-        done = ((s != pad_slot) & ((a + 1) % ratio == 0)).nonzero().flatten()
-        jobs = buffer[out:out + 2 * b * (src + 1)]
-        slot_part, entry_part = jobs[:b], jobs[b:2 * b]
-        ring_part = jobs[2 * b:2 * b + b * src].view(b, src)
-        call_part = jobs[2 * b + b * src:].view(b, src)
-        n = done.numel()
-        slot_part[n:], entry_part[n:], ring_part[n:], call_part[n:] = pad_slot, 0, -1, 0
-        a_d, s_d = a[done, None], s[done, None]
-        q = (a_d // ratio - coff + 1) * ratio + torch.arange(src, device=buffer.device)
-        slot_part[:n] = s[done]
-        entry_part[:n] = a[done] // ratio
-        ring_part[:n] = torch.where((q >= 0) & (q < a_d), s_d * cr + q % cr, -1)
-        call_part[:n] = torch.where(q >= a_d, done[:, None] + q - a_d, -1)
-        keep = out + 2 * b * (src + 1)
-        buffer[keep:keep + b] = s * cr + a % cr
-        buffer[keep + b:keep + 2 * b] = torch.where(s != pad_slot, i, 0)
+    starts = buffer[seed_at:seed_at + b].tolist()
+    for kind, out, slots_at, rows, src, ratio, coff, pad_slot in table:
+        slots = buffer[slots_at:slots_at + b].tolist()
+        m = slots.index(pad_slot) if pad_slot in slots else b  # the real sequences first
+        specs = () if kind == POS else (("jobs", RingSpec(ratio, coff, 0, rows - src)),)
+        host = build_metadata(starts[:m], slots[:m], [1] * m, specs, (b, 1), pad_slot).buffer
+        assert host is not None
+        part = host[:2 * b] if kind == POS else host[2 * b:]  # after the positions and slots
+        buffer[out:out + part.numel()] = part.to(buffer.device)
 
 
 def _pow2(n: int) -> int:
